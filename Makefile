@@ -1,0 +1,32 @@
+# The two commands of the README, on a fresh machine:
+#   make demo   - bootstrap .venv and run the demo on a local multi-node Ray cluster
+#   make test   - bootstrap .venv and run the test suite
+PY ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint venv clean
+
+venv: $(STAMP)
+
+# torch first, pinned, so pip never resolves a CUDA build; then the package and its extras
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[torch,test,examples]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python examples/demo.py
+
+test: $(STAMP)
+	$(BIN)/ruff check ray_elastic tests examples
+	$(BIN)/python -m pytest -q -ra tests
+
+lint: $(STAMP)
+	$(BIN)/ruff check ray_elastic tests examples
+
+clean:
+	rm -rf $(VENV)

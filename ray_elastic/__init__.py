@@ -1,0 +1,127 @@
+"""ray-elastic: elastic, fault-tolerant data-parallel training on Ray.
+
+Horovod Elastic's semantics (`State.commit()`, `check_host_updates()`,
+`HostsUpdatedInterrupt`, `HorovodInternalError`, reset callbacks) on Ray's
+machinery. On the driver side: `ElasticTrainer(train_fn, ...).fit()`. Inside
+`train_fn`: `rank()`, `size()`, the collectives, `report()`, `State`,
+`ObjectState` and `@run`. PyTorch helpers live in `ray_elastic.torch`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ray_elastic.collective import (
+    Average,
+    Max,
+    Min,
+    ReduceOp,
+    Sum,
+    allgather,
+    allgather_object,
+    allreduce,
+    allreduce_,
+    barrier,
+    broadcast,
+    broadcast_,
+    broadcast_object,
+)
+from ray_elastic.elastic import run
+from ray_elastic.events import Event
+from ray_elastic.exceptions import (
+    HorovodInternalError,
+    HostsUpdatedInterrupt,
+    RendezvousTimeoutError,
+    TrainingFailedError,
+)
+from ray_elastic.state import ObjectState, State
+from ray_elastic.trainer import ElasticTrainer, Result
+from ray_elastic.worker_context import current, maybe_current
+
+__version__ = "0.1.0"
+
+
+def _slot():
+    ctx = current()
+    ctx.ensure_joined()
+    return ctx.slot
+
+
+def rank() -> int:
+    """This worker's rank in the current generation (0 is the oldest survivor)."""
+    return _slot().rank
+
+
+def size() -> int:
+    """The number of workers in the current generation."""
+    return _slot().size
+
+
+def local_rank() -> int:
+    """This worker's index among the workers on its host."""
+    return _slot().local_rank
+
+
+def local_size() -> int:
+    """The number of workers on this worker's host."""
+    return _slot().local_size
+
+
+def cross_rank() -> int:
+    """The index of this worker's host among hosts with a worker at this local rank."""
+    return _slot().cross_rank
+
+
+def cross_size() -> int:
+    """The number of hosts with a worker at this local rank."""
+    return _slot().cross_size
+
+
+def report(metrics: dict[str, Any]) -> None:
+    """Record metrics (kept from rank 0). Never blocks: they are shipped in the background."""
+    ctx = maybe_current()
+    if ctx is None:
+        raise RuntimeError("report() only works inside train_fn running under ElasticTrainer.fit()")
+    ctx.report(metrics)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "torch":  # imported on first use, so numpy-only users never load torch
+        import importlib
+
+        return importlib.import_module("ray_elastic.torch")
+    raise AttributeError(f"module 'ray_elastic' has no attribute {name!r}")
+
+
+__all__ = [
+    "Average",
+    "ElasticTrainer",
+    "Event",
+    "HorovodInternalError",
+    "HostsUpdatedInterrupt",
+    "Max",
+    "Min",
+    "ObjectState",
+    "ReduceOp",
+    "RendezvousTimeoutError",
+    "Result",
+    "State",
+    "Sum",
+    "TrainingFailedError",
+    "allgather",
+    "allgather_object",
+    "allreduce",
+    "allreduce_",
+    "barrier",
+    "broadcast",
+    "broadcast_",
+    "broadcast_object",
+    "cross_rank",
+    "cross_size",
+    "local_rank",
+    "local_size",
+    "rank",
+    "report",
+    "run",
+    "size",
+]

@@ -1,0 +1,185 @@
+"""Pure decisions about who trains where: no Ray, unit-tested in milliseconds.
+
+- `assign_ranks` gives each live worker its rank, local rank and cross rank
+  for one generation. Hosts are ordered oldest first (by their oldest live
+  worker), so rank 0 is always the longest-lived survivor, which holds the
+  freshest state that `sync()` broadcasts.
+- `plan_scaling` compares the live workers with what discovery offers and
+  decides which workers leave and how many newcomers start on which host,
+  capped at `max_workers`.
+- `Cooldown` keeps hosts whose workers failed out of new assignments for an
+  exponentially growing time inside `cooldown_range`, then offers them again
+  (Horovod bans such hosts for good by default; a one-host job then dies of a
+  single worker crash).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class LiveWorker:
+    """A worker that exists now: its id, its host and its spawn order."""
+
+    worker_id: str
+    host: str
+    seq: int  # spawn order: smaller is older
+
+
+@dataclass(frozen=True)
+class WorkerSlot:
+    """One worker's place in one generation (Horovod's rank vocabulary)."""
+
+    worker_id: str
+    host: str
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+    cross_rank: int
+    cross_size: int
+
+
+def assign_ranks(workers: Sequence[LiveWorker]) -> dict[str, WorkerSlot]:
+    """Ranks for `workers`: hosts oldest first, workers oldest first per host.
+
+    Ranks are contiguous per host. `cross_rank` is the host's index among the
+    hosts that have a worker at the same local rank, and `cross_size` is the
+    number of such hosts, as in Horovod.
+    """
+    by_host: dict[str, list[LiveWorker]] = {}
+    for w in sorted(workers, key=lambda w: (w.seq, w.worker_id)):
+        by_host.setdefault(w.host, []).append(w)
+    # dicts keep insertion order: hosts come in the order of their oldest worker
+    hosts = list(by_host)
+    size = len(workers)
+    cross_sizes: dict[int, int] = {}
+    for members in by_host.values():
+        for local_rank in range(len(members)):
+            cross_sizes[local_rank] = cross_sizes.get(local_rank, 0) + 1
+    slots: dict[str, WorkerSlot] = {}
+    rank = 0
+    cross_seen: dict[int, int] = {}
+    for host in hosts:
+        members = by_host[host]
+        for local_rank, w in enumerate(members):
+            cross_rank = cross_seen.get(local_rank, 0)
+            cross_seen[local_rank] = cross_rank + 1
+            slots[w.worker_id] = WorkerSlot(
+                worker_id=w.worker_id,
+                host=host,
+                rank=rank,
+                size=size,
+                local_rank=local_rank,
+                local_size=len(members),
+                cross_rank=cross_rank,
+                cross_size=cross_sizes[local_rank],
+            )
+            rank += 1
+    return slots
+
+
+@dataclass(frozen=True)
+class ScalePlan:
+    """What to change: workers to remove gracefully, newcomers per host."""
+
+    remove: tuple[str, ...] = ()
+    add: Mapping[str, int] = field(default_factory=dict)
+
+    @property
+    def is_noop(self) -> bool:
+        return not self.remove and not any(self.add.values())
+
+
+def plan_scaling(
+    workers: Sequence[LiveWorker],
+    hosts: Mapping[str, int],
+    host_first_seen: Mapping[str, float],
+    cooling: Collection[str],
+    max_workers: int,
+) -> ScalePlan:
+    """Decide removals and additions so the world fits `hosts` and `max_workers`.
+
+    - Workers on hosts that discovery no longer offers leave.
+    - A host that offers fewer slots than it has workers loses its youngest.
+    - Beyond `max_workers`, the youngest workers leave.
+    - Free slots are filled oldest host first, skipping cooling hosts, until
+      `max_workers`. Workers already on a cooling host stay: only new
+      workers are held back.
+    """
+    by_host: dict[str, list[LiveWorker]] = {}
+    for w in sorted(workers, key=lambda w: (w.seq, w.worker_id)):
+        by_host.setdefault(w.host, []).append(w)
+    remove: list[LiveWorker] = []
+    kept: list[LiveWorker] = []
+    for host, members in by_host.items():
+        slots = max(0, hosts.get(host, 0))
+        kept.extend(members[:slots])
+        remove.extend(members[slots:])
+    if len(kept) > max_workers:
+        kept.sort(key=lambda w: (w.seq, w.worker_id))
+        remove.extend(kept[max_workers:])
+        kept = kept[:max_workers]
+    counts: dict[str, int] = {}
+    for w in kept:
+        counts[w.host] = counts.get(w.host, 0) + 1
+    room = max_workers - len(kept)
+    add: dict[str, int] = {}
+    order = sorted(hosts, key=lambda h: (host_first_seen.get(h, float("inf")), h))
+    for host in order:
+        if room <= 0:
+            break
+        if host in cooling:
+            continue
+        free = max(0, hosts[host] - counts.get(host, 0))
+        n = min(free, room)
+        if n:
+            add[host] = n
+            room -= n
+    return ScalePlan(remove=tuple(w.worker_id for w in remove), add=add)
+
+
+class Cooldown:
+    """Exponential back-off for hosts whose workers failed.
+
+    The n-th failure of a host within `forget_after` seconds of the previous
+    one keeps it out for `min(max_s, min_s * 2 ** (n - 1))` seconds; after that
+    the host is offered again. A host quiet for `forget_after` (default
+    `max_s`) starts again from `min_s`.
+    """
+
+    def __init__(self, min_s: float, max_s: float, forget_after: float | None = None) -> None:
+        if min_s < 0 or max_s < min_s:
+            raise ValueError(f"cooldown_range must satisfy 0 <= min <= max, got ({min_s}, {max_s})")
+        self.min_s = min_s
+        self.max_s = max_s
+        self.forget_after = max_s if forget_after is None else forget_after
+        self._failures: dict[str, int] = {}
+        self._last_failure: dict[str, float] = {}
+        self._until: dict[str, float] = {}
+
+    def record_failure(self, host: str, now: float) -> float:
+        """Start (or extend) the host's cool-down; returns its length in seconds."""
+        last = self._last_failure.get(host)
+        n = self._failures.get(host, 0)
+        if last is not None and now - last > self.forget_after:
+            n = 0
+        n += 1
+        self._failures[host] = n
+        self._last_failure[host] = now
+        length = min(self.max_s, self.min_s * 2 ** (n - 1))
+        self._until[host] = max(self._until.get(host, 0.0), now + length)
+        return length
+
+    def is_cooling(self, host: str, now: float) -> bool:
+        return self._until.get(host, 0.0) > now
+
+    def cooling(self, now: float) -> set[str]:
+        return {h for h, until in self._until.items() if until > now}
+
+    def next_release(self, now: float) -> float | None:
+        """When the next cooling host is offered again, or None if none cools."""
+        pending = [until for until in self._until.values() if until > now]
+        return min(pending) if pending else None

@@ -1,0 +1,94 @@
+"""The one small interface every collective backend implements.
+
+A `CollectiveGroup` is one ring for one generation: built after the
+rendezvous, used for the generation's collectives, closed on reset. Values
+are torch tensors or numpy arrays; results come back in the caller's type.
+Any failure of the ring surfaces as `HorovodInternalError`.
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+class ReduceOp(enum.Enum):
+    SUM = "sum"
+    AVERAGE = "average"
+    MIN = "min"
+    MAX = "max"
+
+
+Sum = ReduceOp.SUM
+Average = ReduceOp.AVERAGE
+Min = ReduceOp.MIN
+Max = ReduceOp.MAX
+
+
+class CollectiveGroup(ABC):
+    """One generation's communication ring."""
+
+    name: str = "abstract"
+
+    def __init__(self, rank: int, size: int) -> None:
+        self.rank = rank
+        self.size = size
+
+    @abstractmethod
+    def allreduce_(self, value: T, op: ReduceOp = Average) -> T:
+        """Reduce `value` across ranks in place and return it.
+
+        Average divides the sum by the world size; on integer types it rounds
+        toward minus infinity (floor division), as numpy's `//` does.
+        """
+
+    @abstractmethod
+    def broadcast_(self, value: T, root_rank: int = 0) -> T:
+        """Overwrite `value` on every rank with root's, in place; return it."""
+
+    @abstractmethod
+    def allgather(self, value: T) -> T:
+        """Concatenate every rank's `value` along the first dimension, rank order.
+
+        The first dimension may differ between ranks; the others must match.
+        """
+
+    @abstractmethod
+    def broadcast_object(self, obj: Any, root_rank: int = 0) -> Any:
+        """Root's picklable object on every rank."""
+
+    @abstractmethod
+    def allgather_object(self, obj: Any) -> list[Any]:
+        """Every rank's picklable object, in rank order."""
+
+    @abstractmethod
+    def barrier(self) -> None:
+        """Return once every rank has reached the barrier."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Tear the ring down; safe to call after a failure."""
+
+    def max_int(self, value: int) -> int:
+        """The largest of one integer over all ranks (used to agree on host updates)."""
+        import numpy as np
+
+        return int(self.allreduce_(np.array([value], dtype=np.int64), Max)[0])
+
+    def allreduce(self, value: T, op: ReduceOp = Average) -> T:
+        """Like `allreduce_`, on a copy: `value` itself is left untouched."""
+        return self.allreduce_(_copy(value), op)
+
+    def broadcast(self, value: T, root_rank: int = 0) -> T:
+        """Like `broadcast_`, on a copy."""
+        return self.broadcast_(_copy(value), root_rank)
+
+
+def _copy(value: Any) -> Any:
+    clone = getattr(value, "clone", None)
+    if clone is not None:
+        return clone()
+    return value.copy()

@@ -1,0 +1,270 @@
+"""Where workers may run: `{host: slots}` from Ray, a callable, or a script.
+
+Three sources, one shape. Host keys are Ray node IDs; a user source may name
+a node by IP where that IP is unique in the cluster (several local test nodes
+share one IP, so there the node ID is required).
+
+- `RayClusterDiscovery`: every alive node, with as many slots as its total
+  resources hold copies of `resources_per_worker`.
+- `CallableDiscovery`: the user's function returning `{host: slots}`.
+- `ScriptDiscovery`: an executable printing `host:slots` lines, as Horovod's
+  `--host-discovery-script` does (a bare `host` gets `default_slots`).
+
+`DiscoveryPoller` adds the failure policy: a source failing on its first call
+fails the job at once with its error text; later failures are retried with a
+warning until `give_up_after` seconds without a success.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import subprocess
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
+
+HostSlots = dict[str, int]
+
+
+class DiscoveryError(RuntimeError):
+    """Discovery failed; the message carries the source's own error text."""
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    """What discovery needs to know of one alive Ray node."""
+
+    node_id: str
+    ip: str
+    resources: Mapping[str, float]
+
+
+def slots_for_resources(node_resources: Mapping[str, float], per_worker: Mapping[str, float]) -> int:
+    """How many workers of `per_worker` a node's total resources hold.
+
+    The smallest `floor(node[r] / per_worker[r])` over requested resources;
+    resources asked for in amount 0 are ignored.
+    """
+    counts = []
+    for name, amount in per_worker.items():
+        if amount <= 0:
+            continue
+        # a tiny epsilon absorbs Ray's fixed-point rounding (0.1 * 3 != 0.3)
+        counts.append(math.floor(node_resources.get(name, 0.0) / amount + 1e-9))
+    return max(0, min(counts)) if counts else 0
+
+
+def parse_host_lines(text: str, default_slots: int = 1) -> HostSlots:
+    """Parse Horovod's discovery format: one `host` or `host:slots` per line.
+
+    Blank lines and `#` comments are skipped. A malformed line raises
+    `DiscoveryError` naming it.
+    """
+    hosts: HostSlots = {}
+    for lineno, raw in enumerate(text.splitlines(), start=1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        host, sep, slots_text = line.rpartition(":")
+        if not sep:
+            host, slots = line, default_slots
+        else:
+            try:
+                slots = int(slots_text)
+            except ValueError:
+                raise DiscoveryError(f"line {lineno}: slots must be an integer in {raw!r}") from None
+        host = host.strip()
+        if not host or slots < 0 or any(c.isspace() for c in host):
+            raise DiscoveryError(f"line {lineno}: expected 'host' or 'host:slots', got {raw!r}")
+        hosts[host] = hosts.get(host, 0) + slots
+    return hosts
+
+
+def validate_host_slots(value: object, source: str) -> HostSlots:
+    """Check that a user source returned `{str: int >= 0}`; raise otherwise."""
+    if not isinstance(value, Mapping):
+        raise DiscoveryError(f"{source} must return a dict of host -> slots, got {type(value).__name__}")
+    out: HostSlots = {}
+    for host, slots in value.items():
+        if not isinstance(host, str) or not host:
+            raise DiscoveryError(f"{source} returned a host key that is not a non-empty string: {host!r}")
+        if isinstance(slots, bool) or not isinstance(slots, int) or slots < 0:
+            raise DiscoveryError(f"{source} returned slots {slots!r} for host {host!r}; expected an int >= 0")
+        out[host] = slots
+    return out
+
+
+def resolve_hosts(raw: Mapping[str, int], nodes: Sequence[NodeInfo], per_worker: Mapping[str, float]) -> HostSlots:
+    """Map user host keys (node IDs or unique IPs) to node IDs.
+
+    Slots are capped at what the node's resources hold, so a script cannot
+    ask for placement groups that never fit. Hosts unknown to Ray are skipped
+    (they may be about to join); an IP shared by several nodes is an error.
+    """
+    by_id = {n.node_id: n for n in nodes}
+    by_ip: dict[str, list[NodeInfo]] = {}
+    for n in nodes:
+        by_ip.setdefault(n.ip, []).append(n)
+    out: HostSlots = {}
+    for host, slots in raw.items():
+        node = by_id.get(host)
+        if node is None:
+            matches = by_ip.get(host, [])
+            if len(matches) > 1:
+                raise DiscoveryError(
+                    f"host {host!r} is the IP of {len(matches)} Ray nodes; name them by node ID instead"
+                )
+            if not matches:
+                logger.debug("discovered host %s is not an alive Ray node; skipping it", host)
+                continue
+            node = matches[0]
+        capacity = slots_for_resources(node.resources, per_worker)
+        out[node.node_id] = out.get(node.node_id, 0) + min(slots, capacity)
+    return out
+
+
+def alive_ray_nodes() -> list[NodeInfo]:
+    """The alive nodes of the connected Ray cluster."""
+    import ray
+
+    return [
+        NodeInfo(node_id=n["NodeID"], ip=n["NodeManagerAddress"], resources=dict(n["Resources"]))
+        for n in ray.nodes()
+        if n.get("Alive")
+    ]
+
+
+class RayClusterDiscovery:
+    """Every alive Ray node, with the slots its total resources hold."""
+
+    def __init__(self, per_worker: Mapping[str, float], nodes: Callable[[], list[NodeInfo]] = alive_ray_nodes):
+        self.per_worker = dict(per_worker)
+        self._nodes = nodes
+
+    def __call__(self) -> HostSlots:
+        hosts = {n.node_id: slots_for_resources(n.resources, self.per_worker) for n in self._nodes()}
+        return {h: s for h, s in hosts.items() if s > 0}
+
+    def __repr__(self) -> str:
+        return "the Ray cluster"
+
+
+class CallableDiscovery:
+    """A user function returning `{host: slots}` (hosts: node IDs or IPs)."""
+
+    def __init__(
+        self,
+        fn: Callable[[], Mapping[str, int]],
+        per_worker: Mapping[str, float],
+        nodes: Callable[[], list[NodeInfo]] = alive_ray_nodes,
+    ):
+        self.fn = fn
+        self.per_worker = dict(per_worker)
+        self._nodes = nodes
+
+    def __call__(self) -> HostSlots:
+        raw = validate_host_slots(self.fn(), f"discovery callable {self!r}")
+        return resolve_hosts(raw, self._nodes(), self.per_worker)
+
+    def __repr__(self) -> str:
+        return getattr(self.fn, "__qualname__", repr(self.fn))
+
+
+class ScriptDiscovery:
+    """An executable printing `host:slots` lines; bounded by `timeout` seconds."""
+
+    def __init__(
+        self,
+        path: str,
+        per_worker: Mapping[str, float],
+        default_slots: int = 1,
+        timeout: float = 30.0,
+        nodes: Callable[[], list[NodeInfo]] = alive_ray_nodes,
+    ):
+        self.path = path
+        self.per_worker = dict(per_worker)
+        self.default_slots = default_slots
+        self.timeout = timeout
+        self._nodes = nodes
+
+    def __call__(self) -> HostSlots:
+        try:
+            proc = subprocess.run(
+                [self.path], capture_output=True, text=True, timeout=self.timeout, check=False
+            )
+        except subprocess.TimeoutExpired:
+            raise DiscoveryError(f"discovery script {self.path} did not finish within {self.timeout:g} s") from None
+        except OSError as e:
+            raise DiscoveryError(f"discovery script {self.path} could not run: {e}") from None
+        if proc.returncode != 0:
+            raise DiscoveryError(
+                f"discovery script {self.path} exited with {proc.returncode}: {proc.stderr.strip()[-2000:]}"
+            )
+        raw = parse_host_lines(proc.stdout, self.default_slots)
+        return resolve_hosts(raw, self._nodes(), self.per_worker)
+
+    def __repr__(self) -> str:
+        return f"script {self.path}"
+
+
+def make_discovery(spec: object, per_worker: Mapping[str, float]) -> Callable[[], HostSlots]:
+    """The discovery source for `ElasticTrainer(discovery=spec)`."""
+    if spec is None:
+        return RayClusterDiscovery(per_worker)
+    if isinstance(spec, (str, os.PathLike)):
+        return ScriptDiscovery(os.fspath(spec), per_worker)
+    if callable(spec):
+        return CallableDiscovery(spec, per_worker)
+    raise ValueError(
+        f"discovery must be None, a callable returning {{host: slots}}, or a script path; got {type(spec).__name__}"
+    )
+
+
+def check_discovery_spec(spec: object) -> None:
+    """Validate `discovery=` before anything is spawned."""
+    if spec is None or callable(spec):
+        return
+    if isinstance(spec, (str, os.PathLike)):
+        path = os.fspath(spec)
+        if not os.path.isfile(path):
+            raise ValueError(f"discovery script {path!r} does not exist")
+        if not os.access(path, os.X_OK):
+            raise ValueError(f"discovery script {path!r} is not executable (chmod +x it)")
+        return
+    raise ValueError(
+        f"discovery must be None, a callable returning {{host: slots}}, or a script path; got {type(spec).__name__}"
+    )
+
+
+class DiscoveryPoller:
+    """Applies the failure policy around a discovery source.
+
+    The first call's failure raises `DiscoveryError` at once. Afterwards a
+    failure logs a warning and returns None (keep the last view), until
+    `give_up_after` seconds have passed since the last success, when it raises.
+    """
+
+    def __init__(self, source: Callable[[], HostSlots], give_up_after: float, clock: Callable[[], float] = time.monotonic):
+        self.source = source
+        self.give_up_after = give_up_after
+        self._clock = clock
+        self._last_success: float | None = None
+
+    def poll(self) -> HostSlots | None:
+        try:
+            hosts = self.source()
+        except Exception as e:  # the source is user code: any error is its report
+            text = f"discovery from {self.source!r} failed: {type(e).__name__}: {e}"
+            if self._last_success is None:
+                raise DiscoveryError(text) from e
+            failing_for = self._clock() - self._last_success
+            if failing_for > self.give_up_after:
+                raise DiscoveryError(f"{text} (failing for {failing_for:.0f} s)") from e
+            logger.warning("%s; retrying (failing for %.0f s)", text, failing_for)
+            return None
+        self._last_success = self._clock()
+        return hosts

@@ -1,0 +1,59 @@
+"""`run`: the sync / call / restore / reset loop around the user's training.
+
+    @elastic.run
+    def train(state): ...
+
+On entry the worker joins the ring and `state.sync()` gives every rank rank
+0's state. Then the function runs. If a collective fails
+(`HorovodInternalError`), the state rolls back to the last commit; if hosts
+changed gracefully (`HostsUpdatedInterrupt`), the live state is kept. Either
+way the ring is rebuilt for the driver's next generation, reset callbacks
+run, the state is synced again and the function is called again. A worker
+left out of the new generation leaves with `WorkerRemovedError`, which its
+actor turns into a clean exit. The driver bounds the number of resets.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from ray_elastic.exceptions import HorovodInternalError, HostsUpdatedInterrupt
+from ray_elastic.state import State
+from ray_elastic.worker_context import current
+
+logger = logging.getLogger(__name__)
+
+R = TypeVar("R")
+
+
+def run(func: Callable[..., R]) -> Callable[..., R]:
+    """Wrap `func(state, *args, **kwargs)` in the elastic loop."""
+
+    @functools.wraps(func)
+    def wrapper(state: State, *args: Any, **kwargs: Any) -> R:
+        if not isinstance(state, State):
+            raise TypeError(f"@elastic.run functions take a State as first argument, got {type(state).__name__}")
+        ctx = current()
+        ctx.ensure_joined()
+        skip_sync = False
+        while True:
+            try:
+                if not skip_sync:
+                    state.sync()
+                    ctx.mark_synced()
+                return func(state, *args, **kwargs)
+            except HorovodInternalError as e:
+                logger.info("rank %s: collective failed (%s); restoring the last commit", ctx.slot.rank, e)
+                state.restore()
+                failed, skip_sync = True, False
+            except HostsUpdatedInterrupt as e:
+                # graceful change: keep the live state, which sync hands to newcomers
+                state.save()
+                failed, skip_sync = False, e.skip_sync
+            ctx.reset(failed=failed)
+            state.on_reset()
+
+    return wrapper

@@ -1,0 +1,26 @@
+"""Membership events as `Result.events` lists them."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass
+class Event:
+    """One membership change.
+
+    `time` is seconds since the epoch; `world_size` the size of the
+    generation that absorbed the change; `reset_duration` the seconds from the
+    change to the last rank finishing its sync in that generation (None if
+    training ended first).
+    """
+
+    time: float
+    kind: str  # start, worker_failed, hosts_added, hosts_removed, reset_requested
+    world_size: int
+    generation: int
+    reset_duration: float | None = None
+    detail: str = ""
+
+    def to_dict(self) -> dict:
+        return asdict(self)

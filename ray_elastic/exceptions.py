@@ -1,0 +1,50 @@
+"""The exceptions users see, with the names Horovod Elastic users know.
+
+`HorovodInternalError` and `HostsUpdatedInterrupt` drive the `run` loop in
+every worker; `TrainingFailedError` is what `ElasticTrainer.fit()` raises on
+the driver side; `RendezvousTimeoutError` is raised by every bounded wait and
+names what it waited for.
+"""
+
+from __future__ import annotations
+
+
+class HorovodInternalError(RuntimeError):
+    """A collective operation failed: a peer died or the ring broke.
+
+    Inside `@elastic.run` this rolls the state back to the last commit and
+    rebuilds the ring with the surviving workers.
+    """
+
+
+class HostsUpdatedInterrupt(RuntimeError):
+    """The set of workers changed gracefully (hosts added or removed).
+
+    Raised by `State.commit()` / `State.check_host_updates()` on every rank at
+    the same step. The live state is kept (no rollback).
+    """
+
+    def __init__(self, skip_sync: bool = False) -> None:
+        super().__init__("hosts updated")
+        self.skip_sync = skip_sync
+
+
+class RendezvousTimeoutError(TimeoutError):
+    """A bounded wait ran out; the message names what was waited for."""
+
+
+class GenerationSupersededError(RuntimeError):
+    """A newer generation was published while this one was still forming."""
+
+
+class WorkerRemovedError(Exception):
+    """This worker is not part of the new generation and should stop.
+
+    Raised from the reset inside `@elastic.run`; the worker actor catches it
+    and ends cleanly. It derives from `Exception`, not from the two elastic
+    errors, so the run loop does not retry it.
+    """
+
+
+class TrainingFailedError(RuntimeError):
+    """`fit()` could not finish; the message carries the real reason."""

@@ -1,0 +1,227 @@
+"""Rendezvous: one named key-value actor per trainer run.
+
+Every key lives in a generation (one generation per reset round), so keys of
+generation g are never read by generation g+1, and a wait for a key of an old
+generation fails with `GenerationSupersededError` as soon as a newer one is
+published: a worker stuck forming a ring with a peer that died is released at
+once instead of waiting out its timeout. All waits happen inside the actor
+(asyncio futures woken by the write they wait for); clients never poll.
+
+The driver publishes each generation's assignment here; workers block in
+`wait_generation` for the next one. `KVClient` is the synchronous view used
+inside worker processes, and `torch_store()` adapts it to a
+`torch.distributed.Store` for the Gloo backend.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import ray
+
+from ray_elastic.exceptions import GenerationSupersededError, RendezvousTimeoutError
+
+# extra seconds a client waits for the actor's own bounded answer
+_CLIENT_MARGIN_S = 10.0
+
+
+class KVStore:
+    """The KV actor's logic (wrapped by `ray.remote` in `create_kv_actor`)."""
+
+    def __init__(self, run_id: str) -> None:
+        self.run_id = run_id
+        self._data: dict[tuple[int, str], bytes] = {}
+        self._waiters: dict[tuple[int, str], set[asyncio.Future]] = {}
+        self._generation = 0
+        self._assignment: dict[str, Any] = {}
+        self._generation_waiters: set[asyncio.Future] = set()
+
+    # ---- generations -------------------------------------------------
+    async def publish(self, generation: int, assignment: dict[str, Any]) -> None:
+        """Make `generation` current; older generations' waits fail, their keys go."""
+        if generation <= self._generation:
+            raise ValueError(f"generation {generation} is not newer than {self._generation}")
+        self._generation = generation
+        self._assignment = assignment
+        for key in [k for k in self._data if k[0] < generation]:
+            del self._data[key]
+        for key in [k for k in self._waiters if k[0] < generation]:
+            for fut in self._waiters.pop(key):
+                if not fut.done():
+                    fut.set_exception(GenerationSupersededError(f"generation {key[0]} superseded by {generation}"))
+        waiters, self._generation_waiters = self._generation_waiters, set()
+        for fut in waiters:
+            if not fut.done():
+                fut.set_result(None)
+
+    async def wait_generation(self, after: int, timeout: float) -> tuple[int, dict[str, Any]]:
+        """The newest published generation greater than `after`, waiting up to `timeout` s."""
+        deadline = time.monotonic() + timeout
+        while self._generation <= after:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise RendezvousTimeoutError(
+                    f"timed out after {timeout:g} s waiting for the driver to publish a generation after {after} "
+                    f"(run {self.run_id})"
+                )
+            fut = asyncio.get_running_loop().create_future()
+            self._generation_waiters.add(fut)
+            try:
+                await asyncio.wait_for(fut, remaining)
+            except asyncio.TimeoutError:
+                pass
+            finally:
+                self._generation_waiters.discard(fut)
+        return self._generation, self._assignment
+
+    async def current_generation(self) -> int:
+        return self._generation
+
+    # ---- keys ----------------------------------------------------------
+    def _check_generation(self, generation: int) -> None:
+        if generation < self._generation:
+            raise GenerationSupersededError(f"generation {generation} superseded by {self._generation}")
+
+    def _put(self, generation: int, key: str, value: bytes) -> None:
+        self._data[(generation, key)] = value
+        for fut in self._waiters.pop((generation, key), ()):
+            if not fut.done():
+                fut.set_result(None)
+
+    async def set(self, generation: int, key: str, value: bytes) -> None:
+        self._check_generation(generation)
+        self._put(generation, key, value)
+
+    async def multi_set(self, generation: int, items: list[tuple[str, bytes]]) -> None:
+        self._check_generation(generation)
+        for key, value in items:
+            self._put(generation, key, value)
+
+    async def wait(self, generation: int, keys: list[str], timeout: float) -> None:
+        """Return once every key exists; bounded by `timeout`, failed by a newer generation."""
+        deadline = time.monotonic() + timeout
+        while True:
+            self._check_generation(generation)
+            missing = [k for k in keys if (generation, k) not in self._data]
+            if not missing:
+                return
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise RendezvousTimeoutError(
+                    f"timed out after {timeout:g} s waiting for keys {missing[:4]} of generation {generation} "
+                    f"(run {self.run_id}): a peer did not join"
+                )
+            fut = asyncio.get_running_loop().create_future()
+            for k in missing:
+                self._waiters.setdefault((generation, k), set()).add(fut)
+            try:
+                await asyncio.wait_for(fut, remaining)
+            except asyncio.TimeoutError:
+                pass
+            finally:
+                for k in missing:
+                    waiters = self._waiters.get((generation, k))
+                    if waiters is not None:
+                        waiters.discard(fut)
+
+    async def get(self, generation: int, key: str, timeout: float) -> bytes:
+        await self.wait(generation, [key], timeout)
+        return self._data[(generation, key)]
+
+    async def multi_get(self, generation: int, keys: list[str], timeout: float) -> list[bytes]:
+        await self.wait(generation, keys, timeout)
+        return [self._data[(generation, k)] for k in keys]
+
+    async def add(self, generation: int, key: str, amount: int) -> int:
+        self._check_generation(generation)
+        value = int(self._data.get((generation, key), b"0")) + amount
+        self._put(generation, key, str(value).encode())
+        return value
+
+    async def compare_set(self, generation: int, key: str, expected: bytes, desired: bytes) -> bytes:
+        self._check_generation(generation)
+        current = self._data.get((generation, key))
+        if (current is None and expected == b"") or current == expected:
+            self._put(generation, key, desired)
+            return desired
+        return expected if current is None else current
+
+    async def check(self, generation: int, keys: list[str]) -> bool:
+        self._check_generation(generation)
+        return all((generation, k) in self._data for k in keys)
+
+    async def delete_key(self, generation: int, key: str) -> bool:
+        return self._data.pop((generation, key), None) is not None
+
+    async def num_keys(self, generation: int) -> int:
+        return sum(1 for g, _ in self._data if g == generation)
+
+    async def stats(self) -> dict[str, int]:
+        return {"keys": len(self._data), "generation": self._generation}
+
+
+def create_kv_actor(run_id: str, namespace: str) -> ray.actor.ActorHandle:
+    """Start the run's KV actor, named `kv` in the run's own namespace."""
+    actor_cls = ray.remote(num_cpus=0, max_restarts=0)(KVStore)
+    return actor_cls.options(name="kv", namespace=namespace, max_concurrency=100_000).remote(run_id)
+
+
+class KVClient:
+    """Synchronous access to the KV actor from a worker process.
+
+    Every call is bounded: the actor bounds its own waits and the client adds
+    a margin for the round trip, so no call blocks without a deadline.
+    """
+
+    def __init__(self, handle: ray.actor.ActorHandle) -> None:
+        self.handle = handle
+
+    def _call(self, method: str, *args: Any, timeout: float = 60.0) -> Any:
+        ref = getattr(self.handle, method).remote(*args)
+        try:
+            return ray.get(ref, timeout=timeout + _CLIENT_MARGIN_S)
+        except ray.exceptions.GetTimeoutError:
+            raise RendezvousTimeoutError(f"the KV actor did not answer {method} within {timeout + _CLIENT_MARGIN_S:g} s") from None
+
+    def wait_generation(self, after: int, timeout: float) -> tuple[int, dict[str, Any]]:
+        return self._call("wait_generation", after, timeout, timeout=timeout)
+
+    def set(self, generation: int, key: str, value: bytes) -> None:
+        self._call("set", generation, key, value)
+
+    def get(self, generation: int, key: str, timeout: float) -> bytes:
+        return self._call("get", generation, key, timeout, timeout=timeout)
+
+    def multi_get(self, generation: int, keys: Iterable[str], timeout: float) -> list[bytes]:
+        return self._call("multi_get", generation, list(keys), timeout, timeout=timeout)
+
+    def multi_set(self, generation: int, items: list[tuple[str, bytes]]) -> None:
+        self._call("multi_set", generation, items)
+
+    def wait(self, generation: int, keys: Iterable[str], timeout: float) -> None:
+        self._call("wait", generation, list(keys), timeout, timeout=timeout)
+
+    def add(self, generation: int, key: str, amount: int) -> int:
+        return self._call("add", generation, key, amount)
+
+    def compare_set(self, generation: int, key: str, expected: bytes, desired: bytes) -> bytes:
+        return self._call("compare_set", generation, key, expected, desired)
+
+    def check(self, generation: int, keys: Iterable[str]) -> bool:
+        return self._call("check", generation, list(keys))
+
+    def delete_key(self, generation: int, key: str) -> bool:
+        return self._call("delete_key", generation, key)
+
+    def num_keys(self, generation: int) -> int:
+        return self._call("num_keys", generation)
+
+
+def torch_store(client: KVClient, generation: int, timeout: float):
+    """A `torch.distributed.Store` over the KV actor, scoped to `generation`."""
+    from ray_elastic.collective.torch_store import KVTorchStore
+
+    return KVTorchStore(client, generation, timeout)

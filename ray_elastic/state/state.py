@@ -1,0 +1,88 @@
+"""`State` and `ObjectState`: what survives a reset, with Horovod's semantics.
+
+- `commit()` = `save()` + `check_host_updates()`: an in-memory snapshot that a
+  failure rolls back to, and the point where graceful host changes surface.
+- `restore()` returns to the last `save()`; `sync()` makes every rank hold
+  rank 0's state (rank 0 is the oldest survivor, see `assignment.py`).
+- Reset callbacks run after every reset, once the new ring exists, e.g. to
+  rescale the learning rate with the new world size.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from ray_elastic.worker_context import current
+
+
+class State:
+    """Base class: subclasses implement `save`, `restore` and `sync`."""
+
+    def __init__(self) -> None:
+        self._reset_callbacks: list[Callable[[], None]] = []
+
+    def register_reset_callbacks(self, callbacks: Iterable[Callable[[], None]]) -> None:
+        """Callables run, in order, after each reset (the new ring already works)."""
+        callbacks = list(callbacks)
+        for cb in callbacks:
+            if not callable(cb):
+                raise TypeError(f"reset callbacks must be callable, got {cb!r}")
+        self._reset_callbacks.extend(callbacks)
+
+    def on_reset(self) -> None:
+        for cb in self._reset_callbacks:
+            cb()
+
+    def commit(self) -> None:
+        """Save the state in memory, then check for host updates."""
+        self.save()
+        self.check_host_updates()
+
+    def check_host_updates(self) -> None:
+        """Raise `HostsUpdatedInterrupt` on all ranks at the same step if hosts changed.
+
+        One tiny max-allreduce of the newest notice each rank holds, so all
+        ranks agree even if the driver's notice reached them at different steps.
+        """
+        current().check_host_updates()
+
+    def save(self) -> None:
+        raise NotImplementedError
+
+    def restore(self) -> None:
+        raise NotImplementedError
+
+    def sync(self) -> None:
+        raise NotImplementedError
+
+
+class ObjectState(State):
+    """Picklable attributes, saved by deep copy and synced by one broadcast.
+
+    `ObjectState(epoch=0, batch=0, weights=w)` exposes `state.epoch` and so
+    on. Right for small state (counters, numpy arrays of modest size); large
+    tensors belong in `TorchState`, which copies into reused buffers.
+    """
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__()
+        self._keys = list(kwargs)
+        for key, value in kwargs.items():
+            setattr(self, key, value)
+        self._saved: dict[str, Any] = {}
+        self.save()
+
+    def save(self) -> None:
+        self._saved = {k: copy.deepcopy(getattr(self, k)) for k in self._keys}
+
+    def restore(self) -> None:
+        for key, value in self._saved.items():
+            setattr(self, key, copy.deepcopy(value))
+
+    def sync(self) -> None:
+        from ray_elastic.collective import broadcast_object
+
+        self._saved = broadcast_object(self._saved, root_rank=0)
+        self.restore()

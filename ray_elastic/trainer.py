@@ -1,0 +1,327 @@
+"""`ElasticTrainer` and `Result`: what the user calls, and what comes back.
+
+`fit()` validates every argument before anything is spawned, starts a local
+Ray if none is running, creates the run's KV actor and driver actor in a
+namespace of their own, shows progress while the driver runs, and always
+cleans up: no actor and no placement group of the run survives `fit()`,
+whether it succeeded, failed or was interrupted.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import math
+import os
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import cloudpickle
+import ray
+
+from ray_elastic.discovery import alive_ray_nodes, check_discovery_spec, slots_for_resources
+from ray_elastic.driver_actor import DriverSettings, create_driver_actor
+from ray_elastic.events import Event
+from ray_elastic.exceptions import TrainingFailedError
+from ray_elastic.rendezvous import create_kv_actor
+from ray_elastic.worker_context import WorkerSettings
+
+logger = logging.getLogger(__name__)
+
+BACKENDS = ("auto", "gloo", "pygloo", "nccl")
+_POLL_S = 0.5
+_CLEANUP_TIMEOUT_S = 30.0
+
+
+@dataclass
+class Result:
+    """What `fit()` returns.
+
+    - `return_value`: what rank 0's `train_fn` returned.
+    - `metrics`: the dicts rank 0 passed to `report()`, in order.
+    - `metric_times`: when each was reported (seconds since the epoch).
+    - `events`: membership events (`Event`: time, kind, world size, reset duration).
+    - `resets`: how many times the ring was re-formed.
+    """
+
+    return_value: Any
+    metrics: list[dict[str, Any]] = field(default_factory=list)
+    metric_times: list[float] = field(default_factory=list)
+    events: list[Event] = field(default_factory=list)
+    resets: int = 0
+
+
+class ElasticTrainer:
+    """Elastic data-parallel training of `train_fn(config)` on Ray actors.
+
+    Args:
+        train_fn: runs once in every worker actor; usually builds a model and
+            a `State` and calls a function decorated with `@elastic.run`.
+        min_workers: the run waits (up to `elastic_timeout`) until this many
+            workers are ready, and pauses if fewer remain.
+        max_workers: the world never grows beyond this.
+        config: passed to `train_fn`; must be picklable.
+        resources_per_worker: one worker's Ray resources (default `{"CPU": 1}`);
+            each worker gets a placement group with one such bundle.
+        discovery: None for the Ray cluster's alive nodes; a callable returning
+            `{host: slots}`; or the path of an executable printing `host:slots`
+            lines. Hosts are Ray node IDs (a unique IP is accepted).
+        backend: "auto" (torch Gloo on CPU), "gloo", "pygloo" or "nccl".
+        elastic_timeout: seconds to wait for `min_workers` (at start and after
+            losing workers), for a newcomer to boot and for placement.
+        reset_limit: fail after this many resets (None: unbounded).
+        cooldown_range: (min, max) seconds a host whose worker failed is held
+            back, doubling with each failure, then offered again.
+        discovery_interval: seconds between discovery polls.
+        liveness_timeout: a worker that does not answer a ping within this
+            many seconds is killed and treated as failed.
+        collective_timeout: seconds one collective (or forming one ring) may take.
+        verbose: 0 silences progress and event lines; 1 shows them.
+    """
+
+    def __init__(
+        self,
+        train_fn: Callable[[dict[str, Any]], Any],
+        min_workers: int,
+        max_workers: int,
+        config: Mapping[str, Any] | None = None,
+        resources_per_worker: Mapping[str, float] | None = None,
+        discovery: Callable[[], Mapping[str, int]] | str | os.PathLike | None = None,
+        backend: str = "auto",
+        elastic_timeout: float = 600.0,
+        reset_limit: int | None = None,
+        cooldown_range: tuple[float, float] = (10.0, 300.0),
+        discovery_interval: float = 1.0,
+        liveness_timeout: float = 30.0,
+        collective_timeout: float = 300.0,
+        verbose: int = 1,
+    ) -> None:
+        if not callable(train_fn):
+            raise ValueError(f"train_fn must be callable, got {type(train_fn).__name__}")
+        _check_int("min_workers", min_workers, 1)
+        _check_int("max_workers", max_workers, 1)
+        if max_workers < min_workers:
+            raise ValueError(f"max_workers ({max_workers}) must be >= min_workers ({min_workers})")
+        if config is not None and not isinstance(config, Mapping):
+            raise ValueError(f"config must be a dict, got {type(config).__name__}")
+        config = dict(config or {})
+        try:
+            self._payload = _pickle_payload(train_fn, config)
+        except Exception as e:
+            raise ValueError(f"train_fn and config must be picklable to reach the workers: {type(e).__name__}: {e}") from e
+        self.resources_per_worker = _check_resources(resources_per_worker)
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        self.backend = _resolve_backend(backend, self.resources_per_worker)
+        for name, value in (
+            ("elastic_timeout", elastic_timeout),
+            ("discovery_interval", discovery_interval),
+            ("liveness_timeout", liveness_timeout),
+            ("collective_timeout", collective_timeout),
+        ):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or math.isinf(value):
+                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+        if reset_limit is not None:
+            _check_int("reset_limit", reset_limit, 0)
+        if (
+            not isinstance(cooldown_range, (tuple, list))
+            or len(cooldown_range) != 2
+            or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in cooldown_range)
+            or not 0 <= cooldown_range[0] <= cooldown_range[1]
+        ):
+            raise ValueError(f"cooldown_range must be (min_s, max_s) with 0 <= min_s <= max_s, got {cooldown_range!r}")
+        check_discovery_spec(discovery)
+        self.train_fn = train_fn
+        self.config = config
+        self.min_workers = min_workers
+        self.max_workers = max_workers
+        self.discovery = discovery
+        self.elastic_timeout = float(elastic_timeout)
+        self.reset_limit = reset_limit
+        self.cooldown_range = (float(cooldown_range[0]), float(cooldown_range[1]))
+        self.discovery_interval = float(discovery_interval)
+        self.liveness_timeout = float(liveness_timeout)
+        self.collective_timeout = float(collective_timeout)
+        self.verbose = verbose
+
+    def _settings(self) -> DriverSettings:
+        return DriverSettings(
+            min_workers=self.min_workers,
+            max_workers=self.max_workers,
+            resources_per_worker=self.resources_per_worker,
+            elastic_timeout=self.elastic_timeout,
+            reset_limit=self.reset_limit,
+            cooldown_range=self.cooldown_range,
+            discovery_interval=self.discovery_interval,
+            liveness_timeout=self.liveness_timeout,
+            worker=WorkerSettings(
+                backend=self.backend,
+                rendezvous_timeout=self.elastic_timeout + self.collective_timeout,
+                collective_timeout=self.collective_timeout,
+            ),
+        )
+
+    def fit(self) -> Result:
+        """Train until rank 0's `train_fn` returns; raise `TrainingFailedError` otherwise."""
+        if not ray.is_initialized():
+            ray.init(address=os.environ.get("RAY_ADDRESS"), logging_level=logging.WARNING)
+        self._check_cluster_can_hold_a_worker()
+        run_id = uuid.uuid4().hex[:12]
+        namespace = f"ray_elastic_{run_id}"
+        kv = driver = None
+        outcome: dict[str, Any] | None = None
+        try:
+            kv = create_kv_actor(run_id, namespace)
+            driver = create_driver_actor(run_id, namespace, kv, self._payload, self.discovery, self._settings())
+            outcome = self._follow(driver, driver.run.remote())
+        finally:
+            _cleanup(driver, kv, namespace, graceful=outcome is not None)
+        if not outcome["ok"]:
+            raise TrainingFailedError(outcome["error"] or "training failed")
+        return Result(
+            return_value=outcome["value"],
+            metrics=[m for _, m in outcome["metrics"]],
+            metric_times=[t for t, _ in outcome["metrics"]],
+            events=[Event(**e) for e in outcome["events"]],
+            resets=outcome["resets"],
+        )
+
+    def _check_cluster_can_hold_a_worker(self) -> None:
+        nodes = alive_ray_nodes()
+        if not any(slots_for_resources(n.resources, self.resources_per_worker) for n in nodes):
+            totals = [dict(n.resources) for n in nodes]
+            raise ValueError(
+                f"resources_per_worker={self.resources_per_worker} fits on no node of the Ray cluster "
+                f"(node resources: {totals})"
+            )
+
+    def _follow(self, driver: Any, run_ref: Any) -> dict[str, Any]:
+        """Wait for the driver, showing progress and event lines until it ends."""
+        from ray_elastic.progress import Progress
+
+        progress = Progress(enabled=self.verbose > 0, max_workers=self.max_workers)
+        seen_metrics = 0
+        try:
+            while True:
+                ready, _ = ray.wait([run_ref], timeout=_POLL_S)
+                if ready:
+                    outcome = ray.get(run_ref)
+                    progress.update({**outcome, "state": "done" if outcome["ok"] else "failed",
+                                     "metrics": outcome["metrics"][seen_metrics:]})
+                    return outcome
+                try:
+                    status = ray.get(driver.status.remote(seen_metrics), timeout=30)
+                except ray.exceptions.GetTimeoutError:
+                    continue
+                seen_metrics = status["num_metrics"]
+                progress.update(status)
+        except KeyboardInterrupt:
+            logger.warning("interrupted: stopping the run and releasing its workers")
+            raise
+        finally:
+            progress.close()
+
+
+def _cleanup(driver: Any, kv: Any, namespace: str, graceful: bool) -> None:
+    """Leave no actor and no placement group of this run behind."""
+    if driver is not None:
+        if not graceful:
+            try:
+                # the driver kills its workers and removes their placement groups
+                ray.get(driver.stop.remote("fit() was interrupted"), timeout=5)
+            except Exception:  # noqa: BLE001 - a dead driver is cleaned up below
+                pass
+        ray.kill(driver, no_restart=True)
+    if kv is not None:
+        ray.kill(kv, no_restart=True)
+    _remove_run_actors(namespace)
+    _remove_run_placement_groups(namespace)
+
+
+def _remove_run_actors(namespace: str) -> None:
+    """Kill any actor of the run still alive (the driver may have died before its workers)."""
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        if entry.get("namespace") == namespace:
+            try:
+                ray.kill(ray.get_actor(entry["name"], namespace=namespace), no_restart=True)
+            except ValueError:  # gone in between
+                pass
+
+
+def _remove_run_placement_groups(namespace: str) -> None:
+    from ray.util.placement_group import PlacementGroup, placement_group_table, remove_placement_group
+
+    for pg_id, info in placement_group_table().items():
+        if info.get("name", "").startswith(f"{namespace}-") and info.get("state") != "REMOVED":
+            try:
+                remove_placement_group(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(pg_id))))
+            except Exception:  # noqa: BLE001 - removed concurrently
+                pass
+
+
+def _pickle_payload(train_fn: Callable, config: dict[str, Any]) -> bytes:
+    """Pickle `train_fn` and `config`, taking a loose script's module by value.
+
+    A `train_fn` defined in a file that is not an installed package (an
+    example script, a notebook helper) cannot be imported by name in the
+    workers, so its module travels with it.
+    """
+    import sys
+    import sysconfig
+
+    module = sys.modules.get(getattr(train_fn, "__module__", "") or "")
+    installed = {sysconfig.get_paths()[k] for k in ("purelib", "platlib")}
+    path = getattr(module, "__file__", None)
+    by_value = (
+        module is not None
+        and module.__name__ != "__main__"
+        and path is not None
+        and not module.__name__.startswith("ray_elastic")
+        and not any(os.path.abspath(path).startswith(p) for p in installed)
+    )
+    if by_value:
+        cloudpickle.register_pickle_by_value(module)
+    try:
+        return cloudpickle.dumps((train_fn, config))
+    finally:
+        if by_value:
+            cloudpickle.unregister_pickle_by_value(module)
+
+
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
+def _check_resources(resources: Mapping[str, float] | None) -> dict[str, float]:
+    if resources is None:
+        return {"CPU": 1.0}
+    if not isinstance(resources, Mapping) or not resources:
+        raise ValueError(f"resources_per_worker must be a non-empty dict like {{'CPU': 1}}, got {resources!r}")
+    out: dict[str, float] = {}
+    for name, amount in resources.items():
+        if not isinstance(name, str) or isinstance(amount, bool) or not isinstance(amount, (int, float)):
+            raise ValueError(f"resources_per_worker entries must be name -> number, got {name!r}: {amount!r}")
+        if amount < 0 or math.isnan(amount) or math.isinf(amount):
+            raise ValueError(f"resources_per_worker[{name!r}] must be a finite number >= 0, got {amount!r}")
+        out[name] = float(amount)
+    if not any(out.values()):
+        raise ValueError("resources_per_worker must ask for some resource (all amounts are 0)")
+    return out
+
+
+def _resolve_backend(backend: str, resources: Mapping[str, float]) -> str:
+    has_torch = importlib.util.find_spec("torch") is not None
+    if backend == "auto":
+        if resources.get("GPU", 0) > 0:
+            raise ValueError("GPU workers need the nccl backend, which this version does not ship yet")
+        if has_torch:
+            return "gloo"
+        raise ValueError("backend='auto' needs torch (pip install 'ray-elastic[torch]')")
+    if backend == "gloo":
+        if not has_torch:
+            raise ValueError("backend='gloo' needs torch (pip install 'ray-elastic[torch]')")
+        return backend
+    raise ValueError(f"backend={backend!r} is not available yet; use 'gloo'")

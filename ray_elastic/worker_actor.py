@@ -1,0 +1,79 @@
+"""The worker actor: one per slot, running the user's `train_fn(config)`.
+
+`run()` occupies the actor's default thread for the whole training; the
+driver reaches the worker meanwhile through a separate `control` thread
+group (`notify` pushes a host-change notice into memory, `ping` answers the
+liveness check). `run()` never raises for the expected endings: it returns an
+outcome dict, `done` (with rank 0's return value), `removed` (left out of a
+new generation) or `error` (the user's exception, with its traceback), so the
+driver can tell a user error from a death, which Ray reports as an actor
+error on the pending call.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import traceback
+from typing import Any
+
+import cloudpickle
+import ray
+
+from ray_elastic.exceptions import WorkerRemovedError
+from ray_elastic.worker_context import WorkerContext, WorkerSettings, set_current
+
+logger = logging.getLogger(__name__)
+
+
+class WorkerActor:
+    """Wrapped by `ray.remote` with a `control` concurrency group (see `actor_class`)."""
+
+    def __init__(
+        self,
+        worker_id: str,
+        kv: ray.actor.ActorHandle,
+        driver: ray.actor.ActorHandle,
+        settings: WorkerSettings,
+    ) -> None:
+        self.worker_id = worker_id
+        self.ctx = WorkerContext(worker_id, kv, driver, settings)
+        set_current(self.ctx)
+
+    def run(self, payload: bytes) -> dict[str, Any]:
+        try:
+            train_fn, config = cloudpickle.loads(payload)
+            value = train_fn(config)
+            rank = self.ctx.slot.rank if self.ctx.slot is not None else None
+            return {"kind": "done", "rank": rank, "value": value if rank == 0 else None}
+        except WorkerRemovedError:
+            return {"kind": "removed"}
+        except BaseException as e:  # noqa: BLE001 - every user failure is reported, with its traceback
+            return {"kind": "error", "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+        finally:
+            try:
+                self.ctx.shutdown()
+            except Exception:  # noqa: BLE001 - a dead driver cannot take the last metrics
+                logger.warning("worker %s could not deliver its last metrics", self.worker_id)
+
+    @ray.method(concurrency_group="control")
+    def ping(self) -> float:
+        return time.time()
+
+    @ray.method(concurrency_group="control")
+    def notify(self, generation: int) -> None:
+        self.ctx.notify(generation)
+
+    @ray.method(concurrency_group="control")
+    def pid(self) -> int:
+        return os.getpid()
+
+
+def actor_class() -> Any:
+    """`WorkerActor` as a Ray actor class with its control thread group."""
+    return ray.remote(
+        max_restarts=0,
+        concurrency_groups={"control": 2},
+    )(WorkerActor)
+

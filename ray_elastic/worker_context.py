@@ -1,0 +1,207 @@
+"""The runtime of one worker process: its place in the ring and its notices.
+
+Each worker actor holds one `WorkerContext` (a process-wide singleton, since
+one actor is one process). It
+
+- joins: tells the driver it is ready, then waits in the KV actor for a
+  generation that includes it and builds that generation's ring;
+- resets: tears the ring down and joins the next generation, or learns that
+  it was removed (`WorkerRemovedError`);
+- keeps the latest host-change notice the driver pushed into its memory, so
+  `check_host_updates()` reads a field instead of polling anyone;
+- buffers rank 0's `report()` metrics and ships them from a background thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+
+from ray_elastic.assignment import WorkerSlot
+from ray_elastic.collective.base import CollectiveGroup
+from ray_elastic.exceptions import (
+    GenerationSupersededError,
+    HorovodInternalError,
+    HostsUpdatedInterrupt,
+    RendezvousTimeoutError,
+    WorkerRemovedError,
+)
+from ray_elastic.rendezvous import KVClient
+
+logger = logging.getLogger(__name__)
+
+_METRICS_FLUSH_S = 0.25
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    """What the driver tells each worker about timeouts and the backend."""
+
+    backend: str = "gloo"
+    rendezvous_timeout: float = 600.0  # waiting for a generation (covers elastic_timeout)
+    collective_timeout: float = 300.0  # one collective, and forming one ring
+
+
+def make_group(backend: str, kv: KVClient, generation: int, rank: int, size: int, timeout: float) -> CollectiveGroup:
+    """Build the ring for `generation` with the chosen backend."""
+    if backend == "gloo":
+        from ray_elastic.collective.torch_gloo import TorchGlooGroup
+        from ray_elastic.rendezvous import torch_store
+
+        return TorchGlooGroup(torch_store(kv, generation, timeout), rank, size, timeout)
+    raise ValueError(f"backend {backend!r} is not available in this worker")
+
+
+class WorkerContext:
+    """Rank, size, ring and notices of this worker process."""
+
+    def __init__(
+        self,
+        worker_id: str,
+        kv: ray.actor.ActorHandle,
+        driver: ray.actor.ActorHandle,
+        settings: WorkerSettings,
+    ) -> None:
+        self.worker_id = worker_id
+        self.kv = KVClient(kv)
+        self.driver = driver
+        self.settings = settings
+        self.generation = 0
+        self.slot: WorkerSlot | None = None
+        self.group: CollectiveGroup | None = None
+        self.notice = 0  # newest generation the driver announced to this worker
+        self._announced = False
+        self._synced_generation = 0
+        self._metrics: deque[tuple[float, dict[str, Any]]] = deque()
+        self._metrics_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._flusher = threading.Thread(target=self._flush_loop, name="ray-elastic-metrics", daemon=True)
+        self._flusher.start()
+
+    # ---- membership ------------------------------------------------------
+    def ensure_joined(self) -> None:
+        if self.group is None:
+            self._join()
+
+    def _join(self) -> None:
+        if not self._announced:
+            self.driver.worker_ready.remote(self.worker_id)
+            self._announced = True
+        deadline = time.monotonic() + self.settings.rendezvous_timeout
+        after = self.generation
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise RendezvousTimeoutError(
+                    f"worker {self.worker_id} found no generation to join within "
+                    f"{self.settings.rendezvous_timeout:g} s (last generation {self.generation})"
+                )
+            generation, plan = self.kv.wait_generation(after, remaining)
+            slot = plan.get(self.worker_id)
+            if slot is None:
+                if self.slot is not None:
+                    raise WorkerRemovedError(f"worker {self.worker_id} is not part of generation {generation}")
+                after = generation  # a newcomer not yet admitted: wait for the next one
+                continue
+            try:
+                self.group = make_group(
+                    self.settings.backend,
+                    self.kv,
+                    generation,
+                    slot.rank,
+                    slot.size,
+                    self.settings.collective_timeout,
+                )
+            except (HorovodInternalError, GenerationSupersededError, RendezvousTimeoutError) as e:
+                # a peer died while the ring formed: the driver publishes a newer generation
+                logger.info("worker %s: ring of generation %d did not form (%s); waiting for the next", self.worker_id, generation, e)
+                self.driver.request_reset.remote(self.worker_id, generation, str(e))
+                after = generation
+                continue
+            self.generation = generation
+            self.slot = slot
+            return
+
+    def reset(self, failed: bool) -> None:
+        """Leave the current ring and join the next generation."""
+        if failed:
+            self.driver.request_reset.remote(self.worker_id, self.generation, "collective failed")
+        self.close_group()
+        self._join()
+
+    def close_group(self) -> None:
+        if self.group is not None:
+            self.group.close()
+            self.group = None
+
+    def notify(self, generation: int) -> None:
+        """Called by the driver (on a control thread): a new generation awaits."""
+        if generation > self.notice:
+            self.notice = generation
+
+    def check_host_updates(self) -> None:
+        """Raise `HostsUpdatedInterrupt` on every rank at once if the world changed."""
+        self.ensure_joined()
+        if self.group.max_int(self.notice) > self.generation:
+            raise HostsUpdatedInterrupt(skip_sync=False)
+
+    def mark_synced(self) -> None:
+        """Tell the driver (once per generation) that this rank finished its sync."""
+        if self._synced_generation != self.generation:
+            self._synced_generation = self.generation
+            self.driver.worker_synced.remote(self.worker_id, self.generation, time.time())
+
+    # ---- metrics ---------------------------------------------------------
+    def report(self, metrics: dict[str, Any]) -> None:
+        if self.slot is None or self.slot.rank != 0:
+            return
+        with self._metrics_lock:
+            self._metrics.append((time.time(), dict(metrics)))
+
+    def _drain(self) -> list[tuple[float, dict[str, Any]]]:
+        with self._metrics_lock:
+            batch = list(self._metrics)
+            self._metrics.clear()
+        return batch
+
+    def _flush_loop(self) -> None:
+        while not self._stop.wait(_METRICS_FLUSH_S):
+            batch = self._drain()
+            if batch:
+                self.driver.add_metrics.remote(self.worker_id, batch)
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the flusher and deliver the last metrics before the worker returns."""
+        self._stop.set()
+        self._flusher.join(timeout)
+        batch = self._drain()
+        if batch:
+            ray.get(self.driver.add_metrics.remote(self.worker_id, batch), timeout=timeout)
+        self.close_group()
+
+
+_current: WorkerContext | None = None
+
+
+def set_current(ctx: WorkerContext | None) -> None:
+    global _current
+    _current = ctx
+
+
+def current() -> WorkerContext:
+    """This process's context; a clear error outside an elastic worker."""
+    if _current is None:
+        raise RuntimeError(
+            "this ray_elastic function only works inside train_fn running under ElasticTrainer.fit()"
+        )
+    return _current
+
+
+def maybe_current() -> WorkerContext | None:
+    return _current
