@@ -144,10 +144,10 @@ def plan_scaling(
 class Cooldown:
     """Exponential back-off for hosts whose workers failed.
 
-    The n-th failure of a host within `forget_after` seconds of the previous
-    one keeps it out for `min(max_s, min_s * 2 ** (n - 1))` seconds; after that
-    the host is offered again. A host quiet for `forget_after` (default
-    `max_s`) starts again from `min_s`.
+    The n-th failure of a host within `forget_after` seconds of being offered
+    again keeps it out for `min(max_s, min_s * 2 ** (n - 1))` seconds; after that
+    the host is offered again. A host that stays healthy for `forget_after`
+    (default `max_s`) after being offered again starts over from `min_s`.
     """
 
     def __init__(self, min_s: float, max_s: float, forget_after: float | None = None) -> None:
@@ -164,7 +164,8 @@ class Cooldown:
         """Start (or extend) the host's cool-down; returns its length in seconds."""
         last = self._last_failure.get(host)
         n = self._failures.get(host, 0)
-        if last is not None and now - last > self.forget_after:
+        # quiet time counts from when the host was offered again, not from inside its ban
+        if last is not None and now - self._until.get(host, last) > self.forget_after:
             n = 0
         n += 1
         self._failures[host] = n

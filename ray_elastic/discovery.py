@@ -123,7 +123,7 @@ def resolve_hosts(raw: Mapping[str, int], nodes: Sequence[NodeInfo], per_worker:
                 continue
             node = matches[0]
         capacity = slots_for_resources(node.resources, per_worker)
-        out[node.node_id] = out.get(node.node_id, 0) + min(slots, capacity)
+        out[node.node_id] = min(capacity, out.get(node.node_id, 0) + slots)
     return out
 
 
@@ -185,7 +185,8 @@ class ScriptDiscovery:
         timeout: float = 30.0,
         nodes: Callable[[], list[NodeInfo]] = alive_ray_nodes,
     ):
-        self.path = path
+        # absolute: subprocess searches $PATH for a bare name, and the driver's cwd may differ
+        self.path = os.path.abspath(path)
         self.per_worker = dict(per_worker)
         self.default_slots = default_slots
         self.timeout = timeout
@@ -193,9 +194,7 @@ class ScriptDiscovery:
 
     def __call__(self) -> HostSlots:
         try:
-            proc = subprocess.run(
-                [self.path], capture_output=True, text=True, timeout=self.timeout, check=False
-            )
+            proc = subprocess.run([self.path], capture_output=True, text=True, timeout=self.timeout, check=False)
         except subprocess.TimeoutExpired:
             raise DiscoveryError(f"discovery script {self.path} did not finish within {self.timeout:g} s") from None
         except OSError as e:
@@ -248,7 +247,9 @@ class DiscoveryPoller:
     `give_up_after` seconds have passed since the last success, when it raises.
     """
 
-    def __init__(self, source: Callable[[], HostSlots], give_up_after: float, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self, source: Callable[[], HostSlots], give_up_after: float, clock: Callable[[], float] = time.monotonic
+    ):
         self.source = source
         self.give_up_after = give_up_after
         self._clock = clock

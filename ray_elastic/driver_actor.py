@@ -34,6 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import cloudpickle
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -114,7 +115,8 @@ class DriverActor:
         self.kv = kv
         self.settings = settings
         self._payload_ref = ray.put(payload)
-        self._discovery_spec = discovery
+        # callables arrive pickled by the trainer (their module may exist only on its side)
+        self._discovery_spec = cloudpickle.loads(discovery) if isinstance(discovery, bytes) else discovery
         self.state = DriverState.WAITING
         self.failure: str | None = None
         self.generation = 0
@@ -188,6 +190,18 @@ class DriverActor:
             await self._on_exit(message[1], message[2])
         elif kind == "died":
             await self._on_died(message[1], message[2])
+            # deaths already queued (a node's workers die together) join the same reset
+            others = []
+            while not self._queue.empty():
+                queued = self._queue.get_nowait()
+                if queued[0] == "died":
+                    await self._on_died(queued[1], queued[2])
+                else:
+                    others.append(queued)
+            for queued in others:
+                self._queue.put_nowait(queued)
+            await self._maybe_publish()
+            await self._reconcile()
         elif kind == "reset_request":
             await self._on_reset_request(*message[1:])
         elif kind == "fatal":
@@ -212,13 +226,9 @@ class DriverActor:
     async def _poll(self, poller: DiscoveryPoller) -> dict[str, int] | None:
         loop = asyncio.get_running_loop()
         try:
-            return await asyncio.wait_for(
-                loop.run_in_executor(None, poller.poll), self.settings.discovery_timeout
-            )
+            return await asyncio.wait_for(loop.run_in_executor(None, poller.poll), self.settings.discovery_timeout)
         except asyncio.TimeoutError:
-            raise DiscoveryError(
-                f"discovery did not answer within {self.settings.discovery_timeout:g} s"
-            ) from None
+            raise DiscoveryError(f"discovery did not answer within {self.settings.discovery_timeout:g} s") from None
 
     async def _discovery_loop(self, poller: DiscoveryPoller) -> None:
         while True:
@@ -254,13 +264,16 @@ class DriverActor:
             self.cooldown.cooling(time.monotonic()),
             self.settings.max_workers,
         )
+        leaving = []
         for worker_id in decision.remove:
             rec = self.workers[worker_id]
             if rec.status is WorkerStatus.MEMBER:
                 rec.status = WorkerStatus.LEAVING
-                self._unbound_events.append(self._event("hosts_removed", f"{worker_id} on node {rec.host[:8]} leaves"))
+                leaving.append(f"{worker_id} on node {rec.host[:8]}")
             else:
                 self._kill(rec)
+        if leaving:
+            self._unbound_events.append(self._event("hosts_removed", f"hosts withdrawn: {', '.join(leaving)} leave"))
         added = 0
         for host, count in decision.add.items():
             for _ in range(count):
@@ -298,7 +311,11 @@ class DriverActor:
             )
         for rec in self._live(WorkerStatus.STARTING):
             if now - rec.started_at > self.settings.elastic_timeout:
-                logger.warning("worker %s did not become ready within %g s; killing it", rec.worker_id, self.settings.elastic_timeout)
+                logger.warning(
+                    "worker %s did not become ready within %g s; killing it",
+                    rec.worker_id,
+                    self.settings.elastic_timeout,
+                )
                 self._kill(rec, failed=True)
 
     # ---- workers -------------------------------------------------------
@@ -410,9 +427,6 @@ class DriverActor:
             )
         if self._finishing and not self._live(WorkerStatus.MEMBER, WorkerStatus.LEAVING):
             self._set_state(DriverState.DONE)
-            return
-        await self._maybe_publish()
-        await self._reconcile()
 
     async def _on_reset_request(self, worker_id: str, generation: int, reason: str) -> None:
         """A rank's ring broke. Usually a death explains it; if every member answers, re-form the ring."""
@@ -421,7 +435,7 @@ class DriverActor:
         members = [self.workers[w] for w in self.plan if self.workers[w].status in _ALIVE]
         pings = [asyncio.wait_for(r.handle.ping.remote(), self.settings.liveness_timeout) for r in members]
         results = await asyncio.gather(*pings, return_exceptions=True)
-        for rec, result in zip(members, results):
+        for rec, result in zip(members, results, strict=False):
             if isinstance(result, asyncio.TimeoutError):
                 logger.warning("worker %s did not answer a ping during a reset; killing it", rec.worker_id)
                 self._kill(rec, failed=True)
@@ -436,11 +450,13 @@ class DriverActor:
             live = [r for r in self._live(*_ALIVE) if r.handle is not None]
             pings = [asyncio.wait_for(r.handle.ping.remote(), self.settings.liveness_timeout) for r in live]
             results = await asyncio.gather(*pings, return_exceptions=True)
-            for rec, result in zip(live, results):
+            for rec, result in zip(live, results, strict=False):
                 if isinstance(result, asyncio.TimeoutError) and rec.status in _ALIVE:
                     logger.warning(
                         "worker %s on node %s did not answer within liveness_timeout=%g s; killing it",
-                        rec.worker_id, rec.host[:8], self.settings.liveness_timeout,
+                        rec.worker_id,
+                        rec.host[:8],
+                        self.settings.liveness_timeout,
                     )
                     self._kill(rec, failed=True)
 
@@ -454,6 +470,13 @@ class DriverActor:
         if not force and {r.worker_id for r in members} == current:
             return
         lost = any(self.workers[w].status not in _ALIVE for w in current)
+        if current and not any(self.workers[w].status in _ALIVE for w in current):
+            # nobody holds the trained state any more: starting over would silently lose it
+            self._fail(
+                f"all {len(current)} workers of generation {self.generation} failed; no survivor holds the "
+                "training state, so the run cannot continue"
+            )
+            return
         leaving = any(self.workers[w].status is WorkerStatus.LEAVING for w in current)
         starting = self._live(WorkerStatus.STARTING)
         if starting and not (lost or leaving or force):

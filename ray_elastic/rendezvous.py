@@ -184,7 +184,9 @@ class KVClient:
         try:
             return ray.get(ref, timeout=timeout + _CLIENT_MARGIN_S)
         except ray.exceptions.GetTimeoutError:
-            raise RendezvousTimeoutError(f"the KV actor did not answer {method} within {timeout + _CLIENT_MARGIN_S:g} s") from None
+            raise RendezvousTimeoutError(
+                f"the KV actor did not answer {method} within {timeout + _CLIENT_MARGIN_S:g} s"
+            ) from None
 
     def wait_generation(self, after: int, timeout: float) -> tuple[int, dict[str, Any]]:
         return self._call("wait_generation", after, timeout, timeout=timeout)

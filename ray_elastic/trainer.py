@@ -108,9 +108,11 @@ class ElasticTrainer:
             raise ValueError(f"config must be a dict, got {type(config).__name__}")
         config = dict(config or {})
         try:
-            self._payload = _pickle_payload(train_fn, config)
+            self._payload = _pickle_by_value(train_fn, (train_fn, config))
         except Exception as e:
-            raise ValueError(f"train_fn and config must be picklable to reach the workers: {type(e).__name__}: {e}") from e
+            raise ValueError(
+                f"train_fn and config must be picklable to reach the workers: {type(e).__name__}: {e}"
+            ) from e
         self.resources_per_worker = _check_resources(resources_per_worker)
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -133,6 +135,13 @@ class ElasticTrainer:
         ):
             raise ValueError(f"cooldown_range must be (min_s, max_s) with 0 <= min_s <= max_s, got {cooldown_range!r}")
         check_discovery_spec(discovery)
+        if isinstance(discovery, (str, os.PathLike)):
+            discovery = os.path.abspath(discovery)  # the driver actor's working directory may differ
+        elif discovery is not None:
+            try:
+                discovery = _pickle_by_value(discovery, discovery)
+            except Exception as e:
+                raise ValueError(f"the discovery callable must be picklable: {type(e).__name__}: {e}") from e
         self.train_fn = train_fn
         self.config = config
         self.min_workers = min_workers
@@ -208,8 +217,13 @@ class ElasticTrainer:
                 ready, _ = ray.wait([run_ref], timeout=_POLL_S)
                 if ready:
                     outcome = ray.get(run_ref)
-                    progress.update({**outcome, "state": "done" if outcome["ok"] else "failed",
-                                     "metrics": outcome["metrics"][seen_metrics:]})
+                    progress.update(
+                        {
+                            **outcome,
+                            "state": "done" if outcome["ok"] else "failed",
+                            "metrics": outcome["metrics"][seen_metrics:],
+                        }
+                    )
                     return outcome
                 try:
                     status = ray.get(driver.status.remote(seen_metrics), timeout=30)
@@ -261,17 +275,17 @@ def _remove_run_placement_groups(namespace: str) -> None:
                 pass
 
 
-def _pickle_payload(train_fn: Callable, config: dict[str, Any]) -> bytes:
-    """Pickle `train_fn` and `config`, taking a loose script's module by value.
+def _pickle_by_value(fn: Any, payload: Any) -> bytes:
+    """Pickle `payload`, taking the module that defines `fn` by value if it is a loose file.
 
-    A `train_fn` defined in a file that is not an installed package (an
-    example script, a notebook helper) cannot be imported by name in the
-    workers, so its module travels with it.
+    A function defined in a file that is not an installed package (an example
+    script, a test helper) cannot be imported by name in the actors, so its
+    module travels with it.
     """
     import sys
     import sysconfig
 
-    module = sys.modules.get(getattr(train_fn, "__module__", "") or "")
+    module = sys.modules.get(getattr(fn, "__module__", "") or "")
     installed = {sysconfig.get_paths()[k] for k in ("purelib", "platlib")}
     path = getattr(module, "__file__", None)
     by_value = (
@@ -284,7 +298,7 @@ def _pickle_payload(train_fn: Callable, config: dict[str, Any]) -> bytes:
     if by_value:
         cloudpickle.register_pickle_by_value(module)
     try:
-        return cloudpickle.dumps((train_fn, config))
+        return cloudpickle.dumps(payload)
     finally:
         if by_value:
             cloudpickle.unregister_pickle_by_value(module)

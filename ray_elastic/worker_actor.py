@@ -76,4 +76,3 @@ def actor_class() -> Any:
         max_restarts=0,
         concurrency_groups={"control": 2},
     )(WorkerActor)
-

@@ -120,7 +120,12 @@ class WorkerContext:
                 )
             except (HorovodInternalError, GenerationSupersededError, RendezvousTimeoutError) as e:
                 # a peer died while the ring formed: the driver publishes a newer generation
-                logger.info("worker %s: ring of generation %d did not form (%s); waiting for the next", self.worker_id, generation, e)
+                logger.info(
+                    "worker %s: ring of generation %d did not form (%s); waiting for the next",
+                    self.worker_id,
+                    generation,
+                    e,
+                )
                 self.driver.request_reset.remote(self.worker_id, generation, str(e))
                 after = generation
                 continue
@@ -197,9 +202,7 @@ def set_current(ctx: WorkerContext | None) -> None:
 def current() -> WorkerContext:
     """This process's context; a clear error outside an elastic worker."""
     if _current is None:
-        raise RuntimeError(
-            "this ray_elastic function only works inside train_fn running under ElasticTrainer.fit()"
-        )
+        raise RuntimeError("this ray_elastic function only works inside train_fn running under ElasticTrainer.fit()")
     return _current
 
 

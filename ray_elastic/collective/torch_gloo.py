@@ -98,7 +98,7 @@ class TorchGlooGroup(CollectiveGroup):
         parts = [torch.empty_like(padded) for _ in range(self.size)]
         if padded.numel():
             self._call("allgather", lambda: dist.all_gather(parts, padded))
-        pieces = [p[: int(n) * row] for p, n in zip(parts, lengths.tolist())]
+        pieces = [p[: int(n) * row] for p, n in zip(parts, lengths.tolist(), strict=False)]
         out = torch.cat(pieces).reshape(-1, *t.shape[1:]) if t.dim() else torch.cat(pieces)
         return out.numpy() if isinstance(value, np.ndarray) else out
 

@@ -39,7 +39,7 @@ class KVTorchStore(dist.Store):
         return self._client.multi_get(self._generation, keys, self._timeout_s)
 
     def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:
-        self._client.multi_set(self._generation, [(k, _as_bytes(v)) for k, v in zip(keys, values)])
+        self._client.multi_set(self._generation, [(k, _as_bytes(v)) for k, v in zip(keys, values, strict=False)])
 
     def add(self, key: str, amount: int) -> int:
         return self._client.add(self._generation, key, amount)

@@ -1,0 +1,71 @@
+"""Shared fixtures: one local multi-node Ray cluster for the whole session.
+
+The cluster (`ray.cluster_utils.Cluster`) has a head with no CPUs and two
+nodes of 2 CPUs, so 4 worker slots on 2 hosts. Tests that add or remove nodes
+put the cluster back as they found it. `no_leaks` checks after a test that
+no actor and no placement group of any run is left.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+
+def wait_until(predicate: Callable[[], object], timeout: float, what: str, interval: float = 0.05) -> object:
+    """Poll `predicate` until truthy; fail naming `what` after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+        time.sleep(interval)
+
+
+def run_namespaces_alive() -> list[dict]:
+    import ray
+
+    return [a for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"].startswith("ray_elastic_")]
+
+
+def run_placement_groups_alive() -> list[str]:
+    from ray.util.placement_group import placement_group_table
+
+    return [
+        info["name"]
+        for info in placement_group_table().values()
+        if info.get("name", "").startswith("ray_elastic_") and info.get("state") != "REMOVED"
+    ]
+
+
+@pytest.fixture(scope="session")
+def cluster():
+    import ray
+    from ray.cluster_utils import Cluster
+
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    workers = [c.add_node(num_cpus=2) for _ in range(2)]
+    ray.init(address=c.address, logging_level=logging.WARNING)
+    c.wait_for_nodes()
+    c.worker_nodes_at_start = workers
+    yield c
+    ray.shutdown()
+    c.shutdown()
+
+
+@pytest.fixture
+def no_leaks(cluster):
+    yield
+    wait_until(lambda: not run_namespaces_alive(), 30, f"run actors to go away: {run_namespaces_alive()}")
+    wait_until(
+        lambda: not run_placement_groups_alive(), 30, f"run placement groups to go: {run_placement_groups_alive()}"
+    )

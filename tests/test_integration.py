@@ -1,0 +1,248 @@
+"""End to end on a real local multi-node Ray cluster: the elastic behaviours.
+
+Each test runs `ElasticTrainer.fit()` on the session's cluster (2 nodes x 2
+CPUs) with `counting_train_fn`, injects a fault or changes the cluster, and
+reads what happened from the `Result`: rank 0's per-step metrics tell the
+world size at each step and whether steps were redone; the returned digests
+tell whether all ranks ended with bitwise-equal state.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from concurrent.futures import Future
+
+import pytest
+import ray
+from conftest import run_namespaces_alive, wait_until
+from workloads import FileDiscovery, counting_train_fn
+
+import ray_elastic as elastic
+from ray_elastic import ElasticTrainer, TrainingFailedError
+
+pytestmark = pytest.mark.integration
+
+
+def sizes(result) -> list[int]:
+    """The world sizes rank 0 trained at, in order, repeats collapsed."""
+    out: list[int] = []
+    for m in result.metrics:
+        if not out or out[-1] != m["world_size"]:
+            out.append(m["world_size"])
+    return out
+
+
+def fit_in_thread(trainer: ElasticTrainer) -> Future:
+    fut: Future = Future()
+
+    def target() -> None:
+        try:
+            fut.set_result(trainer.fit())
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            fut.set_exception(e)
+
+    threading.Thread(target=target, daemon=True).start()
+    return fut
+
+
+def assert_same_state(result) -> None:
+    digests = result.return_value["digests"]
+    assert len(digests) == result.return_value["world_size"]
+    assert len(set(digests)) == 1, f"ranks diverged: {digests}"
+
+
+def fault(tmp_path, rank: int, step: int, action: str = "sigkill", name: str = "fault") -> dict:
+    return {"rank": rank, "step": step, "action": action, "marker": str(tmp_path / f"{name}-{rank}-{step}")}
+
+
+def first_after(result, since: float):
+    return next((t, m) for t, m in zip(result.metric_times, result.metrics, strict=False) if t > since)
+
+
+def test_sigkill_recovers_from_last_commit_and_refills_the_slot(cluster, no_leaks, tmp_path):
+    f = fault(tmp_path, rank=2, step=32)
+    result = ElasticTrainer(
+        counting_train_fn,
+        min_workers=2,
+        max_workers=4,
+        config={"faults": [f], "until_world": 4, "min_steps": 40, "extra_steps": 20},
+        cooldown_range=(1, 5),
+        verbose=0,
+    ).fit()
+    assert sizes(result) == [4, 3, 4]
+    killed_at = json.loads(open(f["marker"]).read())["time"]
+    recovered_at, first = next(
+        (t, m)
+        for t, m in zip(result.metric_times, result.metrics, strict=False)
+        if t > killed_at and m["world_size"] == 3
+    )
+    # the kill came after step 32, before its commit: survivors resume from the commit at step 30
+    assert first["step"] == 31
+    print(f"SIGKILL -> survivors' next completed step: {recovered_at - killed_at:.3f} s")
+    kinds = [e.kind for e in result.events]
+    assert kinds[:2] == ["start", "worker_failed"] and "hosts_added" in kinds
+    assert all(e.reset_duration is not None for e in result.events)
+    assert_same_state(result)  # the newcomer received the state by sync
+
+
+def test_ray_kill_of_a_worker_recovers(cluster, no_leaks, tmp_path):
+    signal_file = tmp_path / "reached"
+    fut = fit_in_thread(
+        ElasticTrainer(
+            counting_train_fn,
+            min_workers=2,
+            max_workers=4,
+            config={
+                "signal_file": str(signal_file),
+                "signal_step": 20,
+                "until_world": 3,
+                "min_steps": 21,
+                "extra_steps": 30,
+            },
+            cooldown_range=(30, 60),  # keep the slot empty: the run ends at world size 3
+            verbose=0,
+        )
+    )
+    wait_until(signal_file.exists, 90, "rank 0 to reach step 20")
+    [victim] = [a for a in run_namespaces_alive() if a["name"] == "w4"]
+    killed_at = time.time()
+    ray.kill(ray.get_actor("w4", namespace=victim["namespace"]))
+    result = fut.result(timeout=120)
+    assert sizes(result) == [4, 3]
+    assert result.return_value["world_size"] == 3
+    assert [e.kind for e in result.events] == ["start", "worker_failed"]
+    t, m = first_after(result, killed_at + result.events[1].reset_duration)
+    assert m["world_size"] == 3
+    assert_same_state(result)
+
+
+def test_node_added_grows_the_world_without_rollback(cluster, no_leaks, tmp_path):
+    signal_file = tmp_path / "reached"
+    fut = fit_in_thread(
+        ElasticTrainer(
+            counting_train_fn,
+            min_workers=2,
+            max_workers=6,
+            config={"signal_file": str(signal_file), "signal_step": 20, "until_world": 6, "extra_steps": 20},
+            verbose=0,
+        )
+    )
+    wait_until(signal_file.exists, 90, "rank 0 to reach step 20")
+    node = cluster.add_node(num_cpus=2)
+    added_at = time.time()
+    try:
+        result = fut.result(timeout=120)
+    finally:
+        cluster.remove_node(node)
+    assert sizes(result) == [4, 6]
+    steps = [m["step"] for m in result.metrics]
+    assert steps == list(range(1, len(steps) + 1)), "a graceful add must not roll back"
+    # survivors kept training while the newcomers booted
+    during_boot = [
+        m for t, m in zip(result.metric_times, result.metrics, strict=False) if t > added_at and m["world_size"] == 4
+    ]
+    assert len(during_boot) >= 10
+    added = [e for e in result.events if e.kind == "hosts_added"]
+    assert len(added) == 1 and added[0].world_size == 6 and added[0].reset_duration is not None
+    assert_same_state(result)
+
+
+def test_node_withdrawn_by_discovery_leaves_cleanly(cluster, no_leaks, tmp_path):
+    hosts_file = tmp_path / "hosts.json"
+    first, second = (n.node_id for n in cluster.worker_nodes_at_start)
+    hosts_file.write_text(json.dumps({first: 2, second: 2}))
+    signal_file = tmp_path / "reached"
+    fut = fit_in_thread(
+        ElasticTrainer(
+            counting_train_fn,
+            min_workers=2,
+            max_workers=4,
+            config={
+                "signal_file": str(signal_file),
+                "signal_step": 20,
+                "min_steps": 21,
+                "until_world": 2,
+                "extra_steps": 30,
+            },
+            discovery=FileDiscovery(str(hosts_file)),
+            verbose=0,
+        )
+    )
+    wait_until(signal_file.exists, 90, "rank 0 to reach step 20")
+    hosts_file.write_text(json.dumps({first: 2}))
+    result = fut.result(timeout=120)
+    assert sizes(result) == [4, 2]
+    steps = [m["step"] for m in result.metrics]
+    assert steps == list(range(1, len(steps) + 1)), "a graceful removal must not roll back"
+    assert [e.kind for e in result.events] == ["start", "hosts_removed"]
+    assert_same_state(result)
+
+
+def test_rank0_killed_oldest_survivor_takes_over_with_the_commit(cluster, no_leaks, tmp_path):
+    f = fault(tmp_path, rank=0, step=32)
+    result = ElasticTrainer(
+        counting_train_fn,
+        min_workers=2,
+        max_workers=4,
+        config={"faults": [f], "steps": 80},
+        cooldown_range=(30, 60),
+        verbose=0,
+    ).fit()
+    victim = json.loads(open(f["marker"]).read())["worker"]
+    before = {m["rank0"] for m in result.metrics if m["world_size"] == 4}
+    after = [m for m in result.metrics if m["world_size"] == 3]
+    assert before == {victim} == {"w1"}
+    assert after[0]["rank0"] == "w2", "the oldest survivor becomes rank 0"
+    assert after[0]["step"] == 31, "state rolls back to the last commit (step 30)"
+    assert result.return_value["steps"] == 80
+    assert_same_state(result)
+
+
+def test_all_workers_failing_is_a_clear_error(cluster, no_leaks, tmp_path):
+    faults = [fault(tmp_path, rank=r, step=10) for r in range(4)]
+    started = time.monotonic()
+    with pytest.raises(
+        TrainingFailedError, match=r"all \d+ workers of generation \d+ failed; no survivor holds the training state"
+    ):
+        ElasticTrainer(counting_train_fn, 2, 4, config={"faults": faults, "steps": 100}, verbose=0).fit()
+    assert time.monotonic() - started < 60
+
+
+def test_min_workers_never_reached_fails_within_elastic_timeout(cluster, no_leaks):
+    started = time.monotonic()
+    with pytest.raises(TrainingFailedError, match=r"min_workers=5 not reached within elastic_timeout=5 s"):
+        ElasticTrainer(counting_train_fn, 5, 5, config={"steps": 10}, elastic_timeout=5, verbose=0).fit()
+    assert time.monotonic() - started < 5 + 30
+
+
+def test_reset_limit_exceeded_fails(cluster, no_leaks, tmp_path):
+    f = fault(tmp_path, rank=1, step=12)
+    with pytest.raises(TrainingFailedError, match="reset_limit=0 reached"):
+        ElasticTrainer(counting_train_fn, 2, 4, config={"faults": [f], "steps": 200}, reset_limit=0, verbose=0).fit()
+
+
+def test_user_exception_fails_fast_with_its_traceback(cluster, no_leaks, tmp_path):
+    f = fault(tmp_path, rank=1, step=5, action="raise")
+    with pytest.raises(TrainingFailedError) as info:
+        ElasticTrainer(counting_train_fn, 2, 4, config={"faults": [f], "steps": 10**6}, verbose=0).fit()
+    message = str(info.value)
+    assert "ValueError: user code failed on purpose at step 5" in message
+    assert "_fire_faults" in message  # the user's own traceback, not a wrapper's
+    assert "rank 1" in message
+
+
+def test_fit_returns_rank0_value_and_metrics_in_order(cluster, no_leaks):
+    result = ElasticTrainer(counting_train_fn, 2, 3, config={"steps": 25}, verbose=0).fit()
+    assert [m["step"] for m in result.metrics] == list(range(1, 26))
+    assert result.return_value["steps"] == 25 and result.return_value["world_size"] == 3
+    assert result.resets == 0
+    assert_same_state(result)
+
+
+def test_worker_api_outside_a_worker_is_a_clear_error():
+    with pytest.raises(RuntimeError, match="only works inside train_fn"):
+        elastic.rank()
+    with pytest.raises(RuntimeError, match="only works inside train_fn"):
+        elastic.report({"loss": 1.0})

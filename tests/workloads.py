@@ -1,0 +1,109 @@
+"""Training functions and fault injection for the integration tests.
+
+`counting_train_fn` is a small numpy model trained with `ObjectState` and
+`elastic.allreduce`; rank 0 reports every step (step, world size, its worker
+id), so a test reads the whole story from `Result.metrics`. Faults are
+declared in the config and fire once each (a marker file records that it
+fired, and when), so a worker that replaces the victim does not repeat it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+
+import ray_elastic as elastic
+from ray_elastic.worker_context import current
+
+DIM = 8
+
+
+def _fire_faults(config: dict, step: int) -> None:
+    for fault in config.get("faults", []):
+        if fault["step"] != step or elastic.rank() != fault["rank"]:
+            continue
+        marker = Path(fault["marker"])
+        try:
+            fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)  # fires once, across workers
+        except FileExistsError:
+            continue
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps({"time": time.time(), "worker": current().worker_id, "step": step}))
+        action = fault["action"]
+        if action == "sigkill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif action == "exit":
+            os._exit(1)
+        elif action == "raise":
+            raise ValueError(f"user code failed on purpose at step {step}")
+        else:
+            raise AssertionError(f"unknown fault action {action!r}")
+
+
+def counting_train_fn(config: dict) -> dict:
+    """Trains until `steps`, or `extra_steps` past the first step >= `min_steps`
+    at which the world has `until_world` workers.
+
+    `signal_file`/`signal_step`: rank 0 creates the file when it reaches that
+    step (the test waits on it, then changes the cluster). `deadline_s` bounds
+    the run, failing it with a clear message instead of training forever.
+    """
+    started = time.monotonic()
+    state = elastic.ObjectState(step=0, w=np.zeros(DIM), reached_at=None)
+
+    @elastic.run
+    def train(state: elastic.ObjectState) -> dict:
+        rng = np.random.default_rng(0)
+        x = rng.normal(size=(64, DIM))
+        y = x @ np.arange(DIM, dtype=np.float64)
+        while True:
+            if state.step >= config.get("steps", 10**9):
+                break
+            at_goal = "until_world" in config and elastic.size() == config["until_world"]
+            if at_goal and state.step >= config.get("min_steps", 0):
+                if state.reached_at is None:
+                    state.reached_at = state.step
+                if state.step >= state.reached_at + config.get("extra_steps", 20):
+                    break
+            if time.monotonic() - started > config.get("deadline_s", 120):
+                raise TimeoutError(f"training did not reach its goal within {config.get('deadline_s', 120)} s")
+            grad = 2 * x.T @ (x @ state.w - y) / len(y)
+            grad = elastic.allreduce(grad, elastic.Average)
+            state.w = state.w - 0.01 * grad
+            state.step += 1
+            elastic.report({"step": state.step, "world_size": elastic.size(), "rank0": current().worker_id})
+            if config.get("signal_file") and state.step == config.get("signal_step") and elastic.rank() == 0:
+                Path(config["signal_file"]).touch()
+            _fire_faults(config, state.step)
+            time.sleep(config.get("step_time", 0.005))  # stands for the compute of a real step
+            if state.step % config.get("commit_every", 5) == 0:
+                state.commit()
+            else:
+                state.check_host_updates()
+        digest = hashlib.sha256(state.w.tobytes()).hexdigest()
+        digests = elastic.allgather_object(digest)
+        return {
+            "steps": state.step,
+            "world_size": elastic.size(),
+            "digests": digests,
+            "rank0": current().worker_id,
+        }
+
+    return train(state)
+
+
+class FileDiscovery:
+    """Discovery from a JSON file `{host: slots}` the test rewrites."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __call__(self) -> dict:
+        with open(self.path) as f:
+            return json.load(f)
