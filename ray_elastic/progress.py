@@ -28,7 +28,8 @@ class Progress:
         if enabled:
             from tqdm.auto import tqdm
 
-            self._bar = tqdm(total=None, unit="step", desc="ray-elastic", dynamic_ncols=True)
+            # disable=None: no bar where output is not a terminal (logs), event lines still print
+            self._bar = tqdm(total=None, unit="step", desc="ray-elastic", dynamic_ncols=True, disable=None)
 
     def update(self, status: dict[str, Any]) -> None:
         if not self.enabled:

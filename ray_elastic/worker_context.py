@@ -48,6 +48,18 @@ class WorkerSettings:
     collective_timeout: float = 300.0  # one collective, and forming one ring
 
 
+def load_backend(backend: str) -> None:
+    """Import the backend's libraries (torch: seconds in a fresh process).
+
+    A newcomer does this before it says it is ready, so the ring never waits
+    for a member's imports.
+    """
+    if backend == "gloo":
+        import ray_elastic.collective.torch_gloo  # noqa: F401
+    else:
+        raise ValueError(f"backend {backend!r} is not available in this worker")
+
+
 def make_group(backend: str, kv: KVClient, generation: int, rank: int, size: int, timeout: float) -> CollectiveGroup:
     """Build the ring for `generation` with the chosen backend."""
     if backend == "gloo":
@@ -91,6 +103,7 @@ class WorkerContext:
 
     def _join(self) -> None:
         if not self._announced:
+            load_backend(self.settings.backend)
             self.driver.worker_ready.remote(self.worker_id)
             self._announced = True
         deadline = time.monotonic() + self.settings.rendezvous_timeout

@@ -8,6 +8,7 @@ shares their memory, so in-place operations write into the caller's array.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -46,6 +47,11 @@ class TorchGlooGroup(CollectiveGroup):
 
     def __init__(self, store: dist.Store, rank: int, size: int, timeout: float) -> None:
         super().__init__(rank, size)
+        self._store = store  # torch calls back into this Python object: keep it alive with the group
+        if not dist.is_initialized():
+            # torch names the default group from a counter that only a successful destroy resets;
+            # after a ring that failed to form, ranks would disagree on the name and never meet
+            dist.distributed_c10d._world.group_count = 0
         self._call(
             "init_process_group",
             lambda: dist.init_process_group(
@@ -86,12 +92,14 @@ class TorchGlooGroup(CollectiveGroup):
     def allgather(self, value: T) -> T:
         t = _as_tensor(value)
         if self.size == 1:
-            return value.clone() if isinstance(value, torch.Tensor) else value.copy()
+            out = t.clone() if t.dim() else t.reshape(1).clone()
+            return out.numpy() if isinstance(value, np.ndarray) else out
         lengths = torch.zeros(self.size, dtype=torch.int64)
         lengths[self.rank] = t.shape[0] if t.dim() else 1
         self._call("allgather", lambda: dist.all_reduce(lengths, op=dist.ReduceOp.SUM))
         flat = t.reshape(-1) if t.dim() else t.reshape(1)
-        row = int(flat.numel() // max(1, lengths[self.rank].item())) if flat.numel() else 0
+        # elements per row from the shape, so a rank with zero rows pads like the others
+        row = math.prod(t.shape[1:]) if t.dim() else 1
         longest = int(lengths.max().item())
         padded = torch.zeros(longest * row, dtype=t.dtype)
         padded[: flat.numel()] = flat

@@ -59,3 +59,7 @@ class KVTorchStore(dist.Store):
 
     def num_keys(self) -> int:
         return self._client.num_keys(self._generation)
+
+    # torch's C++ side (PrefixStore, which init_process_group wraps around us) calls these names
+    deleteKey = delete_key  # noqa: N815
+    getNumKeys = num_keys  # noqa: N815

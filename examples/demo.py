@@ -1,0 +1,133 @@
+"""`make demo`: elastic training through a worker crash and a node joining.
+
+Starts a local Ray cluster of three nodes (a head without CPUs and two nodes
+of 2 CPUs: 4 worker slots), trains the numpy linear-regression example on 4
+workers, SIGKILLs one worker during training, then adds a third worker node.
+Prints the world-size timeline, each membership event with its recovery
+time, and the time from the SIGKILL to the survivors' next completed step.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import ray
+from ray.cluster_utils import Cluster
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import ray_elastic as elastic  # noqa: E402
+from linear_regression import TRUE_W, train_fn  # noqa: E402
+
+KILL_STEP = 150
+ADD_NODE_STEP = 400
+STEPS = 1200
+
+
+class DemoHook:
+    """Runs after every step in every worker: simulated compute, the crash, a progress mark."""
+
+    def __init__(self, workdir: str) -> None:
+        self.workdir = workdir
+
+    def __call__(self, step: int) -> None:
+        time.sleep(0.01)  # stands for the forward/backward pass of a real model
+        if step == KILL_STEP and elastic.rank() == 2:
+            marker = os.path.join(self.workdir, "killed")
+            try:
+                fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            except FileExistsError:
+                return  # the crash happens once, not again after the rollback
+            with os.fdopen(fd, "w") as f:
+                f.write(json.dumps({"time": time.time()}))
+            os.kill(os.getpid(), signal.SIGKILL)
+        if step == ADD_NODE_STEP and elastic.rank() == 0:
+            Path(self.workdir, "add-node").touch()
+
+
+def timeline(result: elastic.Result) -> list[str]:
+    t0 = result.metric_times[0]
+    lines, start = [], 0
+    for i in range(1, len(result.metrics) + 1):
+        if i == len(result.metrics) or result.metrics[i]["world_size"] != result.metrics[start]["world_size"]:
+            m0, m1 = result.metrics[start], result.metrics[i - 1]
+            lines.append(
+                f"  {result.metric_times[start] - t0:6.1f} s - {result.metric_times[i - 1] - t0:6.1f} s  "
+                f"world size {m0['world_size']}  steps {m0['step']}-{m1['step']}"
+            )
+            start = i
+    return lines
+
+
+def main() -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    workdir = tempfile.mkdtemp(prefix="ray-elastic-demo-")
+    print("starting a local Ray cluster: head + 2 nodes x 2 CPUs ...", flush=True)
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    for _ in range(2):
+        cluster.add_node(num_cpus=2)
+    ray.init(address=cluster.address, logging_level=logging.WARNING)
+    cluster.wait_for_nodes()
+
+    trainer = elastic.ElasticTrainer(
+        train_fn,
+        min_workers=2,
+        max_workers=6,
+        config={"steps": STEPS, "lr": 0.02, "commit_every": 10, "step_hook": DemoHook(workdir)},
+        cooldown_range=(3, 30),
+    )
+    outcome: dict = {}
+
+    def fit() -> None:
+        try:
+            outcome["result"] = trainer.fit()
+        except BaseException as e:  # noqa: BLE001 - re-raised in the main thread
+            outcome["error"] = e
+
+    # fit() runs beside the main thread, which alone may change the cluster (Ray's rule)
+    runner = threading.Thread(target=fit, daemon=True)
+    runner.start()
+    flag = Path(workdir, "add-node")
+    deadline = time.monotonic() + 300
+    while runner.is_alive() and not flag.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if flag.exists():
+        print("\n>>> adding a third worker node (2 CPUs)", flush=True)
+        cluster.add_node(num_cpus=2)
+    runner.join(600)
+    ray.shutdown()
+    cluster.shutdown()
+    if "error" in outcome:
+        raise outcome["error"]
+    result = outcome["result"]
+
+    killed_at = json.loads(Path(workdir, "killed").read_text())["time"]
+    next_step = next(t for t, m in zip(result.metric_times, result.metrics, strict=True) if t > killed_at)
+    print("\nworld-size timeline (rank 0's steps):")
+    print("\n".join(timeline(result)))
+    print("\nmembership events:")
+    for ev in result.events:
+        took = f"{ev.reset_duration:.3f} s" if ev.reset_duration is not None else "-"
+        print(f"  {ev.kind:15s} generation {ev.generation:2d}  world size {ev.world_size}  reset {took:>8s}  {ev.detail}")
+    print(f"\nSIGKILL -> survivors' next completed step: {next_step - killed_at:.3f} s")
+    print(f"learned w: {np.round(result.return_value['w'], 3)}  (true w: {TRUE_W})")
+    print(f"final loss {result.metrics[-1]['loss']:.2e} after {result.return_value['steps']} steps")
+    failed = [e for e in result.events if e.kind == "worker_failed"]
+    added = [e for e in result.events if e.kind == "hosts_added"]
+    if not failed or not added:
+        print("the demo expected at least one recovery and one scale-up", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
