@@ -25,8 +25,9 @@ from ray.cluster_utils import Cluster
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-import ray_elastic as elastic  # noqa: E402
 from linear_regression import TRUE_W, train_fn  # noqa: E402
+
+import ray_elastic as elastic  # noqa: E402
 
 KILL_STEP = 150
 ADD_NODE_STEP = 400
@@ -117,7 +118,9 @@ def main() -> int:
     print("\nmembership events:")
     for ev in result.events:
         took = f"{ev.reset_duration:.3f} s" if ev.reset_duration is not None else "-"
-        print(f"  {ev.kind:15s} generation {ev.generation:2d}  world size {ev.world_size}  reset {took:>8s}  {ev.detail}")
+        print(
+            f"  {ev.kind:15s} generation {ev.generation:2d}  world size {ev.world_size}  reset {took:>8s}  {ev.detail}"
+        )
     print(f"\nSIGKILL -> survivors' next completed step: {next_step - killed_at:.3f} s")
     print(f"learned w: {np.round(result.return_value['w'], 3)}  (true w: {TRUE_W})")
     print(f"final loss {result.metrics[-1]['loss']:.2e} after {result.return_value['steps']} steps")
