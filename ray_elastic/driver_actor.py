@@ -143,6 +143,7 @@ class DriverActor:
     async def run(self) -> dict[str, Any]:
         """Drive the run to its end; returns the outcome the trainer turns into a Result."""
         self._queue = asyncio.Queue()
+        self._started_at = time.time()
         self._self_handle = ray.get_runtime_context().current_actor
         try:
             poller = DiscoveryPoller(
@@ -280,7 +281,7 @@ class DriverActor:
                 self._spawn(host)
                 added += 1
         if added and self.generation > 0:
-            self._unbound_events.append(self._event("hosts_added", f"{added} worker(s) starting"))
+            self._unbound_events.append(self._event("hosts_added", f"{added} new worker(s)"))
         self._request_autoscale()
         if decision.remove:
             await self._maybe_publish()
@@ -432,7 +433,9 @@ class DriverActor:
         """A rank's ring broke. Usually a death explains it; if every member answers, re-form the ring."""
         if generation != self.generation or self.state in (DriverState.DONE, DriverState.FAILED):
             return
-        members = [self.workers[w] for w in self.plan if self.workers[w].status in _ALIVE]
+        members = [self.workers[w] for w in self.plan]
+        if any(r.status not in _ALIVE for r in members):
+            return  # a death explains it, and its handler re-forms the ring
         pings = [asyncio.wait_for(r.handle.ping.remote(), self.settings.liveness_timeout) for r in members]
         results = await asyncio.gather(*pings, return_exceptions=True)
         for rec, result in zip(members, results, strict=False):
@@ -498,11 +501,18 @@ class DriverActor:
             if rec.status in (WorkerStatus.MEMBER, WorkerStatus.LEAVING) and rec.handle is not None:
                 rec.handle.notify.remote(self.generation)
         size = len(self.plan)
+        now = time.time()
         if self.generation == 1:
             self._unbound_events.append(self._event("start", f"{size} workers"))
+            self._unbound_events[-1].time = self._started_at
         else:
             self.resets += 1
             logger.info("generation %d: world size %d -> %d", self.generation, old_size, size)
+        for ev in self._unbound_events:
+            if ev.kind == "hosts_added":
+                # the others' pause starts now; the boot before it cost them nothing
+                ev.detail += f", admitted after booting {now - ev.time:.1f} s"
+                ev.time = now
         for ev in self._unbound_events:
             ev.generation = self.generation
             ev.world_size = size

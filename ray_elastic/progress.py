@@ -64,8 +64,13 @@ class Progress:
             self._bar = None
 
 
+_VERBS = {"start": "ready", "worker_failed": "recovered", "reset_requested": "recovered"}
+
+
 def _describe(ev: dict[str, Any]) -> str:
-    took = f"; recovered in {ev['reset_duration']:.2f} s" if ev["reset_duration"] is not None else ""
+    took = ""
+    if ev["reset_duration"] is not None:
+        took = f"; {_VERBS.get(ev['kind'], 'resized')} in {ev['reset_duration']:.2f} s"
     if ev["kind"] == "start":
-        return f"[ray-elastic] started with {ev['world_size']} workers{took.replace('recovered', 'ready')}"
+        return f"[ray-elastic] started with {ev['world_size']} workers{took}"
     return f"[ray-elastic] {ev['detail']}{took}, world size now {ev['world_size']}"

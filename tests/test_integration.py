@@ -246,3 +246,106 @@ def test_worker_api_outside_a_worker_is_a_clear_error():
         elastic.rank()
     with pytest.raises(RuntimeError, match="only works inside train_fn"):
         elastic.report({"loss": 1.0})
+
+
+def test_reset_callbacks_see_the_new_world_size(cluster, no_leaks, tmp_path):
+    f = fault(tmp_path, rank=1, step=12)
+    result = ElasticTrainer(
+        counting_train_fn, 2, 4, config={"faults": [f], "steps": 40}, cooldown_range=(30, 60), verbose=0
+    ).fit()
+    # rank 0 survived the failure: its callbacks ran once, after the ring of 3 existed
+    assert result.return_value["reset_sizes"] == [3]
+
+
+def test_single_host_waits_out_its_cooldown_and_refills(cluster, no_leaks, tmp_path):
+    """One host, min_workers == its slots: a crash leaves too few, so the run waits for the cool-down."""
+    only = cluster.worker_nodes_at_start[0].node_id
+    hosts_file = tmp_path / "hosts.json"
+    hosts_file.write_text(json.dumps({only: 2}))
+    f = fault(tmp_path, rank=1, step=12)
+    result = ElasticTrainer(
+        counting_train_fn,
+        min_workers=2,
+        max_workers=2,
+        config={"faults": [f], "steps": 40},
+        discovery=FileDiscovery(str(hosts_file)),
+        cooldown_range=(1, 5),
+        verbose=0,
+    ).fit()
+    assert sizes(result) == [2]  # never trained below min_workers
+    steps = [m["step"] for m in result.metrics]
+    assert steps[: steps.index(12)] == list(range(1, 12)) and steps[-1] == 40
+    assert steps[steps.index(12) + 1] == 11, "after the crash training resumes from the commit at step 10"
+    # the crashed slot came back after its cool-down, in the same reset
+    assert [(e.kind, e.generation) for e in result.events] == [
+        ("start", 1),
+        ("worker_failed", 2),
+        ("hosts_added", 2),
+    ]
+    assert_same_state(result)
+
+
+def test_hung_worker_is_killed_by_the_liveness_check(cluster, no_leaks, tmp_path):
+    import os
+    import signal
+
+    signal_file = tmp_path / "reached"
+    fut = fit_in_thread(
+        ElasticTrainer(
+            counting_train_fn,
+            min_workers=2,
+            max_workers=4,
+            config={
+                "signal_file": str(signal_file),
+                "signal_step": 20,
+                "until_world": 3,
+                "min_steps": 21,
+                "extra_steps": 20,
+            },
+            liveness_timeout=2,
+            cooldown_range=(60, 60),
+            verbose=0,
+        )
+    )
+    wait_until(signal_file.exists, 90, "rank 0 to reach step 20")
+    [victim] = [a for a in run_namespaces_alive() if a["name"] == "w3"]
+    pid = ray.get(ray.get_actor("w3", namespace=victim["namespace"]).pid.remote(), timeout=30)
+    os.kill(pid, signal.SIGSTOP)
+    result = fut.result(timeout=120)
+    assert sizes(result) == [4, 3]
+    assert "w3" in result.events[1].detail and result.events[1].kind == "worker_failed"
+    assert_same_state(result)
+
+
+def test_discovery_failing_on_first_call_fails_at_once(cluster, no_leaks):
+    def broken_discovery() -> dict:
+        raise ConnectionError("inventory service unreachable")
+
+    started = time.monotonic()
+    with pytest.raises(TrainingFailedError, match="inventory service unreachable"):
+        ElasticTrainer(counting_train_fn, 2, 4, config={"steps": 5}, discovery=broken_discovery, verbose=0).fit()
+    assert time.monotonic() - started < 30
+
+
+def test_missing_slots_are_requested_from_the_autoscaler(cluster, no_leaks, tmp_path):
+    from ray._private.ray_constants import AUTOSCALER_RESOURCE_REQUEST_CHANNEL
+    from ray.experimental.internal_kv import _internal_kv_get
+
+    def requested() -> list:
+        raw = _internal_kv_get(AUTOSCALER_RESOURCE_REQUEST_CHANNEL)
+        return json.loads(raw) if raw else []
+
+    signal_file = tmp_path / "reached"
+    fut = fit_in_thread(
+        ElasticTrainer(
+            counting_train_fn,
+            2,
+            6,
+            config={"signal_file": str(signal_file), "signal_step": 5, "steps": 400},
+            verbose=0,
+        )
+    )
+    # 4 slots exist, 6 are wanted: the autoscaler is asked for room for max_workers
+    wait_until(lambda: requested() == [{"CPU": 1.0}] * 6, 60, "an autoscaler request for 6 worker bundles")
+    fut.result(timeout=120)
+    assert requested() == [], "the request is withdrawn when the run ends"

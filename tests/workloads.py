@@ -56,6 +56,8 @@ def counting_train_fn(config: dict) -> dict:
     """
     started = time.monotonic()
     state = elastic.ObjectState(step=0, w=np.zeros(DIM), reached_at=None)
+    reset_sizes: list[int] = []  # what reset callbacks saw, on this worker
+    state.register_reset_callbacks([lambda: reset_sizes.append(elastic.size())])
 
     @elastic.run
     def train(state: elastic.ObjectState) -> dict:
@@ -93,6 +95,7 @@ def counting_train_fn(config: dict) -> dict:
             "world_size": elastic.size(),
             "digests": digests,
             "rank0": current().worker_id,
+            "reset_sizes": reset_sizes,
         }
 
     return train(state)
