@@ -608,9 +608,10 @@ def create_driver_actor(
     payload: bytes,
     discovery: Callable | str | None,
     settings: DriverSettings,
+    scheduling_strategy: Any = None,
 ) -> Any:
     """Start the run's driver actor, named `driver` in the run's namespace."""
     cls = ray.remote(num_cpus=0, max_restarts=0)(DriverActor)
-    return cls.options(name="driver", namespace=namespace, max_concurrency=1000).remote(
-        run_id, namespace, kv, payload, discovery, settings
-    )
+    return cls.options(
+        name="driver", namespace=namespace, max_concurrency=1000, scheduling_strategy=scheduling_strategy
+    ).remote(run_id, namespace, kv, payload, discovery, settings)

@@ -163,10 +163,12 @@ class KVStore:
         return {"keys": len(self._data), "generation": self._generation}
 
 
-def create_kv_actor(run_id: str, namespace: str) -> ray.actor.ActorHandle:
+def create_kv_actor(run_id: str, namespace: str, scheduling_strategy: Any = None) -> ray.actor.ActorHandle:
     """Start the run's KV actor, named `kv` in the run's own namespace."""
     actor_cls = ray.remote(num_cpus=0, max_restarts=0)(KVStore)
-    return actor_cls.options(name="kv", namespace=namespace, max_concurrency=100_000).remote(run_id)
+    return actor_cls.options(
+        name="kv", namespace=namespace, max_concurrency=100_000, scheduling_strategy=scheduling_strategy
+    ).remote(run_id)
 
 
 class KVClient:

@@ -20,6 +20,7 @@ from typing import Any
 
 import cloudpickle
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ray_elastic.discovery import alive_ray_nodes, check_discovery_spec, slots_for_resources
 from ray_elastic.driver_actor import DriverSettings, create_driver_actor
@@ -182,8 +183,9 @@ class ElasticTrainer:
         kv = driver = None
         outcome: dict[str, Any] | None = None
         try:
-            kv = create_kv_actor(run_id, namespace)
-            driver = create_driver_actor(run_id, namespace, kv, self._payload, self.discovery, self._settings())
+            here = NodeAffinitySchedulingStrategy(_coordinator_node(), soft=False)
+            kv = create_kv_actor(run_id, namespace, here)
+            driver = create_driver_actor(run_id, namespace, kv, self._payload, self.discovery, self._settings(), here)
             outcome = self._follow(driver, driver.run.remote())
         finally:
             _cleanup(driver, kv, namespace, graceful=outcome is not None)
@@ -236,6 +238,14 @@ class ElasticTrainer:
             raise
         finally:
             progress.close()
+
+
+def _coordinator_node() -> str:
+    """Where the driver and KV actors run: the head node, which stays while workers come and go."""
+    for node in ray.nodes():
+        if node.get("Alive") and "node:__internal_head__" in node.get("Resources", {}):
+            return node["NodeID"]
+    return ray.get_runtime_context().get_node_id()
 
 
 def _cleanup(driver: Any, kv: Any, namespace: str, graceful: bool) -> None:

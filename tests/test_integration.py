@@ -349,3 +349,34 @@ def test_missing_slots_are_requested_from_the_autoscaler(cluster, no_leaks, tmp_
     wait_until(lambda: requested() == [{"CPU": 1.0}] * 6, 60, "an autoscaler request for 6 worker bundles")
     fut.result(timeout=120)
     assert requested() == [], "the request is withdrawn when the run ends"
+
+
+def test_node_lost_its_workers_leave_and_training_goes_on(cluster, no_leaks, tmp_path):
+    node = cluster.add_node(num_cpus=2)
+    cluster.wait_for_nodes()
+    signal_file = tmp_path / "reached"
+    try:
+        fut = fit_in_thread(
+            ElasticTrainer(
+                counting_train_fn,
+                min_workers=2,
+                max_workers=6,
+                config={
+                    "signal_file": str(signal_file),
+                    "signal_step": 20,
+                    "until_world": 4,
+                    "min_steps": 21,
+                    "extra_steps": 30,
+                },
+                verbose=0,
+            )
+        )
+        wait_until(signal_file.exists, 90, "rank 0 to reach step 20")
+    finally:
+        cluster.remove_node(node)
+    result = fut.result(timeout=120)
+    assert sizes(result)[0] == 6 and sizes(result)[-1] == 4
+    failed = [e for e in result.events if e.kind == "worker_failed"]
+    assert failed and all("its node is gone" in e.detail for e in failed)
+    assert result.return_value["world_size"] == 4
+    assert_same_state(result)
