@@ -109,7 +109,7 @@ class ElasticTrainer:
             raise ValueError(f"config must be a dict, got {type(config).__name__}")
         config = dict(config or {})
         try:
-            self._payload = _pickle_by_value(train_fn, (train_fn, config))
+            self._payload = _pickle_by_value((train_fn, config))
         except Exception as e:
             raise ValueError(
                 f"train_fn and config must be picklable to reach the workers: {type(e).__name__}: {e}"
@@ -140,7 +140,7 @@ class ElasticTrainer:
             discovery = os.path.abspath(discovery)  # the driver actor's working directory may differ
         elif discovery is not None:
             try:
-                discovery = _pickle_by_value(discovery, discovery)
+                discovery = _pickle_by_value(discovery)
             except Exception as e:
                 raise ValueError(f"the discovery callable must be picklable: {type(e).__name__}: {e}") from e
         self.train_fn = train_fn
@@ -285,32 +285,33 @@ def _remove_run_placement_groups(namespace: str) -> None:
                 pass
 
 
-def _pickle_by_value(fn: Any, payload: Any) -> bytes:
-    """Pickle `payload`, taking the module that defines `fn` by value if it is a loose file.
+def _pickle_by_value(payload: Any) -> bytes:
+    """Pickle `payload`, taking modules of loose files by value.
 
-    A function defined in a file that is not an installed package (an example
-    script, a test helper) cannot be imported by name in the actors, so its
-    module travels with it.
+    A function or class defined in a file that is not an installed package
+    (an example script, a test helper) cannot be imported by name in the
+    actors, so its module travels with it. Installed packages and the
+    standard library are still pickled by reference.
     """
     import sys
     import sysconfig
 
-    module = sys.modules.get(getattr(fn, "__module__", "") or "")
-    installed = {sysconfig.get_paths()[k] for k in ("purelib", "platlib")}
-    path = getattr(module, "__file__", None)
-    by_value = (
-        module is not None
-        and module.__name__ != "__main__"
-        and path is not None
-        and not module.__name__.startswith("ray_elastic")
-        and not any(os.path.abspath(path).startswith(p) for p in installed)
-    )
-    if by_value:
+    paths = sysconfig.get_paths()
+    installed = tuple({os.path.abspath(paths[k]) for k in ("purelib", "platlib", "stdlib", "platstdlib")})
+    loose = [
+        module
+        for name, module in list(sys.modules.items())
+        if name != "__main__"
+        and not name.startswith("ray_elastic")
+        and isinstance(getattr(module, "__file__", None), str)
+        and not os.path.abspath(module.__file__).startswith(installed)
+    ]
+    for module in loose:
         cloudpickle.register_pickle_by_value(module)
     try:
         return cloudpickle.dumps(payload)
     finally:
-        if by_value:
+        for module in loose:
             cloudpickle.unregister_pickle_by_value(module)
 
 

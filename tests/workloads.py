@@ -110,3 +110,13 @@ class FileDiscovery:
     def __call__(self) -> dict:
         with open(self.path) as f:
             return json.load(f)
+
+
+class FaultHook:
+    """A picklable step hook that fires the declared faults (see `_fire_faults`)."""
+
+    def __init__(self, faults: list[dict]) -> None:
+        self.faults = faults
+
+    def __call__(self, step: int) -> None:
+        _fire_faults({"faults": self.faults}, step)

@@ -1,0 +1,21 @@
+"""PyTorch support: `TorchState`, `ElasticSampler`, `DistributedOptimizer`.
+
+import ray_elastic as elastic
+opt = elastic.torch.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+sampler = elastic.torch.ElasticSampler(dataset, shuffle=True, seed=0)
+state = elastic.torch.TorchState(model=model, optimizer=opt, sampler=sampler, epoch=0)
+"""
+
+from ray_elastic.torch.optimizer import DistributedOptimizer, broadcast_optimizer_state, broadcast_parameters
+from ray_elastic.torch.sampler import ElasticSampler
+from ray_elastic.torch.state import StateHandler, TorchState, register_handler
+
+__all__ = [
+    "DistributedOptimizer",
+    "ElasticSampler",
+    "StateHandler",
+    "TorchState",
+    "broadcast_optimizer_state",
+    "broadcast_parameters",
+    "register_handler",
+]

@@ -1,0 +1,213 @@
+"""`DistributedOptimizer`: gradient averaging that overlaps backward, across resets.
+
+Parameters are grouped into buckets of about `bucket_cap_mb` (in reverse
+order of the optimizer's parameters, which approximates the order in which
+backward produces their gradients, as DDP does). A gradient hook counts the
+gradients of each bucket; when a bucket is complete, its gradients are
+copied into one flat buffer and an asynchronous allreduce starts while
+backward goes on. `step()` waits for the buckets, writes the averaged
+gradients back and steps the wrapped optimizer.
+
+Every allreduce goes through the current generation's ring, so the
+optimizer keeps working after each reset; buckets launched in an older
+generation are dropped. A ring failure inside a hook is recorded and raised
+at `step()` as `HorovodInternalError`, the one place the run loop expects it.
+
+`broadcast_parameters` and `broadcast_optimizer_state` copy rank 0's values
+to every rank, as Horovod's helpers of the same names do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ray_elastic.collective.base import Average, ReduceOp, Sum
+from ray_elastic.exceptions import HorovodInternalError
+from ray_elastic.worker_context import current
+
+
+class _Bucket:
+    def __init__(self, params: list[torch.Tensor]) -> None:
+        self.params = params
+        self.flat = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype)
+        self.ready = 0
+        self.work: Any = None
+
+
+class DistributedOptimizer:
+    """Wraps a torch optimizer; averages gradients across workers before each step.
+
+    Args:
+        optimizer: the optimizer to wrap; its attributes (`param_groups`,
+            `state`, `state_dict()` ...) are reachable through this object.
+        named_parameters: `model.named_parameters()`, for error messages.
+        backward_passes_per_step: local backward passes (gradient
+            accumulation) before the allreduce; the accumulated gradient is
+            the sum over those passes, as in plain PyTorch accumulation.
+        op: `Average` (default) or `Sum` over workers.
+        bucket_cap_mb: size of one fused allreduce.
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
+        backward_passes_per_step: int = 1,
+        op: ReduceOp = Average,
+        bucket_cap_mb: float = 25.0,
+    ) -> None:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int):
+            raise ValueError(f"backward_passes_per_step must be an integer >= 1, got {backward_passes_per_step!r}")
+        if backward_passes_per_step < 1:
+            raise ValueError(f"backward_passes_per_step must be an integer >= 1, got {backward_passes_per_step!r}")
+        if op not in (Average, Sum):
+            raise ValueError(f"op must be Average or Sum, got {op!r}")
+        self.optimizer = optimizer
+        self.backward_passes_per_step = backward_passes_per_step
+        self.op = op
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+        names = {id(p): n for n, p in (named_parameters or [])}
+        self._names = {p: names.get(id(p), f"param{i}") for i, p in enumerate(params)}
+        cap = int(bucket_cap_mb * 2**20)
+        self._buckets: list[_Bucket] = []
+        current_params: list[torch.Tensor] = []
+        size = 0
+        for p in reversed(params):
+            if current_params and (size + p.numel() * p.element_size() > cap or p.dtype != current_params[0].dtype):
+                self._buckets.append(_Bucket(current_params))
+                current_params, size = [], 0
+            current_params.append(p)
+            size += p.numel() * p.element_size()
+        if current_params:
+            self._buckets.append(_Bucket(current_params))
+        self._bucket_of = {p: b for b in self._buckets for p in b.params}
+        self._passes = {p: 0 for p in params}
+        self._generation = -1
+        self._next_launch = 0
+        self._error: BaseException | None = None
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
+
+    def __getattr__(self, name: str) -> Any:
+        optimizer = self.__dict__.get("optimizer")
+        if optimizer is None:
+            raise AttributeError(name)
+        return getattr(optimizer, name)
+
+    # ---- hooks ---------------------------------------------------------
+    def _reset_buckets(self) -> None:
+        for bucket in self._buckets:
+            bucket.ready = 0
+            bucket.work = None
+        for p in self._passes:
+            self._passes[p] = 0
+        self._next_launch = 0
+
+    def _on_grad_ready(self, p: torch.Tensor) -> None:
+        try:
+            ctx = current()
+            ctx.ensure_joined()
+            if ctx.generation != self._generation:
+                self._reset_buckets()  # a reset happened: launches of the old ring are void
+                self._generation = ctx.generation
+            self._passes[p] += 1
+            if self._passes[p] != self.backward_passes_per_step:
+                return
+            self._bucket_of[p].ready += 1
+            # every rank must issue its collectives in the same order: launch buckets in index order
+            while self._next_launch < len(self._buckets):
+                bucket = self._buckets[self._next_launch]
+                if bucket.ready < len(bucket.params):
+                    break
+                self._launch(bucket)
+        except BaseException as e:  # noqa: BLE001 - surfaced at step(), not from inside autograd
+            self._error = e
+
+    def _launch(self, bucket: _Bucket) -> None:
+        self._next_launch += 1
+        offset = 0
+        with torch.no_grad():
+            for p in bucket.params:
+                n = p.numel()
+                if p.grad is None:
+                    bucket.flat[offset : offset + n].zero_()
+                else:
+                    bucket.flat[offset : offset + n].copy_(p.grad.reshape(-1))
+                offset += n
+        if current().slot.size > 1:
+            bucket.work = dist.all_reduce(bucket.flat, op=dist.ReduceOp.SUM, async_op=True)
+
+    # ---- step ------------------------------------------------------------
+    def synchronize(self) -> None:
+        """Wait for every bucket's allreduce and write the results into `.grad`."""
+        ctx = current()
+        ctx.ensure_joined()
+        try:
+            if self._error is not None:
+                raise self._error
+            if ctx.generation != self._generation:
+                self._reset_buckets()
+                self._generation = ctx.generation
+            size = ctx.slot.size
+            for bucket in self._buckets[self._next_launch :]:
+                self._launch(bucket)  # buckets with parameters that got no gradient this step
+            for bucket in self._buckets:
+                if bucket.work is not None:
+                    bucket.work.wait()
+                if self.op is Average and size > 1:
+                    bucket.flat.div_(size)
+                offset = 0
+                with torch.no_grad():
+                    for p in bucket.params:
+                        n = p.numel()
+                        view = bucket.flat[offset : offset + n].view_as(p)
+                        if p.grad is None:
+                            p.grad = view.clone()
+                        else:
+                            p.grad.copy_(view)
+                        offset += n
+        except HorovodInternalError:
+            raise
+        except RuntimeError as e:
+            raise HorovodInternalError(f"gradient allreduce failed: {e}") from e
+        finally:
+            self._error = None
+            self._reset_buckets()
+
+    def step(self, closure: Any = None) -> Any:
+        """Average the gradients across workers, then step the wrapped optimizer."""
+        self.synchronize()
+        return self.optimizer.step(closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def __repr__(self) -> str:
+        return f"DistributedOptimizer({self.optimizer!r}, buckets={len(self._buckets)})"
+
+
+def broadcast_parameters(params: Any, root_rank: int = 0) -> None:
+    """Copy `root_rank`'s tensors to every rank, in place.
+
+    `params`: a module's `state_dict()`, `named_parameters()`, or any iterable
+    of tensors or (name, tensor) pairs.
+    """
+    from ray_elastic.torch.state import broadcast_tensors_
+
+    items = params.items() if hasattr(params, "items") else params
+    tensors = [item[1] if isinstance(item, tuple) else item for item in items]
+    broadcast_tensors_(tensors, root_rank)
+
+
+def broadcast_optimizer_state(optimizer: Any, root_rank: int = 0) -> None:
+    """Copy `root_rank`'s optimizer state and hyper-parameters to every rank."""
+    from ray_elastic.torch.state import OptimizerHandler
+
+    if root_rank != 0:
+        raise ValueError("broadcast_optimizer_state broadcasts from rank 0, the oldest survivor")
+    OptimizerHandler(optimizer).sync()

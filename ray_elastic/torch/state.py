@@ -1,0 +1,340 @@
+"""`TorchState`: models, optimizers and samplers that survive resets.
+
+Each attribute gets a handler chosen by its type (`register_handler` lets
+users add their own types):
+
+- `Module`: parameters and buffers;
+- `Optimizer` (or a `DistributedOptimizer` around one): per-parameter state
+  (momentum, Adam moments, step counts) and the param groups'
+  hyper-parameters (learning rate ...);
+- `ElasticSampler`: its epoch and processed-sample bitmap;
+- anything else: deep copies and object broadcasts, as in `ObjectState`.
+
+`save()` (the first half of `commit()`) copies every tensor into a buffer
+allocated once and reused, so a commit costs about one tensor copy of the
+state: no deepcopy, no pickling. `restore()` copies back in place, so
+parameters keep their identity and the optimizer's references stay valid.
+`sync()` broadcasts rank 0's tensors with tensor collectives, coalesced per
+dtype, after a small object broadcast of the optimizer's structure (a
+newcomer's Adam has no moments yet).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import numpy as np
+import torch
+
+from ray_elastic.collective import broadcast_, broadcast_object
+from ray_elastic.state.state import State
+
+
+class StateHandler:
+    """How one kind of value is saved, restored and synced."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def save(self) -> None:
+        raise NotImplementedError
+
+    def restore(self) -> None:
+        raise NotImplementedError
+
+    def sync(self) -> None:
+        raise NotImplementedError
+
+
+class _TensorBuffers:
+    """Buffers that mirror a list of tensors, allocated once and reused."""
+
+    def __init__(self) -> None:
+        self.buffers: list[torch.Tensor] = []
+
+    def save(self, tensors: list[torch.Tensor]) -> None:
+        if len(self.buffers) != len(tensors) or any(
+            b.shape != t.shape or b.dtype != t.dtype for b, t in zip(self.buffers, tensors, strict=True)
+        ):
+            self.buffers = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
+        with torch.no_grad():
+            for b, t in zip(self.buffers, tensors, strict=True):
+                b.copy_(t)
+
+    def restore(self, tensors: list[torch.Tensor]) -> None:
+        with torch.no_grad():
+            for t, b in zip(tensors, self.buffers, strict=True):
+                t.copy_(b)
+
+
+def broadcast_tensors_(tensors: Iterable[torch.Tensor], root_rank: int = 0) -> None:
+    """Broadcast tensors in place from `root_rank`, one coalesced message per dtype."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        if t.numel():
+            by_dtype.setdefault(t.dtype, []).append(t)
+    with torch.no_grad():
+        for group in by_dtype.values():
+            flat = torch.cat([t.detach().reshape(-1) for t in group])
+            broadcast_(flat, root_rank)
+            offset = 0
+            for t in group:
+                n = t.numel()
+                t.copy_(flat[offset : offset + n].view_as(t))
+                offset += n
+
+
+class ModuleHandler(StateHandler):
+    """A `torch.nn.Module`: its parameters and buffers, by identity."""
+
+    def __init__(self, value: torch.nn.Module) -> None:
+        super().__init__(value)
+        self._saved = _TensorBuffers()
+
+    def _tensors(self) -> list[torch.Tensor]:
+        return list(self.value.parameters()) + list(self.value.buffers())
+
+    def save(self) -> None:
+        self._saved.save(self._tensors())
+
+    def restore(self) -> None:
+        self._saved.restore(self._tensors())
+
+    def sync(self) -> None:
+        broadcast_tensors_(self._tensors())
+
+
+def _inner_optimizer(value: Any) -> torch.optim.Optimizer:
+    return getattr(value, "optimizer", value) if not isinstance(value, torch.optim.Optimizer) else value
+
+
+class OptimizerHandler(StateHandler):
+    """An optimizer's per-parameter state and its param groups' hyper-parameters."""
+
+    def __init__(self, value: Any) -> None:
+        super().__init__(value)
+        self._buffers = _TensorBuffers()
+        self._layout: list[tuple[int, str]] = []  # (param index, state key) of each saved tensor
+        self._values: dict[tuple[int, str], Any] = {}  # non-tensor state (e.g. a float step)
+        self._hyper: list[dict[str, Any]] = []
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return _inner_optimizer(self.value)
+
+    def _params(self) -> list[torch.Tensor]:
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
+
+    def _state_items(self) -> tuple[list[tuple[int, str]], list[torch.Tensor], dict[tuple[int, str], Any]]:
+        layout, tensors, values = [], [], {}
+        for i, p in enumerate(self._params()):
+            for key, v in self.optimizer.state.get(p, {}).items():
+                if isinstance(v, torch.Tensor):
+                    layout.append((i, key))
+                    tensors.append(v)
+                else:
+                    values[(i, key)] = v
+        return layout, tensors, values
+
+    def _hyper_params(self) -> list[dict[str, Any]]:
+        return [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+
+    def save(self) -> None:
+        layout, tensors, values = self._state_items()
+        self._buffers.save(tensors)
+        self._layout = layout
+        self._values = copy.deepcopy(values)
+        self._hyper = copy.deepcopy(self._hyper_params())
+
+    def restore(self) -> None:
+        params = self._params()
+        state = self.optimizer.state
+        saved_params = {i for i, _ in self._layout} | {i for i, _ in self._values}
+        for i, p in enumerate(params):
+            if i not in saved_params:
+                state.pop(p, None)  # state created after the commit did not exist then
+        for (i, key), buf in zip(self._layout, self._buffers.buffers, strict=True):
+            st = state.setdefault(params[i], {})
+            current = st.get(key)
+            if isinstance(current, torch.Tensor) and current.shape == buf.shape and current.dtype == buf.dtype:
+                with torch.no_grad():
+                    current.copy_(buf)
+            else:
+                st[key] = buf.clone()
+        for (i, key), v in self._values.items():
+            state.setdefault(params[i], {})[key] = copy.deepcopy(v)
+        saved_keys = set(self._layout) | set(self._values)
+        for i, p in enumerate(params):
+            for key in [k for k in state.get(p, {}) if (i, k) not in saved_keys]:
+                del state[p][key]
+        for group, hyper in zip(self.optimizer.param_groups, self._hyper, strict=True):
+            group.update(copy.deepcopy(hyper))
+
+    def sync(self) -> None:
+        layout, tensors, values = self._state_items()
+        skeleton = {
+            "tensors": [(i, key, tuple(t.shape), t.dtype) for (i, key), t in zip(layout, tensors, strict=True)],
+            "values": values,
+            "hyper": self._hyper_params(),
+        }
+        skeleton = broadcast_object(skeleton, root_rank=0)
+        params = self._params()
+        state = self.optimizer.state
+        wanted = {(i, key) for i, key, _, _ in skeleton["tensors"]} | set(skeleton["values"])
+        for i, p in enumerate(params):
+            for key in [k for k in state.get(p, {}) if (i, k) not in wanted]:
+                del state[p][key]
+            if p in state and not state[p]:
+                del state[p]
+        ordered = []
+        for i, key, shape, dtype in skeleton["tensors"]:
+            st = state.setdefault(params[i], {})
+            current = st.get(key)
+            if not (isinstance(current, torch.Tensor) and tuple(current.shape) == shape and current.dtype == dtype):
+                current = st[key] = torch.zeros(shape, dtype=dtype)
+            ordered.append(current)
+        broadcast_tensors_(ordered)
+        for (i, key), v in skeleton["values"].items():
+            state.setdefault(params[i], {})[key] = v
+        for group, hyper in zip(self.optimizer.param_groups, skeleton["hyper"], strict=True):
+            group.update(hyper)
+
+
+class SamplerHandler(StateHandler):
+    """An `ElasticSampler`: the epoch and the processed-sample bitmap."""
+
+    def __init__(self, value: Any) -> None:
+        super().__init__(value)
+        self._saved = value.state_dict()
+
+    def save(self) -> None:
+        from ray_elastic.worker_context import maybe_current
+
+        # record_indices() marks only this rank's samples: OR the bitmaps so every rank holds all.
+        # Agree first, so no rank enters the union alone; before the first ring (the commit in
+        # TorchState's constructor) there is nobody to agree with.
+        ctx = maybe_current()
+        ring = ctx.group if ctx is not None else None
+        if ring is not None and ring.max_int(int(self.value.needs_union)):
+            _bitwise_or_allreduce(self.value.bitmap)
+            self.value.needs_union = False
+        self._saved = self.value.state_dict()
+
+    def restore(self) -> None:
+        self.value.load_state_dict(self._saved)
+
+    def sync(self) -> None:
+        import ray_elastic
+
+        state = self.value.state_dict()
+        meta = broadcast_object({k: v for k, v in state.items() if k != "bitmap"}, root_rank=0)
+        state.update(meta)
+        if state["bitmap"].size != (meta["n"] + 7) // 8:
+            state["bitmap"] = np.zeros((meta["n"] + 7) // 8, dtype=np.uint8)
+        self.value.load_state_dict(state)
+        broadcast_(self.value.bitmap, 0)  # in place: the live bitmap becomes rank 0's
+        self.value.set_world(ray_elastic.rank(), ray_elastic.size())
+
+
+def _bitwise_or_allreduce(bitmap: np.ndarray) -> None:
+    """OR a packed bitmap across ranks in place (Gloo has BOR; otherwise gather and OR)."""
+    import torch.distributed as dist
+
+    from ray_elastic.collective import allgather, group
+
+    g = group()
+    if g.size == 1:
+        return
+    if g.name == "gloo":
+        tensor = torch.from_numpy(bitmap)
+        g._call("sampler union", lambda: dist.all_reduce(tensor, op=dist.ReduceOp.BOR))
+    else:
+        rows = allgather(bitmap.reshape(1, -1))
+        np.bitwise_or.reduce(rows, axis=0, out=bitmap)
+
+
+class ObjectHandler(StateHandler):
+    """Any picklable value: deep copies, and an object broadcast on sync."""
+
+    def __init__(self, value: Any) -> None:
+        super().__init__(value)
+        self._saved = copy.deepcopy(value)
+
+    def save(self) -> None:
+        self._saved = copy.deepcopy(self.value)
+
+    def restore(self) -> None:
+        self.value = copy.deepcopy(self._saved)
+
+    def sync(self) -> None:
+        self.value = broadcast_object(self.value, root_rank=0)
+
+
+_REGISTRY: list[tuple[type, Callable[[Any], StateHandler]]] = []
+
+
+def register_handler(value_type: type, factory: Callable[[Any], StateHandler]) -> None:
+    """Use `factory(value)` for attributes of `value_type` (newest registration wins)."""
+    _REGISTRY.insert(0, (value_type, factory))
+
+
+def _handler_for(value: Any) -> StateHandler:
+    from ray_elastic.torch.optimizer import DistributedOptimizer
+    from ray_elastic.torch.sampler import ElasticSampler
+
+    for value_type, factory in _REGISTRY:
+        if isinstance(value, value_type):
+            return factory(value)
+    if isinstance(value, torch.nn.Module):
+        return ModuleHandler(value)
+    if isinstance(value, (torch.optim.Optimizer, DistributedOptimizer)):
+        return OptimizerHandler(value)
+    if isinstance(value, ElasticSampler):
+        return SamplerHandler(value)
+    return ObjectHandler(value)
+
+
+class TorchState(State):
+    """State of a PyTorch training loop: `TorchState(model=m, optimizer=o, sampler=s, epoch=0)`.
+
+    Attributes read and write through to their handlers, so `state.epoch = 3`
+    is what the next `commit()` saves.
+    """
+
+    def __init__(self, model: torch.nn.Module | None = None, optimizer: Any = None, **kwargs: Any) -> None:
+        values = dict(kwargs)
+        if model is not None:
+            values["model"] = model
+        if optimizer is not None:
+            values["optimizer"] = optimizer
+        object.__setattr__(self, "_handlers", {k: _handler_for(v) for k, v in values.items()})
+        super().__init__()
+        self.save()
+
+    def __getattr__(self, name: str) -> Any:
+        handlers = self.__dict__.get("_handlers", {})
+        if name in handlers:
+            return handlers[name].value
+        raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        handlers = self.__dict__.get("_handlers", {})
+        if name in handlers:
+            handlers[name].value = value
+        else:
+            object.__setattr__(self, name, value)
+
+    def save(self) -> None:
+        for handler in self._handlers.values():
+            handler.save()
+
+    def restore(self) -> None:
+        for handler in self._handlers.values():
+            handler.restore()
+
+    def sync(self) -> None:
+        for handler in self._handlers.values():
+            handler.sync()
+        self.save()

@@ -1,0 +1,132 @@
+"""TorchState save/restore without a cluster: exact, in place, buffers reused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ray_elastic.torch.state import OptimizerHandler, StateHandler, TorchState, register_handler
+
+
+def make(opt_cls=torch.optim.Adam, **opt_kwargs):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2))
+    opt = opt_cls(model.parameters(), lr=0.01, **opt_kwargs)
+    return model, opt
+
+
+def train_steps(model, opt, n, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(n):
+        opt.zero_grad()
+        model(torch.randn(16, 6, generator=g)).pow(2).mean().backward()
+        opt.step()
+
+
+def snapshot(model, opt):
+    params = [t.detach().clone() for t in list(model.parameters()) + list(model.buffers())]
+    st = {
+        i: {k: (v.clone() if torch.is_tensor(v) else v) for k, v in opt.state[p].items()}
+        for i, p in enumerate(model.parameters())
+        if p in opt.state
+    }
+    return params, st, [dict((k, v) for k, v in g.items() if k != "params") for g in opt.param_groups]
+
+
+def assert_same(a, b):
+    (pa, sa, ha), (pb, sb, hb) = a, b
+    assert all(torch.equal(x, y) for x, y in zip(pa, pb, strict=True))
+    assert sa.keys() == sb.keys()
+    for i in sa:
+        assert sa[i].keys() == sb[i].keys()
+        for k in sa[i]:
+            x, y = sa[i][k], sb[i][k]
+            assert torch.equal(x, y) if torch.is_tensor(x) else x == y
+    assert ha == hb
+
+
+@pytest.mark.parametrize(
+    ("opt_cls", "kwargs"),
+    [(torch.optim.Adam, {}), (torch.optim.SGD, {"momentum": 0.9}), (torch.optim.AdamW, {"weight_decay": 0.1})],
+)
+def test_restore_returns_exactly_the_committed_model_and_optimizer_state(opt_cls, kwargs):
+    model, opt = make(opt_cls, **kwargs)
+    state = TorchState(model=model, optimizer=opt, epoch=0)
+    train_steps(model, opt, 3)
+    state.epoch = 2
+    state.save()
+    committed = snapshot(model, opt)
+    train_steps(model, opt, 4, seed=2)
+    opt.param_groups[0]["lr"] = 0.5
+    state.epoch = 7
+    state.restore()
+    assert_same(snapshot(model, opt), committed)
+    assert state.epoch == 2
+
+
+def test_restore_keeps_parameter_identity_and_training_continues_identically():
+    model, opt = make()
+    state = TorchState(model=model, optimizer=opt)
+    train_steps(model, opt, 2)
+    state.save()
+    param_ids = [id(p) for p in model.parameters()]
+    train_steps(model, opt, 3, seed=5)
+    state.restore()
+    assert [id(p) for p in model.parameters()] == param_ids
+    assert all(p in opt.state for p in model.parameters()), "the optimizer still finds its parameters"
+    # from the restored state, training matches a twin that never diverged
+    twin_model, twin_opt = make()
+    train_steps(twin_model, twin_opt, 2)
+    train_steps(model, opt, 3, seed=9)
+    train_steps(twin_model, twin_opt, 3, seed=9)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin_model.parameters(), strict=True))
+
+
+def test_restore_to_a_commit_taken_before_the_first_step_clears_the_moments():
+    model, opt = make()
+    state = TorchState(model=model, optimizer=opt)  # committed with no Adam state yet
+    train_steps(model, opt, 2)
+    assert opt.state
+    state.restore()
+    assert not any(opt.state.get(p) for p in model.parameters())
+    train_steps(model, opt, 1)  # and Adam starts over cleanly
+
+
+def test_commit_reuses_its_buffers():
+    model, opt = make()
+    state = TorchState(model=model, optimizer=opt)
+    train_steps(model, opt, 1)
+    state.save()
+    handler: OptimizerHandler = state._handlers["optimizer"]
+    model_buffers = [b.data_ptr() for b in state._handlers["model"]._saved.buffers]
+    opt_buffers = [b.data_ptr() for b in handler._buffers.buffers]
+    train_steps(model, opt, 2)
+    state.save()
+    assert [b.data_ptr() for b in state._handlers["model"]._saved.buffers] == model_buffers
+    assert [b.data_ptr() for b in handler._buffers.buffers] == opt_buffers
+
+
+def test_user_types_get_their_registered_handler():
+    class Counter:
+        def __init__(self):
+            self.n = 0
+
+    class CounterHandler(StateHandler):
+        def save(self):
+            self.saved = self.value.n
+
+        def restore(self):
+            self.value.n = self.saved
+
+        def sync(self):
+            pass
+
+    register_handler(Counter, CounterHandler)
+    counter = Counter()
+    state = TorchState(counter=counter)
+    assert isinstance(state._handlers["counter"], CounterHandler)
+    counter.n = 5
+    state.save()
+    counter.n = 9
+    state.restore()
+    assert counter.n == 5
