@@ -22,11 +22,11 @@ demo: $(STAMP)
 	$(BIN)/python examples/demo.py
 
 test: $(STAMP)
-	$(BIN)/ruff check ray_elastic tests examples
+	$(BIN)/ruff check ray_elastic tests examples bench
 	$(BIN)/python -m pytest -q -ra tests
 
 lint: $(STAMP)
-	$(BIN)/ruff check ray_elastic tests examples
+	$(BIN)/ruff check ray_elastic tests examples bench
 
 clean:
 	rm -rf $(VENV)

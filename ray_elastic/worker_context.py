@@ -88,6 +88,7 @@ class WorkerContext:
         self.slot: WorkerSlot | None = None
         self.group: CollectiveGroup | None = None
         self.notice = 0  # newest generation the driver announced to this worker
+        self._agreed: tuple[int, bool] | None = None  # (generation, any notice) from the last gradient allreduce
         self._announced = False
         self._synced_generation = 0
         self._metrics: deque[tuple[float, dict[str, Any]]] = deque()
@@ -154,6 +155,7 @@ class WorkerContext:
         self._join()
 
     def close_group(self) -> None:
+        self._agreed = None
         if self.group is not None:
             self.group.close()
             self.group = None
@@ -163,10 +165,23 @@ class WorkerContext:
         if generation > self.notice:
             self.notice = generation
 
+    def agree_on_notice(self, pending: bool) -> None:
+        """A collective all ranks ran (the gradient allreduce) told whether any rank holds a notice."""
+        self._agreed = (self.generation, pending)
+
     def check_host_updates(self) -> None:
-        """Raise `HostsUpdatedInterrupt` on every rank at once if the world changed."""
+        """Raise `HostsUpdatedInterrupt` on every rank at once if the world changed.
+
+        Uses the agreement carried by the last gradient allreduce when there is
+        one not yet consumed (every rank has the same), else one tiny max-allreduce.
+        """
         self.ensure_joined()
-        if self.group.max_int(self.notice) > self.generation:
+        agreed, self._agreed = self._agreed, None
+        if agreed is not None and agreed[0] == self.generation:
+            pending = agreed[1]
+        else:
+            pending = self.group.max_int(self.notice) > self.generation
+        if pending:
             raise HostsUpdatedInterrupt(skip_sync=False)
 
     def mark_synced(self) -> None:

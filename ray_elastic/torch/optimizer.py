@@ -13,6 +13,11 @@ optimizer keeps working after each reset; buckets launched in an older
 generation are dropped. A ring failure inside a hook is recorded and raised
 at `step()` as `HorovodInternalError`, the one place the run loop expects it.
 
+The last bucket carries one extra number, how many ranks hold a host-change
+notice, so the ranks agree on host updates inside the gradient allreduce and
+the `check_host_updates()` that follows `step()` needs no collective of its
+own (a check with no step before it still does one).
+
 `broadcast_parameters` and `broadcast_optimizer_state` copy rank 0's values
 to every rank, as Horovod's helpers of the same names do.
 """
@@ -31,9 +36,9 @@ from ray_elastic.worker_context import current
 
 
 class _Bucket:
-    def __init__(self, params: list[torch.Tensor]) -> None:
+    def __init__(self, params: list[torch.Tensor], extra: int = 0) -> None:
         self.params = params
-        self.flat = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype)
+        self.flat = torch.zeros(sum(p.numel() for p in params) + extra, dtype=params[0].dtype)
         self.ready = 0
         self.work: Any = None
 
@@ -86,6 +91,10 @@ class DistributedOptimizer:
             size += p.numel() * p.element_size()
         if current_params:
             self._buckets.append(_Bucket(current_params))
+        # the last bucket carries one more element: the count of ranks holding a host-change notice,
+        # so check_host_updates() after step() agrees through this allreduce instead of its own
+        last = self._buckets[-1]
+        self._buckets[-1] = _Bucket(last.params, extra=1)
         self._bucket_of = {p: b for b in self._buckets for p in b.params}
         self._passes = {p: 0 for p in params}
         self._generation = -1
@@ -139,6 +148,9 @@ class DistributedOptimizer:
                 else:
                     bucket.flat[offset : offset + n].copy_(p.grad.reshape(-1))
                 offset += n
+            if bucket is self._buckets[-1]:
+                ctx = current()
+                bucket.flat[-1] = 1.0 if ctx.notice > ctx.generation else 0.0
         if current().slot.size > 1:
             bucket.work = dist.all_reduce(bucket.flat, op=dist.ReduceOp.SUM, async_op=True)
 
@@ -159,6 +171,8 @@ class DistributedOptimizer:
             for bucket in self._buckets:
                 if bucket.work is not None:
                     bucket.work.wait()
+                if bucket is self._buckets[-1]:
+                    ctx.agree_on_notice(bool(bucket.flat[-1].item() > 0))
                 if self.op is Average and size > 1:
                     bucket.flat.div_(size)
                 offset = 0
