@@ -98,7 +98,8 @@ def main() -> None:
     for r in rows:
         print(
             f"{r['params_m']:>7}M {r['state_mb']:>6}MB {r['copy_s'] * 1e3:>7.1f}ms "
-            f"{r['torchstate_save_s'] * 1e3:>7.1f}ms {r['deepcopy_s'] * 1e3:>7.1f}ms {r['save_over_copy']:>9.2f}x {r['deepcopy_over_save']:>9.2f}x"
+            f"{r['torchstate_save_s'] * 1e3:>7.1f}ms {r['deepcopy_s'] * 1e3:>7.1f}ms "
+            f"{r['save_over_copy']:>9.2f}x {r['deepcopy_over_save']:>9.2f}x"
         )
     out = Path(__file__).parent / "results" / "commit.json"
     out.parent.mkdir(exist_ok=True)
