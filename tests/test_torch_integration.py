@@ -40,3 +40,13 @@ def test_digits_with_three_faults_matches_a_fault_free_run(cluster, no_leaks, tm
     checks = faulty.return_value["sync_checks"]
     assert len(checks) >= 4 and all(c["equal"] for c in checks), f"state differed after a sync: {checks}"
     assert abs(faulty.return_value["accuracy"] - clean.return_value["accuracy"]) <= 0.01
+
+
+def test_broadcast_helpers_and_gradient_averaging_in_real_workers(cluster, no_leaks):
+    from workloads import torch_checks_train_fn
+
+    value = ElasticTrainer(torch_checks_train_fn, 3, 3, verbose=0).fit().return_value
+    assert value["distinct_before"] == 3, "the check needs ranks that start different"
+    assert value["distinct_after"] == 1, "broadcast_parameters + broadcast_optimizer_state made every rank equal"
+    assert value["buckets"] > 1
+    assert value["averaged_ok"] == [True, True, True]

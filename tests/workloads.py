@@ -120,3 +120,52 @@ class FaultHook:
 
     def __call__(self, step: int) -> None:
         _fire_faults({"faults": self.faults}, step)
+
+
+def torch_checks_train_fn(config: dict) -> dict:
+    """Checks of the torch helpers inside real workers; returns what rank 0 saw."""
+    import torch
+
+    import ray_elastic.torch as etorch
+
+    rank = elastic.rank()
+    torch.manual_seed(100 + rank)  # every rank starts different
+    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3))
+    base = torch.optim.Adam(model.parameters(), lr=0.01)
+    x = torch.randn(4, 5)
+    model(x).sum().backward()
+    base.step()  # rank-specific Adam moments
+
+    def digest() -> str:
+        h = hashlib.sha256()
+        for p in model.parameters():
+            h.update(p.detach().numpy().tobytes())
+            for v in base.state[p].values():
+                h.update(v.numpy().tobytes() if isinstance(v, torch.Tensor) else repr(v).encode())
+        return h.hexdigest()
+
+    before = elastic.allgather_object(digest())
+    etorch.broadcast_parameters(model.state_dict())
+    etorch.broadcast_optimizer_state(base)
+    after = elastic.allgather_object(digest())
+
+    # DistributedOptimizer averages the gradients of all ranks (here: accumulated over 2 passes)
+    opt = etorch.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.0),
+        named_parameters=model.named_parameters(),
+        backward_passes_per_step=2,
+        bucket_cap_mb=0.0001,  # several buckets
+    )
+    opt.zero_grad()
+    for _ in range(2):
+        model(torch.randn(4, 5) * (rank + 1)).pow(2).sum().backward()
+    local = [p.grad.clone() for p in model.parameters()]
+    expected = [elastic.allreduce(g, elastic.Average) for g in local]
+    opt.step()
+    averaged_ok = all(torch.allclose(p.grad, e, atol=1e-6) for p, e in zip(model.parameters(), expected, strict=True))
+    return {
+        "distinct_before": len(set(before)),
+        "distinct_after": len(set(after)),
+        "averaged_ok": elastic.allgather_object(averaged_ok),
+        "buckets": len(opt._buckets),
+    }
