@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint venv clean
+.PHONY: demo test lint bench venv clean
 
 venv: $(STAMP)
 
@@ -24,6 +24,10 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check ray_elastic tests examples bench
 	$(BIN)/python -m pytest -q -ra tests
+
+bench: $(STAMP)
+	$(BIN)/python bench/commit.py
+	$(BIN)/python bench/throughput.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check ray_elastic tests examples bench
