@@ -20,14 +20,11 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
-import platform
 import statistics
 import time
-from datetime import datetime, timezone
-from pathlib import Path
 
 import torch
+from results_file import write_results
 
 from ray_elastic.torch.state import TorchState
 
@@ -101,17 +98,7 @@ def main() -> None:
             f"{r['torchstate_save_s'] * 1e3:>7.1f}ms {r['deepcopy_s'] * 1e3:>7.1f}ms "
             f"{r['save_over_copy']:>9.2f}x {r['deepcopy_over_save']:>9.2f}x"
         )
-    out = Path(__file__).parent / "results" / "commit.json"
-    out.parent.mkdir(exist_ok=True)
-    meta = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": platform.machine(),
-        "cpus": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "reps": args.reps,
-    }
-    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
-    print(f"wrote {out}")
+    write_results("commit", rows, reps=args.reps)
 
 
 if __name__ == "__main__":

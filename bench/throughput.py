@@ -21,16 +21,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import tempfile
 import time
-from datetime import datetime, timedelta, timezone
+from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from results_file import write_results
 
 MODELS = {"mlp1m": (1024, 896, 1), "mlp25m": (1024, 2048, 6)}  # input width, hidden width, hidden layers
 BATCH = 64
@@ -154,17 +154,7 @@ def main() -> None:
             flush=True,
         )
     ray.shutdown()
-    out = Path(__file__).parent / "results" / "throughput.json"
-    out.parent.mkdir(exist_ok=True)
-    meta = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": platform.machine(),
-        "cpus": os.cpu_count(),
-        "torch": torch.__version__,
-        "rounds": args.rounds,
-    }
-    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
-    print(f"wrote {out}")
+    write_results("throughput", rows, rounds=args.rounds)
 
 
 if __name__ == "__main__":

@@ -47,6 +47,23 @@ def fit_in_thread(trainer: ElasticTrainer) -> Future:
     return fut
 
 
+def start_and_reach_step(tmp_path, config: dict, step: int = 20, **trainer_kwargs) -> Future:
+    """Start fit() in a thread and return once rank 0 has trained `step` steps."""
+    signal_file = tmp_path / "reached"
+    trainer_kwargs.setdefault("min_workers", 2)
+    trainer_kwargs.setdefault("max_workers", 4)
+    fut = fit_in_thread(
+        ElasticTrainer(
+            counting_train_fn,
+            config={**config, "signal_file": str(signal_file), "signal_step": step},
+            verbose=0,
+            **trainer_kwargs,
+        )
+    )
+    wait_until(signal_file.exists, 90, f"rank 0 to reach step {step}")
+    return fut
+
+
 def assert_same_state(result) -> None:
     digests = result.return_value["digests"]
     assert len(digests) == result.return_value["world_size"]
@@ -88,24 +105,17 @@ def test_sigkill_recovers_from_last_commit_and_refills_the_slot(cluster, no_leak
 
 
 def test_ray_kill_of_a_worker_recovers(cluster, no_leaks, tmp_path):
-    signal_file = tmp_path / "reached"
-    fut = fit_in_thread(
-        ElasticTrainer(
-            counting_train_fn,
-            min_workers=2,
-            max_workers=4,
-            config={
-                "signal_file": str(signal_file),
-                "signal_step": 20,
-                "until_world": 3,
-                "min_steps": 21,
-                "extra_steps": 30,
-            },
-            cooldown_range=(30, 60),  # keep the slot empty: the run ends at world size 3
-            verbose=0,
-        )
+    fut = start_and_reach_step(
+        tmp_path,
+        min_workers=2,
+        max_workers=4,
+        config={
+            "until_world": 3,
+            "min_steps": 21,
+            "extra_steps": 30,
+        },
+        cooldown_range=(30, 60),  # keep the slot empty: the run ends at world size 3
     )
-    wait_until(signal_file.exists, 90, "rank 0 to reach step 20")
     [victim] = [a for a in run_namespaces_alive() if a["name"] == "w4"]
     killed_at = time.time()
     ray.kill(ray.get_actor("w4", namespace=victim["namespace"]))
@@ -119,17 +129,12 @@ def test_ray_kill_of_a_worker_recovers(cluster, no_leaks, tmp_path):
 
 
 def test_node_added_grows_the_world_without_rollback(cluster, no_leaks, tmp_path):
-    signal_file = tmp_path / "reached"
-    fut = fit_in_thread(
-        ElasticTrainer(
-            counting_train_fn,
-            min_workers=2,
-            max_workers=6,
-            config={"signal_file": str(signal_file), "signal_step": 20, "until_world": 6, "extra_steps": 20},
-            verbose=0,
-        )
+    fut = start_and_reach_step(
+        tmp_path,
+        min_workers=2,
+        max_workers=6,
+        config={"until_world": 6, "extra_steps": 20},
     )
-    wait_until(signal_file.exists, 90, "rank 0 to reach step 20")
     node = cluster.add_node(num_cpus=2)
     added_at = time.time()
     try:
@@ -153,24 +158,17 @@ def test_node_withdrawn_by_discovery_leaves_cleanly(cluster, no_leaks, tmp_path)
     hosts_file = tmp_path / "hosts.json"
     first, second = (n.node_id for n in cluster.worker_nodes_at_start)
     hosts_file.write_text(json.dumps({first: 2, second: 2}))
-    signal_file = tmp_path / "reached"
-    fut = fit_in_thread(
-        ElasticTrainer(
-            counting_train_fn,
-            min_workers=2,
-            max_workers=4,
-            config={
-                "signal_file": str(signal_file),
-                "signal_step": 20,
-                "min_steps": 21,
-                "until_world": 2,
-                "extra_steps": 30,
-            },
-            discovery=FileDiscovery(str(hosts_file)),
-            verbose=0,
-        )
+    fut = start_and_reach_step(
+        tmp_path,
+        min_workers=2,
+        max_workers=4,
+        config={
+            "min_steps": 21,
+            "until_world": 2,
+            "extra_steps": 30,
+        },
+        discovery=FileDiscovery(str(hosts_file)),
     )
-    wait_until(signal_file.exists, 90, "rank 0 to reach step 20")
     hosts_file.write_text(json.dumps({first: 2}))
     result = fut.result(timeout=120)
     assert sizes(result) == [4, 2]
@@ -289,25 +287,18 @@ def test_hung_worker_is_killed_by_the_liveness_check(cluster, no_leaks, tmp_path
     import os
     import signal
 
-    signal_file = tmp_path / "reached"
-    fut = fit_in_thread(
-        ElasticTrainer(
-            counting_train_fn,
-            min_workers=2,
-            max_workers=4,
-            config={
-                "signal_file": str(signal_file),
-                "signal_step": 20,
-                "until_world": 3,
-                "min_steps": 21,
-                "extra_steps": 20,
-            },
-            liveness_timeout=2,
-            cooldown_range=(60, 60),
-            verbose=0,
-        )
+    fut = start_and_reach_step(
+        tmp_path,
+        min_workers=2,
+        max_workers=4,
+        config={
+            "until_world": 3,
+            "min_steps": 21,
+            "extra_steps": 20,
+        },
+        liveness_timeout=2,
+        cooldown_range=(60, 60),
     )
-    wait_until(signal_file.exists, 90, "rank 0 to reach step 20")
     [victim] = [a for a in run_namespaces_alive() if a["name"] == "w3"]
     pid = ray.get(ray.get_actor("w3", namespace=victim["namespace"]).pid.remote(), timeout=30)
     os.kill(pid, signal.SIGSTOP)
@@ -335,16 +326,7 @@ def test_missing_slots_are_requested_from_the_autoscaler(cluster, no_leaks, tmp_
         raw = _internal_kv_get(AUTOSCALER_RESOURCE_REQUEST_CHANNEL)
         return json.loads(raw) if raw else []
 
-    signal_file = tmp_path / "reached"
-    fut = fit_in_thread(
-        ElasticTrainer(
-            counting_train_fn,
-            2,
-            6,
-            config={"signal_file": str(signal_file), "signal_step": 5, "steps": 400},
-            verbose=0,
-        )
-    )
+    fut = fit_in_thread(ElasticTrainer(counting_train_fn, 2, 6, config={"steps": 400}, verbose=0))
     # 4 slots exist, 6 are wanted: the autoscaler is asked for room for max_workers
     wait_until(lambda: requested() == [{"CPU": 1.0}] * 6, 60, "an autoscaler request for 6 worker bundles")
     fut.result(timeout=120)
@@ -354,24 +336,10 @@ def test_missing_slots_are_requested_from_the_autoscaler(cluster, no_leaks, tmp_
 def test_node_lost_its_workers_leave_and_training_goes_on(cluster, no_leaks, tmp_path):
     node = cluster.add_node(num_cpus=2)
     cluster.wait_for_nodes()
-    signal_file = tmp_path / "reached"
     try:
-        fut = fit_in_thread(
-            ElasticTrainer(
-                counting_train_fn,
-                min_workers=2,
-                max_workers=6,
-                config={
-                    "signal_file": str(signal_file),
-                    "signal_step": 20,
-                    "until_world": 4,
-                    "min_steps": 21,
-                    "extra_steps": 30,
-                },
-                verbose=0,
-            )
+        fut = start_and_reach_step(
+            tmp_path, max_workers=6, config={"until_world": 4, "min_steps": 21, "extra_steps": 30}
         )
-        wait_until(signal_file.exists, 90, "rank 0 to reach step 20")
     finally:
         cluster.remove_node(node)
     result = fut.result(timeout=120)
