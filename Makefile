@@ -28,6 +28,7 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python bench/commit.py
 	$(BIN)/python bench/throughput.py
+	$(BIN)/python bench/recovery.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check ray_elastic tests examples bench
