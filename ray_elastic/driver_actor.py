@@ -83,6 +83,7 @@ class DriverSettings:
     discovery_interval: float = 1.0
     discovery_timeout: float = 30.0
     liveness_timeout: float = 30.0
+    max_failures: int = 0
     worker: WorkerSettings = field(default_factory=WorkerSettings)
 
 
@@ -137,6 +138,7 @@ class DriverActor:
         self._unbound_events: list[Event] = []  # changes not yet absorbed by a generation
         self._syncing: set[str] = set()  # members of the newest generation still syncing
         self._autoscale_requested = 0
+        self._user_failures = 0
         self._worker_cls = actor_class()
 
     # ---- the loop ------------------------------------------------------
@@ -158,6 +160,7 @@ class DriverActor:
             self._set_state(DriverState.WAITING)
             self._tasks.append(asyncio.create_task(self._discovery_loop(poller)))
             self._tasks.append(asyncio.create_task(self._liveness_loop()))
+            self._tasks.append(asyncio.create_task(self._watch_kv()))
             await self._reconcile()
             while self.state not in (DriverState.DONE, DriverState.FAILED):
                 try:
@@ -383,13 +386,31 @@ class DriverActor:
     async def _on_exit(self, worker_id: str, outcome: dict[str, Any]) -> None:
         rec = self.workers[worker_id]
         kind = outcome.get("kind")
+        if kind == "coordinator_died":
+            self._fail(outcome["error"])
+            return
         if kind == "error":
             slot = self.plan.get(worker_id)
             where = f"rank {slot.rank} " if slot is not None else ""
-            self._fail(
-                f"train_fn raised in worker {worker_id} ({where}on node {rec.host[:8]}): {outcome['error']}\n"
-                f"{outcome['traceback']}"
-            )
+            text = f"train_fn raised in worker {worker_id} ({where}on node {rec.host[:8]}): {outcome['error']}"
+            if self._user_failures < self.settings.max_failures:
+                # the user asked for retries (flaky hardware): handle it as this worker's failure
+                self._user_failures += 1
+                logger.warning(
+                    "%s (retry %d of max_failures=%d)\n%s",
+                    text,
+                    self._user_failures,
+                    self.settings.max_failures,
+                    outcome["traceback"],
+                )
+                ray.kill(rec.handle, no_restart=True)
+                retry = f"retry {self._user_failures} of max_failures={self.settings.max_failures}"
+                await self._on_died(worker_id, f"{outcome['error']} ({retry})", f"raised {outcome['error']} ({retry})")
+
+                await self._maybe_publish()
+                await self._reconcile()
+                return
+            self._fail(f"{text}\n{outcome['traceback']}")
             return
         rec.status = WorkerStatus.FINISHED if kind == "done" else WorkerStatus.GONE
         ray.kill(rec.handle, no_restart=True)
@@ -403,7 +424,7 @@ class DriverActor:
             if not self._live(WorkerStatus.MEMBER, WorkerStatus.LEAVING):
                 self._set_state(DriverState.DONE)
 
-    async def _on_died(self, worker_id: str, reason: str) -> None:
+    async def _on_died(self, worker_id: str, reason: str, what: str = "died") -> None:
         rec = self.workers[worker_id]
         if rec.status not in _ALIVE:
             return
@@ -424,7 +445,7 @@ class DriverActor:
         logger.warning("worker %s (%s) on node %s died: %s%s", worker_id, where, rec.host[:8], reason, note)
         if was_member:
             self._unbound_events.append(
-                self._event("worker_failed", f"worker {worker_id} ({where}) on node {rec.host[:8]} died{note}")
+                self._event("worker_failed", f"worker {worker_id} ({where}) on node {rec.host[:8]} {what}{note}")
             )
         if self._finishing and not self._live(WorkerStatus.MEMBER, WorkerStatus.LEAVING):
             self._set_state(DriverState.DONE)
@@ -445,6 +466,15 @@ class DriverActor:
         if generation == self.generation and not any(isinstance(r, BaseException) for r in results):
             self._unbound_events.append(self._event("reset_requested", f"worker {worker_id}: {reason}"))
             await self._maybe_publish(force=True)
+
+    async def _watch_kv(self) -> None:
+        """The KV actor cannot be replaced mid-run (the rings' keys live there): its death ends the run."""
+        try:
+            await self.kv.hold.remote()
+        except Exception as e:  # noqa: BLE001 - ActorDiedError and kin
+            self._queue.put_nowait(
+                ("fatal", f"the run's rendezvous (KV) actor died ({_first_line(e)}); workers cannot form rings")
+            )
 
     async def _liveness_loop(self) -> None:
         interval = max(0.2, self.settings.liveness_timeout / 3)

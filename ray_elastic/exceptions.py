@@ -46,5 +46,9 @@ class WorkerRemovedError(Exception):
     """
 
 
+class CoordinatorDiedError(RuntimeError):
+    """The run's driver or rendezvous (KV) actor died: no ring can form any more."""
+
+
 class TrainingFailedError(RuntimeError):
     """`fit()` could not finish; the message carries the real reason."""

@@ -22,7 +22,7 @@ from typing import Any
 
 import ray
 
-from ray_elastic.exceptions import GenerationSupersededError, RendezvousTimeoutError
+from ray_elastic.exceptions import CoordinatorDiedError, GenerationSupersededError, RendezvousTimeoutError
 
 # extra seconds a client waits for the actor's own bounded answer
 _CLIENT_MARGIN_S = 10.0
@@ -76,6 +76,10 @@ class KVStore:
             finally:
                 self._generation_waiters.discard(fut)
         return self._generation, self._assignment
+
+    async def hold(self) -> None:
+        """Never returns while the actor lives: the driver keeps one call pending to learn of its death."""
+        await asyncio.Event().wait()
 
     async def current_generation(self) -> int:
         return self._generation
@@ -189,6 +193,8 @@ class KVClient:
             raise RendezvousTimeoutError(
                 f"the KV actor did not answer {method} within {timeout + _CLIENT_MARGIN_S:g} s"
             ) from None
+        except ray.exceptions.RayActorError as e:
+            raise CoordinatorDiedError(f"the run's rendezvous (KV) actor died: {str(e).splitlines()[0]}") from None
 
     def wait_generation(self, after: int, timeout: float) -> tuple[int, dict[str, Any]]:
         return self._call("wait_generation", after, timeout, timeout=timeout)

@@ -79,6 +79,9 @@ class ElasticTrainer:
         liveness_timeout: a worker that does not answer a ping within this
             many seconds is killed and treated as failed.
         collective_timeout: seconds one collective (or forming one ring) may take.
+        max_failures: how many exceptions raised by `train_fn` to retry as a
+            failure of that worker (for flaky hardware); 0 (default) fails the
+            run at the first one, with its traceback.
         verbose: 0 silences progress and event lines; 1 shows them.
     """
 
@@ -97,6 +100,7 @@ class ElasticTrainer:
         discovery_interval: float = 1.0,
         liveness_timeout: float = 30.0,
         collective_timeout: float = 300.0,
+        max_failures: int = 0,
         verbose: int = 1,
     ) -> None:
         if not callable(train_fn):
@@ -128,6 +132,7 @@ class ElasticTrainer:
                 raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
         if reset_limit is not None:
             _check_int("reset_limit", reset_limit, 0)
+        _check_int("max_failures", max_failures, 0)
         if (
             not isinstance(cooldown_range, (tuple, list))
             or len(cooldown_range) != 2
@@ -154,6 +159,7 @@ class ElasticTrainer:
         self.discovery_interval = float(discovery_interval)
         self.liveness_timeout = float(liveness_timeout)
         self.collective_timeout = float(collective_timeout)
+        self.max_failures = max_failures
         self.verbose = verbose
 
     def _settings(self) -> DriverSettings:
@@ -166,6 +172,7 @@ class ElasticTrainer:
             cooldown_range=self.cooldown_range,
             discovery_interval=self.discovery_interval,
             liveness_timeout=self.liveness_timeout,
+            max_failures=self.max_failures,
             worker=WorkerSettings(
                 backend=self.backend,
                 rendezvous_timeout=self.elastic_timeout + self.collective_timeout,
@@ -213,31 +220,38 @@ class ElasticTrainer:
         from ray_elastic.progress import Progress
 
         progress = Progress(enabled=self.verbose > 0, max_workers=self.max_workers)
-        seen_metrics = 0
         try:
-            while True:
-                ready, _ = ray.wait([run_ref], timeout=_POLL_S)
-                if ready:
-                    outcome = ray.get(run_ref)
-                    progress.update(
-                        {
-                            **outcome,
-                            "state": "done" if outcome["ok"] else "failed",
-                            "metrics": outcome["metrics"][seen_metrics:],
-                        }
-                    )
-                    return outcome
-                try:
-                    status = ray.get(driver.status.remote(seen_metrics), timeout=30)
-                except ray.exceptions.GetTimeoutError:
-                    continue
-                seen_metrics = status["num_metrics"]
-                progress.update(status)
+            return self._poll_driver(driver, run_ref, progress)
+        except ray.exceptions.RayActorError as e:
+            # the driver holds the membership; without it the workers cannot be re-formed
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            return {"ok": False, "error": f"the run's driver actor died ({first}); the run cannot continue"}
         except KeyboardInterrupt:
             logger.warning("interrupted: stopping the run and releasing its workers")
             raise
         finally:
             progress.close()
+
+    def _poll_driver(self, driver: Any, run_ref: Any, progress: Any) -> dict[str, Any]:
+        seen_metrics = 0
+        while True:
+            ready, _ = ray.wait([run_ref], timeout=_POLL_S)
+            if ready:
+                outcome = ray.get(run_ref)
+                progress.update(
+                    {
+                        **outcome,
+                        "state": "done" if outcome["ok"] else "failed",
+                        "metrics": outcome["metrics"][seen_metrics:],
+                    }
+                )
+                return outcome
+            try:
+                status = ray.get(driver.status.remote(seen_metrics), timeout=30)
+            except ray.exceptions.GetTimeoutError:
+                continue
+            seen_metrics = status["num_metrics"]
+            progress.update(status)
 
 
 def _coordinator_node() -> str:

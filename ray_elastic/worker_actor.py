@@ -21,7 +21,7 @@ from typing import Any
 import cloudpickle
 import ray
 
-from ray_elastic.exceptions import WorkerRemovedError
+from ray_elastic.exceptions import CoordinatorDiedError, WorkerRemovedError
 from ray_elastic.worker_context import WorkerContext, WorkerSettings, set_current
 
 logger = logging.getLogger(__name__)
@@ -49,6 +49,8 @@ class WorkerActor:
             return {"kind": "done", "rank": rank, "value": value if rank == 0 else None}
         except WorkerRemovedError:
             return {"kind": "removed"}
+        except CoordinatorDiedError as e:
+            return {"kind": "coordinator_died", "error": str(e)}
         except BaseException as e:  # noqa: BLE001 - every user failure is reported, with its traceback
             return {"kind": "error", "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
         finally:

@@ -18,6 +18,7 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -90,6 +91,8 @@ class WorkerContext:
         self.notice = 0  # newest generation the driver announced to this worker
         self._agreed: tuple[int, bool] | None = None  # (generation, any notice) from the last gradient allreduce
         self._announced = False
+        # test seam: called with a point's name ("rendezvous") so fault-injection tests can fail a rank there
+        self.fault_hook: Callable[[str], None] | None = None
         self._synced_generation = 0
         self._metrics: deque[tuple[float, dict[str, Any]]] = deque()
         self._metrics_lock = threading.Lock()
@@ -123,6 +126,8 @@ class WorkerContext:
                     raise WorkerRemovedError(f"worker {self.worker_id} is not part of generation {generation}")
                 after = generation  # a newcomer not yet admitted: wait for the next one
                 continue
+            if self.fault_hook is not None:
+                self.fault_hook("rendezvous")
             try:
                 self.group = make_group(
                     self.settings.backend,

@@ -5,6 +5,14 @@
 id), so a test reads the whole story from `Result.metrics`. Faults are
 declared in the config and fire once each (a marker file records that it
 fired, and when), so a worker that replaces the victim does not repeat it.
+
+A fault is `{"rank", "step", "action", "marker", "phase"}`: the rank that
+fails (or "newcomer"), by `action` (sigkill, exit, raise, hang), in `phase`:
+"step" (after the step's allreduce, the default; fires at exactly `step`),
+or, firing the first time the phase is reached once the state's step is at
+least `step`: "commit" (inside `save()`), "sync" (inside the sync
+broadcast), "newcomer_sync" (a newcomer's first sync), "reset_callback",
+"rendezvous" (forming the ring of a new generation).
 """
 
 from __future__ import annotations
@@ -24,9 +32,17 @@ from ray_elastic.worker_context import current
 DIM = 8
 
 
-def _fire_faults(config: dict, step: int) -> None:
+def _fire_faults(config: dict, step: int, phase: str = "step", newcomer: bool = False) -> None:
     for fault in config.get("faults", []):
-        if fault["step"] != step or elastic.rank() != fault["rank"]:
+        if fault.get("phase", "step") != phase:
+            continue
+        if step != fault["step"] if phase == "step" else step < fault["step"]:
+            continue
+        ctx = current()
+        if fault["rank"] == "newcomer":
+            if not newcomer:
+                continue
+        elif ctx.slot is None or ctx.slot.rank != fault["rank"]:
             continue
         marker = Path(fault["marker"])
         try:
@@ -42,8 +58,31 @@ def _fire_faults(config: dict, step: int) -> None:
             os._exit(1)
         elif action == "raise":
             raise ValueError(f"user code failed on purpose at step {step}")
+        elif action == "hang":
+            os.kill(os.getpid(), signal.SIGSTOP)
         else:
             raise AssertionError(f"unknown fault action {action!r}")
+
+
+class FaultyObjectState(elastic.ObjectState):
+    """ObjectState whose save and sync can fail on purpose (see the module docstring)."""
+
+    def __init__(self, config: dict, **kwargs) -> None:
+        self._config = config
+        self._synced_once = False
+        super().__init__(**kwargs)
+
+    def save(self) -> None:
+        if current().group is not None:  # not the constructor's first save
+            _fire_faults(self._config, self.step, "commit")
+        super().save()
+
+    def sync(self) -> None:
+        # a newcomer joins a running job: its first sync in a generation after the first
+        newcomer = not self._synced_once and current().generation > 1
+        self._synced_once = True
+        _fire_faults(self._config, self.step, "newcomer_sync" if newcomer else "sync", newcomer=newcomer)
+        super().sync()
 
 
 def counting_train_fn(config: dict) -> dict:
@@ -55,9 +94,15 @@ def counting_train_fn(config: dict) -> dict:
     the run, failing it with a clear message instead of training forever.
     """
     started = time.monotonic()
-    state = elastic.ObjectState(step=0, w=np.zeros(DIM), reached_at=None)
+    state = FaultyObjectState(config, step=0, w=np.zeros(DIM), reached_at=None)
     reset_sizes: list[int] = []  # what reset callbacks saw, on this worker
-    state.register_reset_callbacks([lambda: reset_sizes.append(elastic.size())])
+
+    def on_reset() -> None:
+        reset_sizes.append(elastic.size())
+        _fire_faults(config, state.step, "reset_callback")
+
+    state.register_reset_callbacks([on_reset])
+    current().fault_hook = lambda point: _fire_faults(config, state.step, point)
 
     @elastic.run
     def train(state: elastic.ObjectState) -> dict:

@@ -1,0 +1,162 @@
+"""The fault matrix, cell by cell, on a real local multi-node cluster.
+
+Each cell either recovers (the run finishes, every rank ends with the same
+state) or fails within a bounded time with a clear error; `no_leaks` checks
+that no actor or placement group of the run is left either way. Horovod's
+known failure modes each have a cell, named after their issue number.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import ray
+from conftest import run_namespaces_alive, wait_until
+from test_integration import assert_same_state, fault, fit_in_thread, sizes, start_and_reach_step
+from workloads import FileDiscovery, counting_train_fn
+
+from ray_elastic import ElasticTrainer, TrainingFailedError
+
+pytestmark = pytest.mark.integration
+
+
+def phased(tmp_path, rank, step, phase, action="sigkill", name="p") -> dict:
+    return {**fault(tmp_path, rank, step, action, name=name), "phase": phase}
+
+
+def run(config: dict, **kwargs):
+    kwargs.setdefault("cooldown_range", (60, 60))
+    return ElasticTrainer(
+        counting_train_fn,
+        kwargs.pop("min_workers", 2),
+        kwargs.pop("max_workers", 4),
+        config=config,
+        verbose=0,
+        **kwargs,
+    ).fit()
+
+
+def test_failure_inside_commit_rolls_back_to_that_commit(cluster, no_leaks, tmp_path):
+    f = phased(tmp_path, rank=1, step=20, phase="commit")
+    result = run({"faults": [f], "steps": 60})
+    assert sizes(result) == [4, 3]
+    # the victim died inside the commit of step 20; the survivors had finished theirs and resume after it
+    first_after = next(m for m in result.metrics if m["world_size"] == 3)
+    assert first_after["step"] == 21
+    assert_same_state(result)
+
+
+def test_failure_inside_the_sync_broadcast_leads_to_another_reset(cluster, no_leaks, tmp_path):
+    faults = [fault(tmp_path, rank=2, step=12), phased(tmp_path, rank=1, step=1, phase="sync")]
+    result = run({"faults": faults, "steps": 60})
+    assert sizes(result) == [4, 2]
+    assert [e.kind for e in result.events].count("worker_failed") == 2
+    assert result.return_value["steps"] == 60
+    assert_same_state(result)
+
+
+def test_horovod_3014_failure_during_a_reset_round(cluster, no_leaks, tmp_path):
+    """A worker dies inside its reset callback while the others are already re-forming."""
+    faults = [fault(tmp_path, rank=3, step=12), phased(tmp_path, rank=1, step=1, phase="reset_callback")]
+    started = time.monotonic()
+    result = run({"faults": faults, "steps": 60})
+    assert time.monotonic() - started < 120
+    assert sizes(result) == [4, 2] and result.return_value["steps"] == 60
+    assert_same_state(result)
+
+
+def test_failure_inside_the_rendezvous_of_a_new_generation(cluster, no_leaks, tmp_path):
+    faults = [fault(tmp_path, rank=3, step=12), phased(tmp_path, rank=1, step=1, phase="rendezvous")]
+    result = run({"faults": faults, "steps": 60})
+    # rank 1 died while generation 2 formed: the ring of 3 never trained, the next one of 2 did
+    assert sizes(result) == [4, 2] and result.return_value["steps"] == 60
+    assert [e.kind for e in result.events].count("worker_failed") == 2
+    assert_same_state(result)
+
+
+def test_two_workers_at_once(cluster, no_leaks, tmp_path):
+    faults = [fault(tmp_path, rank=1, step=15), fault(tmp_path, rank=3, step=15, action="exit")]
+    result = run({"faults": faults, "steps": 60})
+    assert sizes(result) == [4, 2]
+    assert [e.generation for e in result.events if e.kind == "worker_failed"] in ([2, 2], [2, 3])
+    assert_same_state(result)
+
+
+def test_horovod_2652_newcomer_hanging_in_its_first_sync(cluster, no_leaks, tmp_path):
+    """The first replacement hangs (SIGSTOP) in its first sync: the liveness check kills it, the next one joins."""
+    faults = [
+        fault(tmp_path, rank=2, step=12),
+        phased(tmp_path, rank="newcomer", step=0, phase="newcomer_sync", action="hang"),
+    ]
+    result = run(
+        {"faults": faults, "until_world": 4, "min_steps": 50, "extra_steps": 20, "deadline_s": 150},
+        cooldown_range=(1, 2),
+        liveness_timeout=2,
+    )
+    assert sizes(result)[0] == 4 and sizes(result)[-1] == 4
+    assert [e.kind for e in result.events].count("worker_failed") == 2  # the victim, then the hung newcomer
+    assert_same_state(result)
+
+
+def test_horovod_3494_survivors_below_min_workers_after_a_graceful_removal(cluster, no_leaks, tmp_path):
+    """Horovod deadlocks here; we keep training the old ring and fail clearly at elastic_timeout."""
+    first, second = (n.node_id for n in cluster.worker_nodes_at_start)
+    hosts_file = tmp_path / "hosts.json"
+    hosts_file.write_text(json.dumps({first: 2, second: 2}))
+    fut = start_and_reach_step(
+        tmp_path,
+        min_workers=3,
+        config={"steps": 10**7, "deadline_s": 120},
+        discovery=FileDiscovery(str(hosts_file)),
+        elastic_timeout=5,
+    )
+    hosts_file.write_text(json.dumps({first: 2}))
+    started = time.monotonic()
+    with pytest.raises(TrainingFailedError, match=r"min_workers=3 not reached within elastic_timeout=5 s"):
+        fut.result(timeout=90)
+    assert time.monotonic() - started < 5 + 30
+
+
+def test_user_exception_retried_with_max_failures(cluster, no_leaks, tmp_path):
+    f = fault(tmp_path, rank=1, step=12, action="raise")
+    result = run({"faults": [f], "steps": 60}, max_failures=1)
+    failed = [e for e in result.events if e.kind == "worker_failed"]
+    assert len(failed) == 1 and "retry 1 of max_failures=1" in failed[0].detail
+    assert sizes(result) == [4, 3] and result.return_value["steps"] == 60
+    assert_same_state(result)
+
+
+def test_driver_actor_killed_fails_fast_and_cleanly(cluster, no_leaks, tmp_path):
+    fut = start_and_reach_step(tmp_path, config={"steps": 10**7, "deadline_s": 120})
+    [driver] = [a for a in run_namespaces_alive() if a["name"] == "driver"]
+    ray.kill(ray.get_actor("driver", namespace=driver["namespace"]))
+    with pytest.raises(TrainingFailedError, match="the run's driver actor died"):
+        fut.result(timeout=60)
+
+
+def test_kv_actor_killed_fails_fast_and_cleanly(cluster, no_leaks, tmp_path):
+    fut = start_and_reach_step(tmp_path, config={"steps": 10**7, "deadline_s": 120})
+    [kv] = [a for a in run_namespaces_alive() if a["name"] == "kv"]
+    ray.kill(ray.get_actor("kv", namespace=kv["namespace"]))
+    with pytest.raises(TrainingFailedError, match=r"rendezvous \(KV\) actor died"):
+        fut.result(timeout=60)
+
+
+def test_two_trainers_at_once_do_not_see_each_other(cluster, no_leaks):
+    runs = [
+        fit_in_thread(ElasticTrainer(counting_train_fn, 2, 2, config={"steps": 150 + 50 * i}, verbose=0))
+        for i in range(2)
+    ]
+    # both runs live side by side, each in its own namespace with its own KV actor
+    wait_until(
+        lambda: len({a["namespace"] for a in run_namespaces_alive() if a["name"] == "kv"}) == 2,
+        60,
+        "two runs alive at once",
+    )
+    results = [r.result(timeout=120) for r in runs]
+    for i, result in enumerate(results):
+        assert [m["step"] for m in result.metrics] == list(range(1, 151 + 50 * i))
+        assert result.resets == 0 and sizes(result) == [2]
+        assert_same_state(result)
