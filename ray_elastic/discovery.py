@@ -23,6 +23,8 @@ import os
 import subprocess
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeoutError
 from dataclasses import dataclass
 
 logger = logging.getLogger(__name__)
@@ -245,21 +247,46 @@ class DiscoveryPoller:
     The first call's failure raises `DiscoveryError` at once. Afterwards a
     failure logs a warning and returns None (keep the last view), until
     `give_up_after` seconds have passed since the last success, when it raises.
+    A call that does not answer within `timeout` seconds counts as a failure;
+    while it hangs no second call is started (the next poll waits on it again).
     """
 
     def __init__(
-        self, source: Callable[[], HostSlots], give_up_after: float, clock: Callable[[], float] = time.monotonic
+        self,
+        source: Callable[[], HostSlots],
+        give_up_after: float,
+        timeout: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
     ):
         self.source = source
         self.give_up_after = give_up_after
+        self.timeout = timeout
         self._clock = clock
         self._last_success: float | None = None
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ray-elastic-discovery")
+        self._pending: Future | None = None
+
+    def _call(self) -> HostSlots:
+        if self._pending is None:
+            self._pending = self._executor.submit(self.source)
+        try:
+            hosts = self._pending.result(timeout=self.timeout)
+        except FutureTimeoutError:
+            raise DiscoveryError(f"discovery from {self.source!r} did not answer within {self.timeout:g} s") from None
+        finally:
+            if self._pending is not None and self._pending.done():
+                self._pending = None
+        return hosts
 
     def poll(self) -> HostSlots | None:
         try:
-            hosts = self.source()
+            hosts = self._call()
         except Exception as e:  # the source is user code: any error is its report
-            text = f"discovery from {self.source!r} failed: {type(e).__name__}: {e}"
+            text = (
+                str(e)
+                if isinstance(e, DiscoveryError)
+                else f"discovery from {self.source!r} failed: {type(e).__name__}: {e}"
+            )
             if self._last_success is None:
                 raise DiscoveryError(text) from e
             failing_for = self._clock() - self._last_success

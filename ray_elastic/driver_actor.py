@@ -151,6 +151,7 @@ class DriverActor:
             poller = DiscoveryPoller(
                 make_discovery(self._discovery_spec, self.settings.resources_per_worker),
                 give_up_after=self.settings.elastic_timeout,
+                timeout=self.settings.discovery_timeout,
             )
             try:
                 self._update_hosts(await self._poll(poller))
@@ -228,11 +229,8 @@ class DriverActor:
 
     # ---- discovery and scaling -------------------------------------------
     async def _poll(self, poller: DiscoveryPoller) -> dict[str, int] | None:
-        loop = asyncio.get_running_loop()
-        try:
-            return await asyncio.wait_for(loop.run_in_executor(None, poller.poll), self.settings.discovery_timeout)
-        except asyncio.TimeoutError:
-            raise DiscoveryError(f"discovery did not answer within {self.settings.discovery_timeout:g} s") from None
+        # the poller bounds each call by discovery_timeout and applies the retry policy
+        return await asyncio.get_running_loop().run_in_executor(None, poller.poll)
 
     async def _discovery_loop(self, poller: DiscoveryPoller) -> None:
         while True:

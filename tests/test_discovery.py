@@ -443,3 +443,34 @@ def test_poller_wraps_a_failing_script(tmp_path):
     with pytest.raises(DiscoveryError) as info:
         poller.poll()
     assert "no credentials" in str(info.value)
+
+
+def test_poller_bounds_a_hanging_source_and_retries_it_later():
+    import threading
+
+    release = threading.Event()
+    calls = []
+
+    def source():
+        calls.append(1)
+        if len(calls) >= 2:
+            assert release.wait(10), "the test never released the hanging call"
+        return {"n1": 2}
+
+    poller = DiscoveryPoller(source, give_up_after=60, timeout=0.2)
+    assert poller.poll() == {"n1": 2}
+    assert poller.poll() is None  # hangs: a warning, the last view stays
+    assert poller.poll() is None  # still the same call: no second thread piles up
+    assert len(calls) == 2
+    release.set()
+    assert poller.poll() == {"n1": 2}  # the late answer is taken
+
+
+def test_poller_first_call_hanging_fails_at_once_naming_the_timeout():
+    import threading
+
+    never = threading.Event()
+    poller = DiscoveryPoller(lambda: never.wait(5) or {}, give_up_after=60, timeout=0.2)
+    with pytest.raises(DiscoveryError, match="did not answer within 0.2 s"):
+        poller.poll()
+    never.set()
