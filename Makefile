@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench venv clean
+.PHONY: demo test lint bench soak venv clean
 
 venv: $(STAMP)
 
@@ -29,6 +29,10 @@ bench: $(STAMP)
 	$(BIN)/python bench/commit.py
 	$(BIN)/python bench/throughput.py
 	$(BIN)/python bench/recovery.py
+
+# the long chaos soak: 30 events on a 4-node local cluster (a few minutes)
+soak: $(STAMP)
+	$(BIN)/python tests/soak.py --events 30
 
 lint: $(STAMP)
 	$(BIN)/ruff check ray_elastic tests examples bench

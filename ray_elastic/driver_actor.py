@@ -445,6 +445,13 @@ class DriverActor:
             self._unbound_events.append(
                 self._event("worker_failed", f"worker {worker_id} ({where}) on node {rec.host[:8]} {what}{note}")
             )
+        else:
+            # a newcomer lost before it joined: a fault, but nobody trained with it, so no reset
+            ev = self._event(
+                "newcomer_failed", f"worker {worker_id} on node {rec.host[:8]} {what} before joining{note}"
+            )
+            ev.reset_duration = 0.0
+            self.events.append(ev)
         if self._finishing and not self._live(WorkerStatus.MEMBER, WorkerStatus.LEAVING):
             self._set_state(DriverState.DONE)
 

@@ -16,7 +16,7 @@ class Event:
     """
 
     time: float
-    kind: str  # start, worker_failed, hosts_added, hosts_removed, reset_requested
+    kind: str  # start, worker_failed, newcomer_failed, hosts_added, hosts_removed, reset_requested
     world_size: int
     generation: int
     reset_duration: float | None = None
