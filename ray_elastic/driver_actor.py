@@ -468,7 +468,28 @@ class DriverActor:
             if isinstance(result, asyncio.TimeoutError):
                 logger.warning("worker %s did not answer a ping during a reset; killing it", rec.worker_id)
                 self._kill(rec, failed=True)
-        if generation == self.generation and not any(isinstance(r, BaseException) for r in results):
+        if generation != self.generation or any(isinstance(r, BaseException) for r in results):
+            return
+        # everyone answers: a member that has not touched a collective for half the collective
+        # timeout while the others timed out is stuck in user code (a deadlock): it held the ring up
+        limit = self.settings.worker.collective_timeout / 2
+        activity = await asyncio.gather(
+            *[asyncio.wait_for(r.handle.activity.remote(), self.settings.liveness_timeout) for r in members],
+            return_exceptions=True,
+        )
+        stuck = [
+            rec
+            for rec, act in zip(members, activity, strict=True)
+            if isinstance(act, dict) and not act["in_collective"] and act["idle_s"] > limit
+        ]
+        for rec in stuck:
+            logger.warning(
+                "worker %s made no collective call for over %g s while the others timed out; killing it",
+                rec.worker_id,
+                limit,
+            )
+            self._kill(rec, failed=True)
+        if not stuck:
             self._unbound_events.append(self._event("reset_requested", f"worker {worker_id}: {reason}"))
             await self._maybe_publish(force=True)
 

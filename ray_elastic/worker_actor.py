@@ -68,6 +68,11 @@ class WorkerActor:
         self.ctx.notify(generation)
 
     @ray.method(concurrency_group="control")
+    def activity(self) -> dict[str, Any]:
+        """Seconds since this worker last entered or left a collective, and whether it is in one."""
+        return {"idle_s": time.time() - self.ctx.last_activity, "in_collective": self.ctx.in_collective}
+
+    @ray.method(concurrency_group="control")
     def pid(self) -> int:
         return os.getpid()
 

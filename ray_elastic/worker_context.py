@@ -89,6 +89,10 @@ class WorkerContext:
         self.slot: WorkerSlot | None = None
         self.group: CollectiveGroup | None = None
         self.notice = 0  # newest generation the driver announced to this worker
+        # when this worker last started or finished a collective, and whether it is inside one now:
+        # a member that shows no activity while the others time out is stuck in user code
+        self.last_activity = time.time()
+        self.in_collective = False
         self._agreed: tuple[int, bool] | None = None  # (generation, any notice) from the last gradient allreduce
         self._announced = False
         # test seam: called with a point's name ("rendezvous") so fault-injection tests can fail a rank there
@@ -225,6 +229,14 @@ class WorkerContext:
 
 
 _current: WorkerContext | None = None
+
+
+def collective_activity(inside: bool) -> None:
+    """Backends call this entering (True) and leaving (False) a blocking collective."""
+    ctx = _current
+    if ctx is not None:
+        ctx.in_collective = inside
+        ctx.last_activity = time.time()
 
 
 def set_current(ctx: WorkerContext | None) -> None:

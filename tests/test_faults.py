@@ -76,6 +76,18 @@ def test_failure_inside_the_rendezvous_of_a_new_generation(cluster, no_leaks, tm
     assert_same_state(result)
 
 
+def test_user_deadlock_outside_collectives_is_found_and_killed(cluster, no_leaks, tmp_path):
+    """A rank stuck in user code still answers pings; the others' collective timeout exposes it."""
+    f = fault(tmp_path, rank=2, step=15, action="deadlock")
+    started = time.monotonic()
+    result = run({"faults": [f], "steps": 60}, collective_timeout=3)
+    assert time.monotonic() - started < 90
+    assert sizes(result) == [4, 3] and result.return_value["steps"] == 60
+    failed = [e for e in result.events if e.kind == "worker_failed"]
+    assert len(failed) == 1 and "worker w3 " in failed[0].detail
+    assert_same_state(result)
+
+
 def test_two_workers_at_once(cluster, no_leaks, tmp_path):
     faults = [fault(tmp_path, rank=1, step=15), fault(tmp_path, rank=3, step=15, action="exit")]
     result = run({"faults": faults, "steps": 60})

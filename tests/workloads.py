@@ -7,7 +7,7 @@ declared in the config and fire once each (a marker file records that it
 fired, and when), so a worker that replaces the victim does not repeat it.
 
 A fault is `{"rank", "step", "action", "marker", "phase"}`: the rank that
-fails (or "newcomer"), by `action` (sigkill, exit, raise, hang), in `phase`:
+fails (or "newcomer"), by `action` (sigkill, exit, raise, hang, deadlock), in `phase`:
 "step" (after the step's allreduce, the default; fires at exactly `step`),
 or, firing the first time the phase is reached once the state's step is at
 least `step`: "commit" (inside `save()`), "sync" (inside the sync
@@ -21,6 +21,7 @@ import hashlib
 import json
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -60,6 +61,8 @@ def _fire_faults(config: dict, step: int, phase: str = "step", newcomer: bool = 
             raise ValueError(f"user code failed on purpose at step {step}")
         elif action == "hang":
             os.kill(os.getpid(), signal.SIGSTOP)
+        elif action == "deadlock":
+            threading.Event().wait()  # stuck in user code; the process still answers pings
         else:
             raise AssertionError(f"unknown fault action {action!r}")
 

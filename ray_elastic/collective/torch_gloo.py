@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from ray_elastic.collective.base import CollectiveGroup, ReduceOp
 from ray_elastic.exceptions import HorovodInternalError
+from ray_elastic.worker_context import collective_activity
 
 T = TypeVar("T")
 
@@ -62,6 +63,7 @@ class TorchGlooGroup(CollectiveGroup):
 
     @staticmethod
     def _call(what: str, fn: Callable[[], T]) -> T:
+        collective_activity(True)
         try:
             return fn()
         except HorovodInternalError:
@@ -69,6 +71,8 @@ class TorchGlooGroup(CollectiveGroup):
         except (RuntimeError, ConnectionError, TimeoutError) as e:
             # DistBackendError, Gloo's "connection closed" and store errors all land here
             raise HorovodInternalError(f"{what} failed: {e}") from e
+        finally:
+            collective_activity(False)
 
     def allreduce_(self, value: T, op: ReduceOp = ReduceOp.AVERAGE) -> T:
         t = _as_tensor(value)

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from ray_elastic.collective.base import Average, ReduceOp, Sum
 from ray_elastic.exceptions import HorovodInternalError
-from ray_elastic.worker_context import current
+from ray_elastic.worker_context import collective_activity, current
 
 
 class _Bucket:
@@ -170,7 +170,11 @@ class DistributedOptimizer:
                 self._launch(bucket)  # buckets with parameters that got no gradient this step
             for bucket in self._buckets:
                 if bucket.work is not None:
-                    bucket.work.wait()
+                    collective_activity(True)
+                    try:
+                        bucket.work.wait()
+                    finally:
+                        collective_activity(False)
                 if bucket is self._buckets[-1]:
                     ctx.agree_on_notice(bool(bucket.flat[-1].item() > 0))
                 if self.op is Average and size > 1:
