@@ -39,7 +39,7 @@ import digits  # noqa: E402
 import ray_elastic as elastic  # noqa: E402
 from ray_elastic.worker_context import current  # noqa: E402
 
-BATCH = 16
+GLOBAL_BATCH = 64  # split over the ranks, so steps per epoch do not depend on the world size
 
 
 def soak_train_fn(config: dict) -> dict:
@@ -52,24 +52,19 @@ def soak_train_fn(config: dict) -> dict:
     base = torch.optim.SGD(model.parameters(), lr=config["lr"], momentum=0.9)
     opt = elastic.torch.DistributedOptimizer(base)
     sampler = elastic.torch.ElasticSampler(dataset, shuffle=True, seed=seed)
-    loader = DataLoader(dataset, batch_size=BATCH, sampler=sampler)
     state = elastic.torch.TorchState(model=model, optimizer=opt, sampler=sampler, epoch=0, step=0)
     ledger = open(os.path.join(config["ledger_dir"], f"{current().worker_id}.jsonl"), "a")  # noqa: SIM115
-
-    def scale_lr() -> None:
-        # linear scaling keeps an epoch's progress about the same at any world size, which the chaos changes
-        for group in base.param_groups:
-            group["lr"] = config["lr"] * elastic.size()
 
     def write(entry: dict) -> None:
         ledger.write(json.dumps(entry) + "\n")
         ledger.flush()
 
-    state.register_reset_callbacks([scale_lr])
-
     @elastic.run
     def train(state) -> dict:
-        scale_lr()
+        # a fixed global batch, split over however many ranks there are now: the chaos run then
+        # takes the same optimisation steps as the fault-free run it is compared with
+        batch = max(1, GLOBAL_BATCH // elastic.size())
+        loader = DataLoader(dataset, batch_size=batch, sampler=sampler)
         gen = current().generation
         write({"sync": gen, "step": state.step})
         while state.epoch < config["epochs"]:
@@ -78,7 +73,7 @@ def soak_train_fn(config: dict) -> dict:
                 loss = torch.nn.functional.cross_entropy(model(x), y)
                 loss.backward()
                 opt.step()
-                sampler.record_batch(i, BATCH)
+                sampler.record_batch(i, batch)
                 state.step += 1
                 write({"gen": gen, "step": state.step, "epoch": state.epoch, "idx": idx.tolist()})
                 elastic.report({"step": state.step, "epoch": state.epoch, "world_size": elastic.size()})
@@ -203,7 +198,7 @@ def run_soak(cluster: object, events: int, seed: int = 0, epochs: int = 40) -> d
     from conftest import wait_until
 
     ledger_dir = tempfile.mkdtemp(prefix="ray-elastic-soak-")
-    config = {"seed": seed, "lr": 0.02, "epochs": epochs, "ledger_dir": ledger_dir}
+    config = {"seed": seed, "lr": 0.05, "epochs": epochs, "ledger_dir": ledger_dir}
     trainer = elastic.ElasticTrainer(
         soak_train_fn, 2, 8, config=config, cooldown_range=(1, 4), liveness_timeout=2, verbose=0
     )
