@@ -139,6 +139,7 @@ class DriverActor:
         self._syncing: set[str] = set()  # members of the newest generation still syncing
         self._autoscale_requested = 0
         self._user_failures = 0
+        self._last_timeout_reset: float | None = None  # when a ring last broke with everyone alive
         self._worker_cls = actor_class()
 
     # ---- the loop ------------------------------------------------------
@@ -489,9 +490,22 @@ class DriverActor:
                 limit,
             )
             self._kill(rec, failed=True)
-        if not stuck:
-            self._unbound_events.append(self._event("reset_requested", f"worker {worker_id}: {reason}"))
-            await self._maybe_publish(force=True)
+        if stuck:
+            return
+        now = time.monotonic()
+        window = 3 * self.settings.worker.collective_timeout
+        if self._last_timeout_reset is not None and now - self._last_timeout_reset < window:
+            # the same ring broke again with everyone alive and busy in collectives: re-forming it
+            # would repeat this forever, so stop with the reason instead
+            self._fail(
+                f"the ring timed out twice in a row (generations {self.generation - 1} and {self.generation}) "
+                "with every worker alive and inside a collective: the ranks' collectives do not match, "
+                f"most likely a deadlock in train_fn (last error, worker {worker_id}: {reason})"
+            )
+            return
+        self._last_timeout_reset = now
+        self._unbound_events.append(self._event("reset_requested", f"worker {worker_id}: {reason}"))
+        await self._maybe_publish(force=True)
 
     async def _watch_kv(self) -> None:
         """The KV actor cannot be replaced mid-run (the rings' keys live there): its death ends the run."""
@@ -569,6 +583,8 @@ class DriverActor:
                 # the others' pause starts now; the boot before it cost them nothing
                 ev.detail += f", admitted after booting {now - ev.time:.1f} s"
                 ev.time = now
+        if any(ev.kind != "reset_requested" for ev in self._unbound_events):
+            self._last_timeout_reset = None  # the membership changed: a later timeout is a new story
         for ev in self._unbound_events:
             ev.generation = self.generation
             ev.world_size = size

@@ -88,6 +88,15 @@ def test_user_deadlock_outside_collectives_is_found_and_killed(cluster, no_leaks
     assert_same_state(result)
 
 
+def test_deadlock_inside_collectives_fails_with_its_reason_instead_of_looping(cluster, no_leaks, tmp_path):
+    """Every rank alive and inside a collective: re-forming the ring would repeat it, so the run stops."""
+    f = fault(tmp_path, rank=1, step=15, action="stuck_in_collective")
+    started = time.monotonic()
+    with pytest.raises(TrainingFailedError, match="timed out twice in a row .* deadlock in train_fn"):
+        run({"faults": [f], "steps": 10**6, "deadline_s": 120}, collective_timeout=3)
+    assert time.monotonic() - started < 60
+
+
 def test_two_workers_at_once(cluster, no_leaks, tmp_path):
     faults = [fault(tmp_path, rank=1, step=15), fault(tmp_path, rank=3, step=15, action="exit")]
     result = run({"faults": faults, "steps": 60})

@@ -7,7 +7,8 @@ declared in the config and fire once each (a marker file records that it
 fired, and when), so a worker that replaces the victim does not repeat it.
 
 A fault is `{"rank", "step", "action", "marker", "phase"}`: the rank that
-fails (or "newcomer"), by `action` (sigkill, exit, raise, hang, deadlock), in `phase`:
+fails (or "newcomer"), by `action` (sigkill, exit, raise, hang, deadlock,
+stuck_in_collective), in `phase`:
 "step" (after the step's allreduce, the default; fires at exactly `step`),
 or, firing the first time the phase is reached once the state's step is at
 least `step`: "commit" (inside `save()`), "sync" (inside the sync
@@ -63,6 +64,9 @@ def _fire_faults(config: dict, step: int, phase: str = "step", newcomer: bool = 
             os.kill(os.getpid(), signal.SIGSTOP)
         elif action == "deadlock":
             threading.Event().wait()  # stuck in user code; the process still answers pings
+        elif action == "stuck_in_collective":
+            ctx.in_collective = True  # as if blocked in a collective its peers never enter
+            threading.Event().wait()
         else:
             raise AssertionError(f"unknown fault action {action!r}")
 
