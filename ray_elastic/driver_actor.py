@@ -310,7 +310,7 @@ class DriverActor:
             self._fail(
                 f"min_workers={self.settings.min_workers} not reached within elastic_timeout="
                 f"{self.settings.elastic_timeout:g} s (ready workers: {members}; slots offered: "
-                f"{sum(self.hosts.values())}; hosts cooling down: {len(self.cooldown.cooling(time.time()))})"
+                f"{sum(self.hosts.values())}; hosts cooling down: {len(self.cooldown.cooling(now))})"
             )
         for rec in self._live(WorkerStatus.STARTING):
             if now - rec.started_at > self.settings.elastic_timeout:
@@ -463,21 +463,20 @@ class DriverActor:
         members = [self.workers[w] for w in self.plan]
         if any(r.status not in _ALIVE for r in members):
             return  # a death explains it, and its handler re-forms the ring
-        pings = [asyncio.wait_for(r.handle.ping.remote(), self.settings.liveness_timeout) for r in members]
-        results = await asyncio.gather(*pings, return_exceptions=True)
-        for rec, result in zip(members, results, strict=False):
-            if isinstance(result, asyncio.TimeoutError):
-                logger.warning("worker %s did not answer a ping during a reset; killing it", rec.worker_id)
-                self._kill(rec, failed=True)
-        if generation != self.generation or any(isinstance(r, BaseException) for r in results):
-            return
-        # everyone answers: a member that has not touched a collective for half the collective
-        # timeout while the others timed out is stuck in user code (a deadlock): it held the ring up
-        limit = self.settings.worker.collective_timeout / 2
+        # one query per member: its answer proves it alive and tells whether it is inside a collective
         activity = await asyncio.gather(
             *[asyncio.wait_for(r.handle.activity.remote(), self.settings.liveness_timeout) for r in members],
             return_exceptions=True,
         )
+        for rec, result in zip(members, activity, strict=True):
+            if isinstance(result, asyncio.TimeoutError):
+                logger.warning("worker %s did not answer during a reset; killing it", rec.worker_id)
+                self._kill(rec, failed=True)
+        if generation != self.generation or any(isinstance(r, BaseException) for r in activity):
+            return
+        # everyone answers: a member that has not touched a collective for half the collective
+        # timeout while the others timed out is stuck in user code (a deadlock): it held the ring up
+        limit = self.settings.worker.collective_timeout / 2
         stuck = [
             rec
             for rec, act in zip(members, activity, strict=True)

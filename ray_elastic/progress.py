@@ -20,7 +20,7 @@ def _short(value: Any) -> str:
 
 
 class Progress:
-    def __init__(self, enabled: bool, max_workers: int) -> None:
+    def __init__(self, enabled: bool) -> None:
         self.enabled = enabled
         self._bar = None
         self._logged: set[tuple[float, str]] = set()

@@ -219,7 +219,7 @@ class ElasticTrainer:
         """Wait for the driver, showing progress and event lines until it ends."""
         from ray_elastic.progress import Progress
 
-        progress = Progress(enabled=self.verbose > 0, max_workers=self.max_workers)
+        progress = Progress(enabled=self.verbose > 0)
         try:
             return self._poll_driver(driver, run_ref, progress)
         except ray.exceptions.RayActorError as e:
