@@ -40,6 +40,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from ray_elastic.assignment import Cooldown, LiveWorker, assign_ranks, plan_scaling
+from ray_elastic.checkpoint import CheckpointStore
 from ray_elastic.discovery import DiscoveryError, DiscoveryPoller, alive_ray_nodes, make_discovery
 from ray_elastic.events import Event
 from ray_elastic.worker_actor import actor_class
@@ -543,12 +544,28 @@ class DriverActor:
             return
         lost = any(self.workers[w].status not in _ALIVE for w in current)
         if current and not any(self.workers[w].status in _ALIVE for w in current):
-            # nobody holds the trained state any more: starting over would silently lose it
-            self._fail(
-                f"all {len(current)} workers of generation {self.generation} failed; no survivor holds the "
-                "training state, so the run cannot continue"
+            # nobody holds the trained state any more: only a durable checkpoint can carry the run on
+            if not await self._checkpoint_exists():
+                where = (
+                    "no durable checkpoint was written yet"
+                    if self.settings.worker.checkpoint_dir
+                    else "configure checkpoint_dir to resume from a durable checkpoint"
+                )
+                self._fail(
+                    f"all {len(current)} workers of generation {self.generation} failed; no survivor holds the "
+                    f"training state, so the run cannot continue ({where})"
+                )
+                return
+            self._unbound_events.append(
+                self._event(
+                    "restarted",
+                    f"all {len(current)} workers of generation {self.generation} were lost; fresh workers resume "
+                    f"from the durable checkpoint in {self.settings.worker.checkpoint_dir}",
+                )
             )
-            return
+            self.plan = {}
+            current = set()
+            lost = False
         leaving = any(self.workers[w].status is WorkerStatus.LEAVING for w in current)
         starting = self._live(WorkerStatus.STARTING)
         if starting and not (lost or leaving or force):
@@ -557,6 +574,19 @@ class DriverActor:
             self._set_state(DriverState.WAITING)
             return
         await self._publish(members)
+
+    async def _checkpoint_exists(self) -> bool:
+        url = self.settings.worker.checkpoint_dir
+        if url is None:
+            return False
+        loop = asyncio.get_running_loop()
+        try:
+            return await asyncio.wait_for(
+                loop.run_in_executor(None, lambda: CheckpointStore(url).exists()), self.settings.discovery_timeout
+            )
+        except Exception as e:  # noqa: BLE001 - unreachable storage is the same as no checkpoint here
+            logger.warning("cannot look for a checkpoint in %s: %s", url, e)
+            return False
 
     async def _publish(self, members: list[WorkerRecord]) -> None:
         previous = [self.workers[w] for w in self.plan]
@@ -615,6 +645,17 @@ class DriverActor:
                     logger.info("%s; recovered in %.2f s, world size %d", ev.detail, ev.reset_duration, ev.world_size)
         if self.state is DriverState.RESETTING:
             self._set_state(DriverState.RUNNING)
+
+    async def worker_resumed(self, worker_id: str, meta: dict[str, Any]) -> None:
+        """Rank 0 loaded the durable checkpoint before its first sync."""
+        age = time.time() - meta.get("written_at", time.time())
+        ev = self._event(
+            "resumed",
+            f"worker {worker_id} (rank 0) loaded the durable checkpoint of commit {meta.get('commit')} "
+            f"(written {age:.1f} s ago at world size {meta.get('world_size')})",
+        )
+        ev.reset_duration = 0.0
+        self.events.append(ev)
 
     async def request_reset(self, worker_id: str, generation: int, reason: str) -> None:
         self._queue.put_nowait(("reset_request", worker_id, generation, reason))

@@ -42,6 +42,7 @@ def run(func: Callable[..., R]) -> Callable[..., R]:
         while True:
             try:
                 if not skip_sync:
+                    ctx.maybe_resume(state)
                     state.sync()
                     ctx.mark_synced()
                 return func(state, *args, **kwargs)

@@ -22,6 +22,7 @@ import cloudpickle
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from ray_elastic.checkpoint import CheckpointError, CheckpointStore, normalize_url
 from ray_elastic.discovery import alive_ray_nodes, check_discovery_spec, slots_for_resources
 from ray_elastic.driver_actor import DriverSettings, create_driver_actor
 from ray_elastic.events import Event
@@ -82,6 +83,12 @@ class ElasticTrainer:
         max_failures: how many exceptions raised by `train_fn` to retry as a
             failure of that worker (for flaky hardware); 0 (default) fails the
             run at the first one, with its traceback.
+        checkpoint_dir: a local directory or an fsspec URL for durable
+            checkpoints (None: in-memory commits only). Rank 0 writes the
+            committed state there every `checkpoint_every` commits, atomically;
+            a `fit()` that finds a checkpoint there resumes from it, and a run
+            that loses every worker at once resumes from it with fresh workers.
+        checkpoint_every: commits between two durable checkpoints (default 10).
         verbose: 0 silences progress and event lines; 1 shows them.
     """
 
@@ -101,6 +108,8 @@ class ElasticTrainer:
         liveness_timeout: float = 30.0,
         collective_timeout: float = 300.0,
         max_failures: int = 0,
+        checkpoint_dir: str | os.PathLike | None = None,
+        checkpoint_every: int = 10,
         verbose: int = 1,
     ) -> None:
         if not callable(train_fn):
@@ -133,6 +142,15 @@ class ElasticTrainer:
         if reset_limit is not None:
             _check_int("reset_limit", reset_limit, 0)
         _check_int("max_failures", max_failures, 0)
+        _check_int("checkpoint_every", checkpoint_every, 1)
+        if checkpoint_dir is not None:
+            if not isinstance(checkpoint_dir, (str, os.PathLike)) or not os.fspath(checkpoint_dir):
+                raise ValueError(f"checkpoint_dir must be a path or an fsspec URL, got {checkpoint_dir!r}")
+            checkpoint_dir = normalize_url(checkpoint_dir)
+            try:
+                CheckpointStore(checkpoint_dir)
+            except CheckpointError as e:
+                raise ValueError(str(e)) from e
         if (
             not isinstance(cooldown_range, (tuple, list))
             or len(cooldown_range) != 2
@@ -160,6 +178,8 @@ class ElasticTrainer:
         self.liveness_timeout = float(liveness_timeout)
         self.collective_timeout = float(collective_timeout)
         self.max_failures = max_failures
+        self.checkpoint_dir = checkpoint_dir
+        self.checkpoint_every = checkpoint_every
         self.verbose = verbose
 
     def _settings(self) -> DriverSettings:
@@ -177,6 +197,8 @@ class ElasticTrainer:
                 backend=self.backend,
                 rendezvous_timeout=self.elastic_timeout + self.collective_timeout,
                 collective_timeout=self.collective_timeout,
+                checkpoint_dir=self.checkpoint_dir,
+                checkpoint_every=self.checkpoint_every,
             ),
         )
 
@@ -185,6 +207,7 @@ class ElasticTrainer:
         if not ray.is_initialized():
             ray.init(address=os.environ.get("RAY_ADDRESS"), logging_level=logging.WARNING)
         self._check_cluster_can_hold_a_worker()
+        self._check_checkpoint_dir()
         run_id = uuid.uuid4().hex[:12]
         namespace = f"ray_elastic_{run_id}"
         kv = driver = None
@@ -213,6 +236,24 @@ class ElasticTrainer:
             raise ValueError(
                 f"resources_per_worker={self.resources_per_worker} fits on no node of the Ray cluster "
                 f"(node resources: {totals})"
+            )
+
+    def _check_checkpoint_dir(self) -> None:
+        """Prove the checkpoint directory usable before anything starts, and say if the run resumes."""
+        if self.checkpoint_dir is None:
+            return
+        store = CheckpointStore(self.checkpoint_dir)
+        try:
+            store.check_writable()
+            meta = store.meta()
+        except CheckpointError as e:
+            raise ValueError(str(e)) from e
+        if meta is not None and self.verbose:
+            logger.warning(
+                "resuming from the checkpoint in %s (commit %s, world size %s)",
+                self.checkpoint_dir,
+                meta.get("commit"),
+                meta.get("world_size"),
             )
 
     def _follow(self, driver: Any, run_ref: Any) -> dict[str, Any]:

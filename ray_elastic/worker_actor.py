@@ -46,6 +46,8 @@ class WorkerActor:
             train_fn, config = cloudpickle.loads(payload)
             value = train_fn(config)
             rank = self.ctx.slot.rank if self.ctx.slot is not None else None
+            if rank == 0:
+                self.ctx.flush_checkpoint()
             return {"kind": "done", "rank": rank, "value": value if rank == 0 else None}
         except WorkerRemovedError:
             return {"kind": "removed"}

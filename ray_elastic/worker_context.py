@@ -25,6 +25,7 @@ from typing import Any
 import ray
 
 from ray_elastic.assignment import WorkerSlot
+from ray_elastic.checkpoint import CheckpointStore, CheckpointWriter
 from ray_elastic.collective.base import CollectiveGroup
 from ray_elastic.exceptions import (
     GenerationSupersededError,
@@ -47,6 +48,8 @@ class WorkerSettings:
     backend: str = "gloo"
     rendezvous_timeout: float = 600.0  # waiting for a generation (covers elastic_timeout)
     collective_timeout: float = 300.0  # one collective, and forming one ring
+    checkpoint_dir: str | None = None  # durable checkpoints (local path or fsspec URL), written by rank 0
+    checkpoint_every: int = 10  # commits between two durable checkpoints
 
 
 def load_backend(backend: str) -> None:
@@ -98,6 +101,11 @@ class WorkerContext:
         # test seam: called with a point's name ("rendezvous") so fault-injection tests can fail a rank there
         self.fault_hook: Callable[[str], None] | None = None
         self._synced_generation = 0
+        self._checkpoints: CheckpointWriter | None = None
+        if settings.checkpoint_dir is not None:
+            self._checkpoints = CheckpointWriter(CheckpointStore(settings.checkpoint_dir))
+        self._commits = 0
+        self._resume_checked = False
         self._metrics: deque[tuple[float, dict[str, Any]]] = deque()
         self._metrics_lock = threading.Lock()
         self._stop = threading.Event()
@@ -192,6 +200,43 @@ class WorkerContext:
             pending = self.group.max_int(self.notice) > self.generation
         if pending:
             raise HostsUpdatedInterrupt(skip_sync=False)
+
+    # ---- durable checkpoints ----------------------------------------------
+    def after_commit(self, state: Any) -> None:
+        """Rank 0 hands every `checkpoint_every`-th commit to the background writer."""
+        if self._checkpoints is None or self.slot is None:
+            return
+        self._commits += 1
+        if self.slot.rank != 0 or self._commits % self.settings.checkpoint_every:
+            return
+        meta = {"commit": self._commits, "generation": self.generation, "world_size": self.slot.size}
+        self._checkpoints.submit(state.checkpoint_payload(), meta, timeout=self.settings.collective_timeout)
+
+    def maybe_resume(self, state: Any) -> None:
+        """Before a sync: a rank 0 that never synced loads the durable checkpoint, if there is one.
+
+        Rank 0 is the oldest worker, so a rank 0 that never synced means no
+        worker holds trained state: a new `fit()`, or every worker was lost.
+        """
+        if self._checkpoints is None or self._resume_checked or self._synced_generation or self.slot is None:
+            return
+        if self.slot.rank != 0:
+            return
+        self._resume_checked = True
+        found = self._checkpoints.store.read()
+        if found is None:
+            return
+        payload, meta = found
+        state.load_checkpoint(payload)
+        logger.info(
+            "worker %s resumed from the checkpoint in %s: %s", self.worker_id, self.settings.checkpoint_dir, meta
+        )
+        self.driver.worker_resumed.remote(self.worker_id, meta)
+
+    def flush_checkpoint(self) -> None:
+        """Wait for the last checkpoint write (rank 0, before it returns)."""
+        if self._checkpoints is not None:
+            self._checkpoints.flush(self.settings.collective_timeout)
 
     def mark_synced(self) -> None:
         """Tell the driver (once per generation) that this rank finished its sync."""

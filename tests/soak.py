@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
 
 import digits  # noqa: E402
+from workloads import _fire_faults  # noqa: E402
 
 import ray_elastic as elastic  # noqa: E402
 from ray_elastic.worker_context import current  # noqa: E402
@@ -65,7 +66,8 @@ def soak_train_fn(config: dict) -> dict:
         # takes the same optimisation steps as the fault-free run it is compared with
         batch = max(1, GLOBAL_BATCH // elastic.size())
         loader = DataLoader(dataset, batch_size=batch, sampler=sampler)
-        gen = current().generation
+        # a resumed fit() (config "attempt") starts counting generations again: keep them ordered
+        gen = config.get("attempt", 0) * 1000 + current().generation
         write({"sync": gen, "step": state.step})
         while state.epoch < config["epochs"]:
             for i, (x, y, idx) in enumerate(loader):
@@ -76,6 +78,7 @@ def soak_train_fn(config: dict) -> dict:
                 sampler.record_batch(i, batch)
                 state.step += 1
                 write({"gen": gen, "step": state.step, "epoch": state.epoch, "idx": idx.tolist()})
+                _fire_faults(config, state.step)
                 elastic.report({"step": state.step, "epoch": state.epoch, "world_size": elastic.size()})
                 time.sleep(config.get("step_time", 0.01))  # stands for a bigger model's compute
                 if state.step % 5 == 0:

@@ -36,8 +36,13 @@ class State:
             cb()
 
     def commit(self) -> None:
-        """Save the state in memory, then check for host updates."""
+        """Save the state in memory, then check for host updates.
+
+        With `checkpoint_dir` configured, rank 0 also hands every
+        `checkpoint_every`-th commit to its background checkpoint writer.
+        """
         self.save()
+        current().after_commit(self)
         self.check_host_updates()
 
     def check_host_updates(self) -> None:
@@ -56,6 +61,20 @@ class State:
 
     def sync(self) -> None:
         raise NotImplementedError
+
+    def checkpoint_payload(self) -> Any:
+        """A picklable copy of the last commit, for a durable checkpoint."""
+        raise NotImplementedError(
+            f"{type(self).__name__} does not support durable checkpoints: "
+            "implement checkpoint_payload() and load_checkpoint()"
+        )
+
+    def load_checkpoint(self, payload: Any) -> None:
+        """Make `payload` (from `checkpoint_payload()`) the last commit, and restore it."""
+        raise NotImplementedError(
+            f"{type(self).__name__} does not support durable checkpoints: "
+            "implement checkpoint_payload() and load_checkpoint()"
+        )
 
 
 class ObjectState(State):
@@ -85,4 +104,14 @@ class ObjectState(State):
         from ray_elastic.collective import broadcast_object
 
         self._saved = broadcast_object(self._saved, root_rank=0)
+        self.restore()
+
+    def checkpoint_payload(self) -> dict[str, Any]:
+        return self._saved  # save() replaces the dict rather than mutating it
+
+    def load_checkpoint(self, payload: dict[str, Any]) -> None:
+        missing = set(self._keys) - set(payload)
+        if missing:
+            raise ValueError(f"the checkpoint lacks attributes {sorted(missing)} of this ObjectState")
+        self._saved = {k: payload[k] for k in self._keys}
         self.restore()

@@ -47,6 +47,18 @@ class StateHandler:
     def sync(self) -> None:
         raise NotImplementedError
 
+    def snapshot(self) -> Any:
+        """A picklable copy of what `save()` kept, for a durable checkpoint."""
+        raise NotImplementedError(
+            f"{type(self).__name__} does not support durable checkpoints: implement snapshot() and load_snapshot()"
+        )
+
+    def load_snapshot(self, snapshot: Any) -> None:
+        """Make `snapshot` the saved value and restore it."""
+        raise NotImplementedError(
+            f"{type(self).__name__} does not support durable checkpoints: implement snapshot() and load_snapshot()"
+        )
+
 
 class _TensorBuffers:
     """Buffers that mirror a list of tensors, allocated once and reused."""
@@ -67,6 +79,10 @@ class _TensorBuffers:
         with torch.no_grad():
             for t, b in zip(tensors, self.buffers, strict=True):
                 t.copy_(b)
+
+    def copies(self) -> list[torch.Tensor]:
+        # the buffers are overwritten in place by the next save: a checkpoint needs its own copy
+        return [b.clone() for b in self.buffers]
 
 
 def broadcast_tensors_(tensors: Iterable[torch.Tensor], root_rank: int = 0) -> None:
@@ -104,6 +120,20 @@ class ModuleHandler(StateHandler):
 
     def sync(self) -> None:
         broadcast_tensors_(self._tensors())
+
+    def snapshot(self) -> list[torch.Tensor]:
+        return self._saved.copies()
+
+    def load_snapshot(self, snapshot: list[torch.Tensor]) -> None:
+        tensors = self._tensors()
+        shapes = [tuple(t.shape) for t in tensors]
+        if [tuple(t.shape) for t in snapshot] != shapes:
+            raise ValueError(
+                f"the checkpoint's module has tensor shapes {[tuple(t.shape) for t in snapshot]}, "
+                f"this model has {shapes}"
+            )
+        self._saved.buffers = [t.to(dtype=ref.dtype) for t, ref in zip(snapshot, tensors, strict=True)]
+        self.restore()
 
 
 def _inner_optimizer(value: Any) -> torch.optim.Optimizer:
@@ -201,6 +231,25 @@ class OptimizerHandler(StateHandler):
         for group, hyper in zip(self.optimizer.param_groups, skeleton["hyper"], strict=True):
             group.update(hyper)
 
+    def snapshot(self) -> dict[str, Any]:
+        # save() replaces layout, values and hyper-parameters; only the tensor buffers are reused
+        return {"layout": self._layout, "tensors": self._buffers.copies(), "values": self._values, "hyper": self._hyper}
+
+    def load_snapshot(self, snapshot: dict[str, Any]) -> None:
+        if len(snapshot["hyper"]) != len(self.optimizer.param_groups):
+            raise ValueError(
+                f"the checkpoint's optimizer has {len(snapshot['hyper'])} param groups, "
+                f"this one has {len(self.optimizer.param_groups)}"
+            )
+        count = len(self._params())
+        if any(i >= count for i, _ in list(snapshot["layout"]) + list(snapshot["values"])):
+            raise ValueError(f"the checkpoint's optimizer state covers more than this optimizer's {count} parameters")
+        self._layout = list(snapshot["layout"])
+        self._buffers.buffers = list(snapshot["tensors"])
+        self._values = snapshot["values"]
+        self._hyper = snapshot["hyper"]
+        self.restore()
+
 
 class SamplerHandler(StateHandler):
     """An `ElasticSampler`: the epoch and the processed-sample bitmap."""
@@ -224,6 +273,13 @@ class SamplerHandler(StateHandler):
 
     def restore(self) -> None:
         self.value.load_state_dict(self._saved)
+
+    def snapshot(self) -> dict[str, Any]:
+        return self._saved  # state_dict() copies the bitmap, and save() replaces the dict
+
+    def load_snapshot(self, snapshot: dict[str, Any]) -> None:
+        self._saved = snapshot
+        self.restore()
 
     def sync(self) -> None:
         import ray_elastic
@@ -270,6 +326,13 @@ class ObjectHandler(StateHandler):
 
     def sync(self) -> None:
         self.value = broadcast_object(self.value, root_rank=0)
+
+    def snapshot(self) -> Any:
+        return self._saved  # save() replaces it with a fresh deep copy
+
+    def load_snapshot(self, snapshot: Any) -> None:
+        self._saved = snapshot
+        self.restore()
 
 
 _REGISTRY: list[tuple[type, Callable[[Any], StateHandler]]] = []
@@ -338,3 +401,12 @@ class TorchState(State):
         for handler in self._handlers.values():
             handler.sync()
         self.save()
+
+    def checkpoint_payload(self) -> dict[str, Any]:
+        return {name: handler.snapshot() for name, handler in self._handlers.items()}
+
+    def load_checkpoint(self, payload: dict[str, Any]) -> None:
+        if set(payload) != set(self._handlers):
+            raise ValueError(f"the checkpoint holds {sorted(payload)}, this TorchState holds {sorted(self._handlers)}")
+        for name, handler in self._handlers.items():
+            handler.load_snapshot(payload[name])

@@ -1,0 +1,145 @@
+"""Durable checkpoints: the committed state on disk or in object storage.
+
+`ElasticTrainer(checkpoint_dir=..., checkpoint_every=K)` makes rank 0 write
+its committed state every K commits, so a run survives what in-memory
+commits cannot: every worker lost at once, or the whole cluster gone. A new
+`fit()` (or the driver, after losing every worker) starts fresh workers, and
+the one that becomes rank 0 loads the checkpoint before the first sync
+broadcasts it to the others.
+
+The directory is a local path or an fsspec URL (`file://`, `s3://`,
+`gs://` ... with the matching fsspec package installed). One file holds the
+latest checkpoint; it is written under a temporary name, then renamed over the
+old one, so a reader never sees a torn file (on object stores, where a rename
+is a copy, the single final PUT is what makes it atomic).
+
+Writes happen on a background thread from a copy of the commit, so training
+goes on while the bytes reach storage; a write still in flight when the next
+one is due makes that one wait, and the last write is flushed before a worker
+returns.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import threading
+import time
+import uuid
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+CHECKPOINT_FILE = "ray_elastic_checkpoint.pkl"
+_FORMAT = 1
+
+
+class CheckpointError(RuntimeError):
+    """A durable checkpoint could not be written or read."""
+
+
+class CheckpointStore:
+    """The latest checkpoint in `url` (a local directory or an fsspec URL)."""
+
+    def __init__(self, url: str) -> None:
+        import fsspec
+
+        self.url = url
+        try:
+            self.fs, self.root = fsspec.core.url_to_fs(url)
+        except (ImportError, ValueError) as e:
+            raise CheckpointError(f"checkpoint_dir={url!r}: fsspec cannot open it: {e}") from e
+        self.path = f"{self.root.rstrip('/')}/{CHECKPOINT_FILE}"
+
+    def check_writable(self) -> None:
+        """Create the directory and prove a file can be written and renamed there."""
+        try:
+            self.fs.makedirs(self.root, exist_ok=True)
+            probe = f"{self.root.rstrip('/')}/.probe-{uuid.uuid4().hex}"
+            with self.fs.open(probe, "wb") as f:
+                f.write(b"ok")
+            self.fs.rm(probe)
+        except Exception as e:  # noqa: BLE001 - any storage error means the same thing to the user
+            raise CheckpointError(f"checkpoint_dir={self.url!r} is not writable: {type(e).__name__}: {e}") from e
+
+    def exists(self) -> bool:
+        return bool(self.fs.exists(self.path))
+
+    def write(self, state: Any, meta: dict[str, Any]) -> None:
+        """Write `state` (picklable) with `meta` atomically: temporary file, then rename."""
+        record = {"format": _FORMAT, "meta": {**meta, "written_at": time.time()}, "state": state}
+        tmp = f"{self.root.rstrip('/')}/.{CHECKPOINT_FILE}.tmp-{uuid.uuid4().hex}"
+        self.fs.makedirs(self.root, exist_ok=True)
+        try:
+            with self.fs.open(tmp, "wb") as f:
+                pickle.dump(record, f, protocol=pickle.HIGHEST_PROTOCOL)
+            self.fs.mv(tmp, self.path)
+        except BaseException:
+            if self.fs.exists(tmp):
+                self.fs.rm(tmp)
+            raise
+
+    def read(self) -> tuple[Any, dict[str, Any]] | None:
+        """The latest checkpoint's `(state, meta)`, or None if none was written."""
+        if not self.exists():
+            return None
+        try:
+            with self.fs.open(self.path, "rb") as f:
+                record = pickle.load(f)
+        except Exception as e:  # noqa: BLE001
+            raise CheckpointError(f"cannot read the checkpoint {self.path!r}: {type(e).__name__}: {e}") from e
+        if not isinstance(record, dict) or record.get("format") != _FORMAT:
+            raise CheckpointError(f"{self.path!r} is not a ray-elastic checkpoint of format {_FORMAT}")
+        return record["state"], record["meta"]
+
+    def meta(self) -> dict[str, Any] | None:
+        got = self.read()
+        return None if got is None else got[1]
+
+
+class CheckpointWriter:
+    """Rank 0's background writer: one write in flight at a time."""
+
+    def __init__(self, store: CheckpointStore) -> None:
+        self.store = store
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.written = 0
+
+    def submit(self, state: Any, meta: dict[str, Any], timeout: float) -> None:
+        """Hand a snapshot (already a copy) to the writer; waits for the previous write first."""
+        self.flush(timeout)
+        self._thread = threading.Thread(
+            target=self._write, args=(state, meta), name="ray-elastic-checkpoint", daemon=True
+        )
+        self._thread.start()
+
+    def _write(self, state: Any, meta: dict[str, Any]) -> None:
+        started = time.perf_counter()
+        try:
+            self.store.write(state, meta)
+            self.written += 1
+            logger.info("checkpoint %s written in %.3f s", meta, time.perf_counter() - started)
+        except BaseException as e:  # noqa: BLE001 - surfaced at the next submit or flush
+            self._error = e
+
+    def flush(self, timeout: float) -> None:
+        """Wait for the write in flight; raise `CheckpointError` if it failed or took too long."""
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout)
+            if thread.is_alive():
+                raise CheckpointError(f"writing the checkpoint to {self.store.url!r} took over {timeout:g} s")
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise CheckpointError(
+                f"writing the checkpoint to {self.store.url!r} failed: {type(error).__name__}: {error}"
+            ) from error
+
+
+def normalize_url(url: str | os.PathLike) -> str:
+    """Local paths become absolute (workers' working directories differ); URLs stay as given."""
+    text = os.fspath(url)
+    return text if "://" in text else os.path.abspath(os.path.expanduser(text))

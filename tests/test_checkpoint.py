@@ -1,0 +1,229 @@
+"""Durable checkpoints: the store and the states without Ray, then resumption on real clusters.
+
+- `CheckpointStore` writes atomically and reads back what it wrote; a failed
+  write leaves the previous checkpoint intact.
+- `TorchState` / `ObjectState` round-trip a commit bit for bit into fresh
+  objects (Adam moments and step counts included) and refuse a checkpoint of
+  another model.
+- Every worker lost at once (Horovod #3197): with `checkpoint_dir` the run
+  resumes from it with fresh workers and finishes with exact sample accounting.
+- The whole cluster lost: a new `fit()` on a new cluster resumes from the
+  checkpoint and finishes with exact sample accounting.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from soak import check_ledger, soak_train_fn
+from workloads import counting_train_fn
+
+import ray_elastic as elastic
+from ray_elastic import ElasticTrainer, TrainingFailedError
+from ray_elastic.checkpoint import CHECKPOINT_FILE, CheckpointError, CheckpointStore, CheckpointWriter
+from ray_elastic.torch.sampler import ElasticSampler
+
+HERE = Path(__file__).parent
+
+
+# ---- the store --------------------------------------------------------------
+
+
+def test_store_round_trips_and_leaves_no_temporary_file(tmp_path):
+    store = CheckpointStore(str(tmp_path / "ckpt"))
+    assert store.read() is None
+    store.write({"w": [1, 2, 3]}, {"commit": 4})
+    state, meta = store.read()
+    assert state == {"w": [1, 2, 3]}
+    assert meta["commit"] == 4 and meta["written_at"] > 0
+    assert os.listdir(tmp_path / "ckpt") == [CHECKPOINT_FILE]
+
+
+def test_failed_write_keeps_the_previous_checkpoint(tmp_path):
+    store = CheckpointStore(str(tmp_path))
+    store.write({"good": True}, {"commit": 1})
+    with pytest.raises(Exception, match="pickle"):
+        store.write({"bad": lambda: None}, {"commit": 2})  # a lambda does not pickle
+    assert store.read()[0] == {"good": True}
+    assert os.listdir(tmp_path) == [CHECKPOINT_FILE]
+
+
+def test_fsspec_urls_work(tmp_path):
+    store = CheckpointStore(f"file://{tmp_path}/remote")
+    store.write([1.5], {"commit": 1})
+    assert CheckpointStore(str(tmp_path / "remote")).read()[0] == [1.5]
+
+
+def test_writer_surfaces_a_failed_write_at_the_next_flush(tmp_path):
+    blocker = tmp_path / "not_a_dir"
+    blocker.write_text("a file where the directory should be")
+    writer = CheckpointWriter(CheckpointStore(str(blocker / "sub")))
+    writer.submit({"x": 1}, {"commit": 1}, timeout=10)
+    with pytest.raises(CheckpointError, match="writing the checkpoint to .* failed"):
+        writer.flush(timeout=10)
+    writer.flush(timeout=10)  # reported once
+
+
+# ---- states -----------------------------------------------------------------
+
+
+def _model_and_adam(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.BatchNorm1d(5), torch.nn.Linear(5, 2))
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    for _ in range(3):
+        opt.zero_grad()
+        model(torch.randn(8, 6)).pow(2).sum().backward()
+        opt.step()
+    return model, opt
+
+
+def _flat(model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    out = [t.detach().clone() for t in list(model.parameters()) + list(model.buffers())]
+    for p in model.parameters():
+        out += [v.clone() for v in opt.state[p].values()]
+    return out
+
+
+def test_torch_state_round_trips_a_commit_into_fresh_objects(tmp_path):
+    model, opt = _model_and_adam(0)
+    dataset = list(range(50))
+    sampler = ElasticSampler(dataset, shuffle=True, seed=3)
+    sampler.record_indices([1, 7, 30])
+    state = elastic.torch.TorchState(model=model, optimizer=opt, sampler=sampler, epoch=2, note="x")
+    committed = _flat(model, opt)
+    store = CheckpointStore(str(tmp_path))
+    store.write(state.checkpoint_payload(), {"commit": 1})
+    # training goes on after the commit: the checkpoint must still hold the commit
+    opt.zero_grad()
+    model(torch.randn(8, 6)).sum().backward()
+    opt.step()
+
+    fresh_model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.BatchNorm1d(5), torch.nn.Linear(5, 2))
+    fresh_opt = torch.optim.Adam(fresh_model.parameters(), lr=0.5)  # no moments yet, another lr
+    fresh_sampler = ElasticSampler(dataset, shuffle=True, seed=3)
+    fresh = elastic.torch.TorchState(model=fresh_model, optimizer=fresh_opt, sampler=fresh_sampler, epoch=0, note="")
+    fresh.load_checkpoint(store.read()[0])
+    loaded = _flat(fresh_model, fresh_opt)
+    assert len(loaded) == len(committed)
+    assert all(torch.equal(a, b) for a, b in zip(loaded, committed, strict=True))
+    assert fresh_opt.param_groups[0]["lr"] == 0.01
+    assert fresh.epoch == 2 and fresh.note == "x"
+    assert fresh_sampler.state_dict()["bitmap"].tobytes() == sampler.state_dict()["bitmap"].tobytes()
+    assert fresh_sampler.num_processed == 3
+
+
+def test_checkpoint_of_another_model_is_refused():
+    model, opt = _model_and_adam(0)
+    payload = elastic.torch.TorchState(model=model, optimizer=opt).checkpoint_payload()
+    other = torch.nn.Linear(6, 2)
+    state = elastic.torch.TorchState(model=other, optimizer=torch.optim.Adam(other.parameters()))
+    with pytest.raises(ValueError, match="tensor shapes"):
+        state.load_checkpoint(payload)
+    with pytest.raises(ValueError, match="holds"):
+        elastic.torch.TorchState(model=other).load_checkpoint(payload)
+
+
+def test_object_state_round_trips_the_commit_not_the_live_values():
+    state = elastic.ObjectState(step=3, w=[1.0])
+    payload = state.checkpoint_payload()
+    state.step = 9
+    fresh = elastic.ObjectState(step=0, w=[])
+    fresh.load_checkpoint(payload)
+    assert (fresh.step, fresh.w) == (3, [1.0])
+
+
+def test_bad_checkpoint_options_are_refused_before_anything_starts():
+    with pytest.raises(ValueError, match="checkpoint_every must be an integer >= 1"):
+        ElasticTrainer(counting_train_fn, 1, 1, checkpoint_dir="/tmp/x", checkpoint_every=0)
+    with pytest.raises(ValueError, match="fsspec cannot open it"):
+        ElasticTrainer(counting_train_fn, 1, 1, checkpoint_dir="nosuchprotocol://bucket/x")
+    with pytest.raises(ValueError, match="checkpoint_dir must be a path"):
+        ElasticTrainer(counting_train_fn, 1, 1, checkpoint_dir=42)
+
+
+# ---- on a cluster -----------------------------------------------------------
+
+
+@pytest.mark.integration
+def test_unwritable_checkpoint_dir_fails_fit_before_spawning(cluster, no_leaks, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(ValueError, match="is not writable"):
+        ElasticTrainer(counting_train_fn, 1, 1, checkpoint_dir=str(blocker / "sub"), verbose=0).fit()
+
+
+@pytest.mark.integration
+def test_every_worker_lost_resumes_from_the_durable_checkpoint(cluster, no_leaks, tmp_path):
+    """Horovod #3197: no host of the previous set remains. Fresh workers resume from the checkpoint."""
+    ledger = tmp_path / "ledger"
+    ledger.mkdir()
+    epochs = 3
+    faults = [{"rank": r, "step": 33, "action": "sigkill", "marker": str(tmp_path / f"fault{r}")} for r in range(4)]
+    config = {"seed": 0, "lr": 0.05, "epochs": epochs, "ledger_dir": str(ledger), "faults": faults}
+    started = time.monotonic()
+    result = ElasticTrainer(
+        soak_train_fn,
+        2,
+        4,
+        config=config,
+        checkpoint_dir=str(tmp_path / "ckpt"),
+        checkpoint_every=2,
+        cooldown_range=(0.5, 1),
+        verbose=0,
+    ).fit()
+    assert time.monotonic() - started < 120
+    kinds = [e.kind for e in result.events]
+    assert "restarted" in kinds and "resumed" in kinds, result.events
+    resumed = next(e for e in result.events if e.kind == "resumed")
+    assert "commit" in resumed.detail
+    value = result.return_value
+    assert value["epochs"] == epochs
+    assert len(set(value["digests"])) == 1
+    steps = [m["step"] for m in result.metrics]
+    restart = next(i for i in range(1, len(steps)) if steps[i] <= steps[i - 1])
+    assert 20 <= steps[restart] - 1 < 33, "resumed from the last durable commit, not from scratch"
+    figures = check_ledger(str(ledger), value["n"], epochs, max_world=4)
+    assert figures["samples_checked"] >= epochs * value["n"]
+
+
+@pytest.mark.integration
+def test_without_a_checkpoint_losing_every_worker_says_how_to_resume(cluster, no_leaks, tmp_path):
+    faults = [{"rank": r, "step": 6, "action": "sigkill", "marker": str(tmp_path / f"f{r}")} for r in range(4)]
+    with pytest.raises(TrainingFailedError, match="configure checkpoint_dir to resume"):
+        ElasticTrainer(counting_train_fn, 2, 4, config={"faults": faults, "steps": 100}, verbose=0).fit()
+
+
+@pytest.mark.integration
+def test_whole_cluster_lost_then_a_new_fit_resumes(tmp_path):
+    """The cluster dies mid-run (every process, head included); a new cluster and fit() finish the job."""
+    ckpt, ledger = tmp_path / "ckpt", tmp_path / "ledger"
+    ledger.mkdir()
+    script = [sys.executable, str(HERE / "resume_run.py"), "--checkpoint-dir", str(ckpt), "--ledger-dir", str(ledger)]
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    lost = subprocess.run(
+        [*script, "--attempt", "0", "--lose-cluster-after-commit", "10"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
+    )
+    assert lost.returncode == 3, f"the first run did not lose its cluster as planned:\n{lost.stderr[-3000:]}"
+    meta = CheckpointStore(str(ckpt)).meta()
+    assert meta["commit"] >= 10
+    resumed = subprocess.run([*script, "--attempt", "1"], capture_output=True, text=True, timeout=180, env=env)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    out = json.loads(resumed.stdout.strip().splitlines()[-1])
+    assert out["epochs"] == 4
+    assert len(set(out["digests"])) == 1
+    assert out["first_step"] > 1, "the new fit() resumed from the checkpoint instead of starting over"
+    assert any(e["kind"] == "resumed" for e in out["events"])
+    figures = check_ledger(str(ledger), out["n"], 4, max_world=2)
+    assert figures["rolled_back_lines"] > 0, "steps after the last checkpoint were lost with the cluster"
