@@ -5,7 +5,8 @@ of 2 CPUs: 4 worker slots), trains the digits example (scikit-learn's bundled
 handwritten digits, PyTorch) on 4 workers, SIGKILLs one worker during
 training, then adds a third worker node. Prints the test accuracy, the
 world-size timeline, each membership event with its recovery time, and the
-time from the SIGKILL to the survivors' next completed step.
+time from the SIGKILL to the survivors' next completed step, and saves a
+timeline plot to demo_output/timeline.png.
 """
 
 from __future__ import annotations
@@ -129,6 +130,8 @@ def main() -> int:
         f"test accuracy {value['accuracy']:.3f} after {EPOCHS} epochs, "
         f"{value['steps']} steps; final loss {result.metrics[-1]['loss']:.3f}"
     )
+    png = result.plot_timeline(Path("demo_output") / "timeline.png")
+    print(f"timeline plot (world size and steps/s, events marked): {png.resolve()}")
     failed = [e for e in result.events if e.kind == "worker_failed"]
     added = [e for e in result.events if e.kind == "hosts_added"]
     if not failed or not added:

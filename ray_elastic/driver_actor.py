@@ -31,7 +31,7 @@ import enum
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import cloudpickle
@@ -39,6 +39,7 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from ray_elastic import metrics
 from ray_elastic.assignment import Cooldown, LiveWorker, assign_ranks, plan_scaling
 from ray_elastic.checkpoint import CheckpointStore
 from ray_elastic.discovery import DiscoveryError, DiscoveryPoller, alive_ray_nodes, make_discovery
@@ -49,6 +50,8 @@ from ray_elastic.worker_context import WorkerSettings
 logger = logging.getLogger(__name__)
 
 _TICK_S = 0.5
+_RATE_WINDOW_S = 5.0  # steps per second: rank 0's reports over this many seconds
+_RATE_WINDOW_REPORTS = 10_000
 
 
 class DriverState(enum.Enum):
@@ -115,7 +118,8 @@ class DriverActor:
         self.run_id = run_id
         self.namespace = namespace
         self.kv = kv
-        self.settings = settings
+        # workers tag their metrics with the run's id
+        self.settings = replace(settings, worker=replace(settings.worker, run_id=run_id))
         self._payload_ref = ray.put(payload)
         # callables arrive pickled by the trainer (their module may exist only on its side)
         self._discovery_spec = cloudpickle.loads(discovery) if isinstance(discovery, bytes) else discovery
@@ -601,6 +605,9 @@ class DriverActor:
                 rec.handle.notify.remote(self.generation)
         size = len(self.plan)
         now = time.time()
+        metrics.world_size(self.run_id, size)
+        if self.generation > 1:
+            metrics.reset(self.run_id)
         if self.generation == 1:
             self._unbound_events.append(self._event("start", f"{size} workers"))
             self._unbound_events[-1].time = self._started_at
@@ -616,6 +623,7 @@ class DriverActor:
             self._last_timeout_reset = None  # the membership changed: a later timeout is a new story
         for ev in self._unbound_events:
             ev.generation = self.generation
+            ev.previous_world_size = old_size
             ev.world_size = size
             self.events.append(ev)
         self._unbound_events = []
@@ -642,6 +650,7 @@ class DriverActor:
             if ev.generation == generation and ev.reset_duration is None:
                 ev.reset_duration = max(0.0, at - ev.time)
                 if ev.kind != "start":
+                    metrics.recovery(self.run_id, ev.reset_duration)
                     logger.info("%s; recovered in %.2f s, world size %d", ev.detail, ev.reset_duration, ev.world_size)
         if self.state is DriverState.RESETTING:
             self._set_state(DriverState.RUNNING)
@@ -662,6 +671,12 @@ class DriverActor:
 
     async def add_metrics(self, worker_id: str, batch: list[tuple[float, dict]]) -> None:
         self.metrics.extend(batch)
+        if not batch:
+            return
+        # rank 0 reports once per step: its report rate over the last few seconds is the step rate
+        recent = [t for t, _ in self.metrics[-_RATE_WINDOW_REPORTS:] if t >= batch[-1][0] - _RATE_WINDOW_S]
+        if len(recent) >= 2 and recent[-1] > recent[0]:
+            metrics.steps_per_second(self.run_id, (len(recent) - 1) / (recent[-1] - recent[0]))
 
     async def stop(self, reason: str = "stopped by the user") -> None:
         """Ask the loop to end (e.g. the user interrupted `fit()`)."""

@@ -10,17 +10,19 @@ class Event:
     """One membership change.
 
     `time` is seconds since the epoch; `world_size` the size of the
-    generation that absorbed the change; `reset_duration` the seconds from the
-    change to the last rank finishing its sync in that generation (None if
-    training ended first).
+    generation that absorbed the change, `previous_world_size` the size before
+    it; `reset_duration` the seconds from the change to the last rank
+    finishing its sync in that generation (None if training ended first).
     """
 
     time: float
-    kind: str  # start, worker_failed, newcomer_failed, hosts_added, hosts_removed, reset_requested
+    # start, worker_failed, newcomer_failed, hosts_added, hosts_removed, reset_requested, restarted, resumed
+    kind: str
     world_size: int
     generation: int
     reset_duration: float | None = None
     detail: str = ""
+    previous_world_size: int | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)

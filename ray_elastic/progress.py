@@ -1,16 +1,25 @@
 """What `fit()` shows while it trains: a progress bar and one line per event.
 
 The bar (`tqdm.auto`, so it renders in a terminal and in a notebook) shows
-the driver's state, the world size, the resets and rank 0's latest metrics.
-Membership events become log lines as they complete. `verbose=0` hides both.
+the driver's state, the epoch and step, the world size, the resets and rank
+0's latest metrics (epoch and step come from the reported `epoch` and `step`
+keys; without a `step` key the bar counts reports). Membership events become
+one log line each as they complete, e.g.
+"worker w3 (rank 2) on node ab12cd34 died; recovered in 0.06 s, world size 4 -> 3".
+Where output is not a terminal the bar is off and the lines go to the
+`ray_elastic` logger. `verbose=0` hides both.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 from typing import Any
 
 logger = logging.getLogger("ray_elastic")
+
+# kinds whose reset_duration is no recovery (nobody waited), so their line has no "recovered in"
+_NO_PAUSE = ("newcomer_failed", "resumed")
 
 
 def _short(value: Any) -> str:
@@ -24,12 +33,15 @@ class Progress:
         self.enabled = enabled
         self._bar = None
         self._logged: set[tuple[float, str]] = set()
-        self._steps = 0
+        self._reports = 0
+        self._latest: dict[str, Any] = {}
         if enabled:
             from tqdm.auto import tqdm
 
-            # disable=None: no bar where output is not a terminal (logs), event lines still print
+            # disable=None: no bar where output is not a terminal (logs, jobs); event lines still print
             self._bar = tqdm(total=None, unit="step", desc="ray-elastic", dynamic_ncols=True, disable=None)
+            if self._bar.disable:
+                _ensure_log_handler()
 
     def update(self, status: dict[str, Any]) -> None:
         if not self.enabled:
@@ -39,24 +51,30 @@ class Progress:
             if key in self._logged or (ev["reset_duration"] is None and status.get("state") not in ("done", "failed")):
                 continue
             self._logged.add(key)
-            line = _describe(ev)
-            if self._bar is not None:
-                self._bar.write(line)
-            else:
-                logger.info(line)
+            self._write(describe(ev))
         metrics = status.get("metrics", [])
-        if self._bar is not None:
-            if metrics:
-                self._bar.update(len(metrics))
-                latest = metrics[-1][1]
-                self._bar.set_postfix_str(
-                    " ".join(f"{k}={_short(v)}" for k, v in list(latest.items())[:6]), refresh=False
-                )
-            self._bar.set_description(
-                f"ray-elastic [{status.get('state', '?')}] world={status.get('world_size', 0)} "
-                f"resets={status.get('resets', 0)}",
-                refresh=True,
-            )
+        if metrics:
+            self._reports += len(metrics)
+            self._latest = metrics[-1][1]
+        if self._bar is None or self._bar.disable:
+            return
+        if metrics:
+            self._bar.update(len(metrics))
+            shown = {k: v for k, v in self._latest.items() if k not in ("epoch", "step")}
+            self._bar.set_postfix_str(" ".join(f"{k}={_short(v)}" for k, v in list(shown.items())[:6]), refresh=False)
+        epoch = f"epoch {self._latest['epoch']} " if "epoch" in self._latest else ""
+        step = self._latest.get("step", self._reports)
+        self._bar.set_description(
+            f"ray-elastic [{status.get('state', '?')}] {epoch}step {step} world {status.get('world_size', 0)} "
+            f"resets {status.get('resets', 0)}",
+            refresh=True,
+        )
+
+    def _write(self, line: str) -> None:
+        if self._bar is not None and not self._bar.disable:
+            self._bar.write(line)
+        else:
+            logger.info(line)
 
     def close(self) -> None:
         if self._bar is not None:
@@ -64,13 +82,25 @@ class Progress:
             self._bar = None
 
 
-_VERBS = {"start": "ready", "worker_failed": "recovered", "reset_requested": "recovered"}
+def _ensure_log_handler() -> None:
+    """Event lines reach a job's log even when the user configured no logging."""
+    if not logger.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        logger.addHandler(handler)
+    if logger.getEffectiveLevel() > logging.INFO:
+        logger.setLevel(logging.INFO)
 
 
-def _describe(ev: dict[str, Any]) -> str:
-    took = ""
-    if ev["reset_duration"] is not None:
-        took = f"; {_VERBS.get(ev['kind'], 'resized')} in {ev['reset_duration']:.2f} s"
+def describe(ev: dict[str, Any]) -> str:
+    """One line for an event, e.g. "worker w3 ... died; recovered in 0.06 s, world size 4 -> 3"."""
     if ev["kind"] == "start":
+        took = f" in {ev['reset_duration']:.1f} s" if ev["reset_duration"] is not None else ""
         return f"[ray-elastic] started with {ev['world_size']} workers{took}"
-    return f"[ray-elastic] {ev['detail']}{took}, world size now {ev['world_size']}"
+    sizes = f"world size {ev.get('previous_world_size')} -> {ev['world_size']}"
+    if ev["kind"] in _NO_PAUSE:
+        return f"[ray-elastic] {ev['detail']}"
+    if ev["reset_duration"] is None:
+        return f"[ray-elastic] {ev['detail']}; {sizes}"
+    verb = "recovered" if ev["kind"] in ("worker_failed", "reset_requested", "restarted") else "resized"
+    return f"[ray-elastic] {ev['detail']}; {verb} in {ev['reset_duration']:.2f} s, {sizes}"

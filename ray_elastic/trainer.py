@@ -16,6 +16,7 @@ import os
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import cloudpickle
@@ -46,6 +47,7 @@ class Result:
     - `metric_times`: when each was reported (seconds since the epoch).
     - `events`: membership events (`Event`: time, kind, world size, reset duration).
     - `resets`: how many times the ring was re-formed.
+    - `run_id`: the run's id, the `run_id` tag of its Ray metrics.
     """
 
     return_value: Any
@@ -53,6 +55,13 @@ class Result:
     metric_times: list[float] = field(default_factory=list)
     events: list[Event] = field(default_factory=list)
     resets: int = 0
+    run_id: str = ""
+
+    def plot_timeline(self, path: str | os.PathLike) -> Path:
+        """Save a PNG of world size and steps/s over time with the events marked; returns its path."""
+        from ray_elastic.timeline import plot_timeline
+
+        return plot_timeline(self.events, self.metric_times, path)
 
 
 class ElasticTrainer:
@@ -227,6 +236,7 @@ class ElasticTrainer:
             metric_times=[t for t, _ in outcome["metrics"]],
             events=[Event(**e) for e in outcome["events"]],
             resets=outcome["resets"],
+            run_id=run_id,
         )
 
     def _check_cluster_can_hold_a_worker(self) -> None:

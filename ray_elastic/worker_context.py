@@ -24,6 +24,7 @@ from typing import Any
 
 import ray
 
+from ray_elastic import metrics
 from ray_elastic.assignment import WorkerSlot
 from ray_elastic.checkpoint import CheckpointStore, CheckpointWriter
 from ray_elastic.collective.base import CollectiveGroup
@@ -50,6 +51,7 @@ class WorkerSettings:
     collective_timeout: float = 300.0  # one collective, and forming one ring
     checkpoint_dir: str | None = None  # durable checkpoints (local path or fsspec URL), written by rank 0
     checkpoint_every: int = 10  # commits between two durable checkpoints
+    run_id: str = ""  # tags this worker's metrics
 
 
 def load_backend(backend: str) -> None:
@@ -88,6 +90,7 @@ class WorkerContext:
         self.kv = KVClient(kv)
         self.driver = driver
         self.settings = settings
+        self.run_id = settings.run_id
         self.generation = 0
         self.slot: WorkerSlot | None = None
         self.group: CollectiveGroup | None = None
@@ -202,8 +205,9 @@ class WorkerContext:
             raise HostsUpdatedInterrupt(skip_sync=False)
 
     # ---- durable checkpoints ----------------------------------------------
-    def after_commit(self, state: Any) -> None:
-        """Rank 0 hands every `checkpoint_every`-th commit to the background writer."""
+    def after_commit(self, state: Any, save_seconds: float) -> None:
+        """Record the commit's cost; rank 0 hands every `checkpoint_every`-th commit to the checkpoint writer."""
+        metrics.commit(self.run_id, save_seconds)
         if self._checkpoints is None or self.slot is None:
             return
         self._commits += 1

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import copy
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -41,8 +42,9 @@ class State:
         With `checkpoint_dir` configured, rank 0 also hands every
         `checkpoint_every`-th commit to its background checkpoint writer.
         """
+        started = time.perf_counter()
         self.save()
-        current().after_commit(self)
+        current().after_commit(self, time.perf_counter() - started)
         self.check_host_updates()
 
     def check_host_updates(self) -> None:
