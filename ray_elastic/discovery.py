@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import signal
 import subprocess
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -196,28 +197,35 @@ class ScriptDiscovery:
 
     def __call__(self) -> HostSlots:
         try:
-            proc = subprocess.run([self.path], capture_output=True, text=True, timeout=self.timeout, check=False)
-        except subprocess.TimeoutExpired:
-            raise DiscoveryError(f"discovery script {self.path} did not finish within {self.timeout:g} s") from None
+            # its own session, so a timeout kills whatever the script started too (kubectl, curl ...)
+            proc = subprocess.Popen(
+                [self.path], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+            )
         except OSError as e:
             raise DiscoveryError(f"discovery script {self.path} could not run: {e}") from None
+        try:
+            stdout, stderr = proc.communicate(timeout=self.timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            raise DiscoveryError(f"discovery script {self.path} did not finish within {self.timeout:g} s") from None
         if proc.returncode != 0:
             raise DiscoveryError(
-                f"discovery script {self.path} exited with {proc.returncode}: {proc.stderr.strip()[-2000:]}"
+                f"discovery script {self.path} exited with {proc.returncode}: {stderr.strip()[-2000:]}"
             )
-        raw = parse_host_lines(proc.stdout, self.default_slots)
+        raw = parse_host_lines(stdout, self.default_slots)
         return resolve_hosts(raw, self._nodes(), self.per_worker)
 
     def __repr__(self) -> str:
         return f"script {self.path}"
 
 
-def make_discovery(spec: object, per_worker: Mapping[str, float]) -> Callable[[], HostSlots]:
-    """The discovery source for `ElasticTrainer(discovery=spec)`."""
+def make_discovery(spec: object, per_worker: Mapping[str, float], timeout: float = 30.0) -> Callable[[], HostSlots]:
+    """The discovery source for `ElasticTrainer(discovery=spec)`; a script is killed after `timeout` s."""
     if spec is None:
         return RayClusterDiscovery(per_worker)
     if isinstance(spec, (str, os.PathLike)):
-        return ScriptDiscovery(os.fspath(spec), per_worker)
+        return ScriptDiscovery(os.fspath(spec), per_worker, timeout=timeout)
     if callable(spec):
         return CallableDiscovery(spec, per_worker)
     raise ValueError(

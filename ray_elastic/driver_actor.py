@@ -155,7 +155,9 @@ class DriverActor:
         self._self_handle = ray.get_runtime_context().current_actor
         try:
             poller = DiscoveryPoller(
-                make_discovery(self._discovery_spec, self.settings.resources_per_worker),
+                make_discovery(
+                    self._discovery_spec, self.settings.resources_per_worker, self.settings.discovery_timeout
+                ),
                 give_up_after=self.settings.elastic_timeout,
                 timeout=self.settings.discovery_timeout,
             )

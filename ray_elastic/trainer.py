@@ -86,6 +86,10 @@ class ElasticTrainer:
         cooldown_range: (min, max) seconds a host whose worker failed is held
             back, doubling with each failure, then offered again.
         discovery_interval: seconds between discovery polls.
+        discovery_timeout: seconds one discovery call (callable or script) may
+            take; a script still running then is killed. The first failure
+            fails the run; later ones are retried with a warning until
+            `elastic_timeout` passes without a success.
         liveness_timeout: a worker that does not answer a ping within this
             many seconds is killed and treated as failed.
         collective_timeout: seconds one collective (or forming one ring) may take.
@@ -114,6 +118,7 @@ class ElasticTrainer:
         reset_limit: int | None = None,
         cooldown_range: tuple[float, float] = (10.0, 300.0),
         discovery_interval: float = 1.0,
+        discovery_timeout: float = 30.0,
         liveness_timeout: float = 30.0,
         collective_timeout: float = 300.0,
         max_failures: int = 0,
@@ -143,6 +148,7 @@ class ElasticTrainer:
         for name, value in (
             ("elastic_timeout", elastic_timeout),
             ("discovery_interval", discovery_interval),
+            ("discovery_timeout", discovery_timeout),
             ("liveness_timeout", liveness_timeout),
             ("collective_timeout", collective_timeout),
         ):
@@ -184,6 +190,7 @@ class ElasticTrainer:
         self.reset_limit = reset_limit
         self.cooldown_range = (float(cooldown_range[0]), float(cooldown_range[1]))
         self.discovery_interval = float(discovery_interval)
+        self.discovery_timeout = float(discovery_timeout)
         self.liveness_timeout = float(liveness_timeout)
         self.collective_timeout = float(collective_timeout)
         self.max_failures = max_failures
@@ -200,6 +207,7 @@ class ElasticTrainer:
             reset_limit=self.reset_limit,
             cooldown_range=self.cooldown_range,
             discovery_interval=self.discovery_interval,
+            discovery_timeout=self.discovery_timeout,
             liveness_timeout=self.liveness_timeout,
             max_failures=self.max_failures,
             worker=WorkerSettings(

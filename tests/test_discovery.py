@@ -7,10 +7,13 @@ Scripts are real tiny executables written to `tmp_path`.
 from __future__ import annotations
 
 import logging
+import os
 import pathlib
 import time
+from pathlib import Path
 
 import pytest
+from conftest import wait_until
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -306,6 +309,28 @@ def test_script_discovery_hanging_script_times_out(tmp_path):
     assert time.monotonic() - start < 10
     assert "did not finish within 0.2 s" in str(info.value)
     assert str(script) in str(info.value)
+
+
+def test_script_discovery_timeout_kills_what_the_script_started(tmp_path):
+    pidfile = tmp_path / "child.pid"
+    script = write_script(tmp_path, f"sleep 60 &\necho $! > {pidfile}\nwait\n")
+    disc = ScriptDiscovery(str(script), CPU1, timeout=0.5, nodes=lambda: NODES)
+    with pytest.raises(DiscoveryError, match="did not finish within 0.5 s"):
+        disc()
+    child = int(pidfile.read_text())
+
+    def gone() -> bool:
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            return True
+        # a killed process may linger as a zombie until it is reaped: that is gone too
+        try:
+            return Path(f"/proc/{child}/stat").read_text().split()[2] == "Z"
+        except FileNotFoundError:
+            return True
+
+    wait_until(gone, 10, f"the script's child process {child} to be killed")
 
 
 def test_script_discovery_sees_the_script_change_its_answer(tmp_path):

@@ -181,3 +181,67 @@ def test_two_trainers_at_once_do_not_see_each_other(cluster, no_leaks):
         assert [m["step"] for m in result.metrics] == list(range(1, 151 + 50 * i))
         assert result.resets == 0 and sizes(result) == [2]
         assert_same_state(result)
+
+
+# ---- discovery that misbehaves, end to end ------------------------------------
+
+_SCRIPT = """#!/bin/sh
+echo call >> {calls}
+case "$(cat {mode})" in
+  ok) cat {hosts} ;;
+  garbage) echo '%% this is not a host line %%' ;;
+  fail) echo 'inventory service unreachable' >&2; exit 7 ;;
+  hang) exec sleep 600 ;;
+esac
+"""
+
+
+def discovery_script(tmp_path, cluster, mode: str):
+    """An executable discovery script whose behaviour the test switches through a file."""
+    paths = {name: tmp_path / name for name in ("calls", "mode", "hosts")}
+    paths["calls"].write_text("")
+    paths["mode"].write_text(mode)
+    paths["hosts"].write_text("".join(f"{n.node_id}:2\n" for n in cluster.worker_nodes_at_start))
+    script = tmp_path / "discover.sh"
+    script.write_text(_SCRIPT.format(**paths))
+    script.chmod(0o755)
+    return script, paths
+
+
+@pytest.mark.parametrize(
+    ("mode", "message"),
+    [
+        ("garbage", r"line 1.*not a host line"),
+        ("fail", r"exited with 7: inventory service unreachable"),
+        ("hang", r"did not (finish|answer) within 2 s"),
+    ],
+)
+def test_discovery_failing_at_start_fails_fit_with_its_reason(cluster, no_leaks, tmp_path, mode, message):
+    script, _ = discovery_script(tmp_path, cluster, mode)
+    started = time.monotonic()
+    with pytest.raises(TrainingFailedError, match=message):
+        ElasticTrainer(
+            counting_train_fn, 2, 4, config={"steps": 10}, discovery=str(script), discovery_timeout=2, verbose=0
+        ).fit()
+    assert time.monotonic() - started < 30
+
+
+@pytest.mark.parametrize("mode", ["garbage", "fail", "hang"])
+def test_discovery_failing_mid_run_is_retried_while_training_goes_on(cluster, no_leaks, tmp_path, mode):
+    script, paths = discovery_script(tmp_path, cluster, "ok")
+    fut = start_and_reach_step(
+        tmp_path,
+        config={"steps": 400, "step_time": 0.01},
+        discovery=str(script),
+        discovery_interval=0.2,
+        discovery_timeout=1,
+    )
+    calls_before = len(paths["calls"].read_text().splitlines())
+    paths["mode"].write_text(mode)
+    result = fut.result(timeout=120)
+    broken_calls = len(paths["calls"].read_text().splitlines()) - calls_before
+    assert broken_calls >= 2, "the broken discovery was polled while training went on"
+    assert result.return_value["steps"] == 400
+    assert sizes(result) == [4], "no worker was lost or added because discovery broke"
+    assert result.resets == 0
+    assert_same_state(result)
