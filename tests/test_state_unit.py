@@ -150,6 +150,10 @@ class FakeContext:
     def __init__(self, hosts_changed: bool) -> None:
         self.hosts_changed = hosts_changed
         self.checks = 0
+        self.commits: list[float] = []
+
+    def after_commit(self, state: object, save_seconds: float) -> None:
+        self.commits.append(save_seconds)
 
     def check_host_updates(self) -> None:
         self.checks += 1
@@ -180,6 +184,7 @@ def test_commit_without_host_changes_just_saves(monkeypatch):
     state.restore()
     assert state.batch == 5
     assert ctx.checks == 1
+    assert len(ctx.commits) == 1 and ctx.commits[0] >= 0, "the commit's cost is recorded (metrics, checkpoints)"
 
 
 def test_check_host_updates_outside_a_worker_says_where_it_works(monkeypatch):
