@@ -101,6 +101,7 @@ class WorkerRecord:
     pg: PlacementGroup | None = None
     handle: Any = None
     task: asyncio.Task | None = None
+    answered: bool = False  # has answered a ping: its process is up
 
 
 class DriverActor:
@@ -198,6 +199,7 @@ class DriverActor:
             rec = self.workers.get(message[1])
             if rec is not None and rec.status is WorkerStatus.STARTING:
                 rec.status = WorkerStatus.READY
+                rec.answered = True  # its process is up: from now on the liveness check applies
                 await self._maybe_publish()
         elif kind == "exit":
             await self._on_exit(message[1], message[2])
@@ -530,7 +532,10 @@ class DriverActor:
             pings = [asyncio.wait_for(r.handle.ping.remote(), self.settings.liveness_timeout) for r in live]
             results = await asyncio.gather(*pings, return_exceptions=True)
             for rec, result in zip(live, results, strict=False):
-                if isinstance(result, asyncio.TimeoutError) and rec.status in _ALIVE:
+                if not isinstance(result, BaseException):
+                    rec.answered = True
+                # a process still starting (runtime env, imports) is bounded by the boot deadline instead
+                elif isinstance(result, asyncio.TimeoutError) and rec.status in _ALIVE and rec.answered:
                     logger.warning(
                         "worker %s on node %s did not answer within liveness_timeout=%g s; killing it",
                         rec.worker_id,

@@ -1,10 +1,10 @@
 """What `fit()` shows while it trains: a progress bar and one line per event.
 
-The bar (`tqdm.auto`, so it renders in a terminal and in a notebook) shows
-the driver's state, the epoch and step, the world size, the resets and rank
-0's latest metrics (epoch and step come from the reported `epoch` and `step`
-keys; without a `step` key the bar counts reports). Membership events become
-one log line each as they complete, e.g.
+The bar (tqdm: a text bar in a terminal, a widget in a notebook, as
+`tqdm.auto` would pick) shows the driver's state, the epoch and step, the
+world size, the resets and rank 0's latest metrics (epoch and step come from
+the reported `epoch` and `step` keys; without a `step` key the bar counts
+reports). Membership events become one log line each as they complete, e.g.
 "worker w3 (rank 2) on node ab12cd34 died; recovered in 0.06 s, world size 4 -> 3".
 Where output is not a terminal the bar is off and the lines go to the
 `ray_elastic` logger. `verbose=0` hides both.
@@ -36,10 +36,8 @@ class Progress:
         self._reports = 0
         self._latest: dict[str, Any] = {}
         if enabled:
-            from tqdm.auto import tqdm
-
-            # disable=None: no bar where output is not a terminal (logs, jobs); event lines still print
-            self._bar = tqdm(total=None, unit="step", desc="ray-elastic", dynamic_ncols=True, disable=None)
+            tqdm, disable = _bar_class()
+            self._bar = tqdm(total=None, unit="step", desc="ray-elastic", dynamic_ncols=True, disable=disable)
             if self._bar.disable:
                 _ensure_log_handler()
 
@@ -80,6 +78,32 @@ class Progress:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
+
+
+def _in_notebook() -> bool:
+    shell = sys.modules.get("IPython")
+    ip = shell.get_ipython() if shell is not None else None
+    return ip is not None and type(ip).__name__ == "ZMQInteractiveShell"
+
+
+def _bar_class() -> tuple[Any, bool | None]:
+    """The tqdm class and its `disable` argument for where we run.
+
+    In a notebook the kernel's streams are no terminal, yet a bar renders:
+    a widget where ipywidgets is installed, else a text line Jupyter redraws.
+    Elsewhere `disable=None` leaves no bar where output is not a terminal
+    (a job's log, CI), where the event lines still print.
+    """
+    if _in_notebook():
+        try:
+            import ipywidgets  # noqa: F401
+            from tqdm.notebook import tqdm
+        except ImportError:
+            from tqdm.std import tqdm
+        return tqdm, False
+    from tqdm.std import tqdm
+
+    return tqdm, None
 
 
 def _ensure_log_handler() -> None:
