@@ -69,3 +69,13 @@ def no_leaks(cluster):
     wait_until(
         lambda: not run_placement_groups_alive(), 30, f"run placement groups to go: {run_placement_groups_alive()}"
     )
+
+
+@pytest.fixture(scope="session")
+def ray_start_cluster():
+    """A `ray start --head` cluster with token auth, shared by the Jobs, notebook and CLI tests."""
+    from ray_start import RayStartCluster
+
+    c = RayStartCluster(num_cpus=3)
+    yield c
+    c.stop()

@@ -1,0 +1,306 @@
+"""`ray-elastic run FILE.py:FUNCTION`: an `ElasticTrainer` from the command line.
+
+The counterpart of `horovodrun --host-discovery-script`: it loads the
+training function from a file (or a module), builds an `ElasticTrainer` from
+the options, connects to a Ray cluster (or starts a local one), trains, and
+prints a summary: the membership events, rank 0's last metrics and what
+rank 0's function returned. Every argument is checked before anything is
+spawned; bad input exits with status 2 and says what is wrong.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import inspect
+import json
+import logging
+import os
+import re
+import reprlib
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+EXAMPLES = """\
+examples:
+  ray-elastic run examples/digits.py:train_fn --min-workers 2 --max-workers 4
+  ray-elastic run examples/digits.py:train_fn --min-workers 2 --max-workers 8 \\
+      --discovery-script ./discover.sh --config epochs=5 lr=0.05 --address 10.0.0.1:6379
+  ray-elastic run mypkg.train:main --min-workers 1 --max-workers 4 --resources-per-worker CPU=4
+
+the function is called as FUNCTION(config) in every worker, config being the
+dict built from --config. A discovery script prints one 'host' or 'host:slots'
+line per host that may run workers (hosts: Ray node IDs or unique IPs), as
+Horovod's --host-discovery-script does; it is run again every
+--discovery-interval seconds, so hosts can come and go.
+"""
+
+
+def _key_value(text: str) -> tuple[str, Any]:
+    """`key=value`, the value parsed as JSON where it parses (numbers, true, lists), else kept as a string."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key.strip():
+        hint = " (FILE.py:FUNCTION goes before the options)" if ":" in text and not sep else ""
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}{hint}")
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError:
+        value = raw
+    return key.strip(), value
+
+
+def _resources(text: str) -> list[tuple[str, float]]:
+    """`CPU=1,GPU=0.5` as (name, amount) pairs."""
+    pairs = []
+    for item in text.split(","):
+        name, sep, amount = item.partition("=")
+        try:
+            if not sep or not name.strip():
+                raise ValueError
+            pairs.append((name.strip(), float(amount)))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected NAME=AMOUNT[,NAME=AMOUNT...], got {text!r}") from None
+    return pairs
+
+
+def _target(text: str) -> str:
+    path, sep, function = text.rpartition(":")
+    if not sep or not path or not function.isidentifier():
+        raise argparse.ArgumentTypeError(f"expected FILE.py:FUNCTION or MODULE:FUNCTION, got {text!r}")
+    return text
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ray-elastic",
+        description="Elastic, fault-tolerant data-parallel training on Ray, with Horovod Elastic's semantics.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    run = commands.add_parser(
+        "run",
+        help="train FUNCTION(config) on elastic Ray workers",
+        usage="ray-elastic run FILE.py:FUNCTION --min-workers N [--max-workers N] [options]",
+        description="Train FUNCTION(config) on between --min-workers and --max-workers Ray actors,\n"
+        "growing and shrinking with the cluster and surviving the loss of workers.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    run.set_defaults(error=run.error)  # bad input found after parsing is reported with run's usage
+    run.add_argument(
+        "target", type=_target, metavar="FILE.py:FUNCTION", help="the training function (or MODULE:FUNCTION)"
+    )
+
+    workers = run.add_argument_group("workers")
+    workers.add_argument("--min-workers", type=int, required=True, metavar="N", help="wait for at least N workers")
+    workers.add_argument("--max-workers", type=int, metavar="N", help="never grow past N (default: --min-workers)")
+    workers.add_argument(
+        "--resources-per-worker",
+        type=_resources,
+        action="extend",
+        metavar="NAME=AMOUNT[,...]",
+        help="Ray resources of one worker, e.g. CPU=2,GPU=1 (repeatable; default CPU=1)",
+    )
+    workers.add_argument(
+        "--config",
+        type=_key_value,
+        nargs="+",
+        action="extend",
+        metavar="KEY=VALUE",
+        help="entries of the config dict passed to FUNCTION; VALUE is parsed as JSON where it parses "
+        "(5, 0.1, true, [1,2]), else taken as a string",
+    )
+    workers.add_argument(
+        "--backend", default="auto", help="collective backend: auto (torch Gloo on CPU) or gloo (default: auto)"
+    )
+
+    hosts = run.add_argument_group("hosts and failures")
+    hosts.add_argument(
+        "--discovery-script",
+        metavar="PATH",
+        help="executable printing 'host' or 'host:slots' lines (default: every alive node of the Ray cluster)",
+    )
+    hosts.add_argument(
+        "--discovery-interval", type=float, default=1.0, metavar="S", help="seconds between discovery polls (1)"
+    )
+    hosts.add_argument(
+        "--elastic-timeout",
+        type=float,
+        default=600.0,
+        metavar="S",
+        help="seconds to wait for --min-workers, a newcomer's boot or a placement (600)",
+    )
+    hosts.add_argument("--reset-limit", type=int, metavar="N", help="fail after N resets (default: unbounded)")
+    hosts.add_argument(
+        "--cooldown-range",
+        type=float,
+        nargs=2,
+        default=(10.0, 300.0),
+        metavar=("MIN", "MAX"),
+        help="seconds a host whose worker failed gets no new worker, doubling per failure (10 300)",
+    )
+    hosts.add_argument(
+        "--liveness-timeout",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="a worker not answering a ping within S seconds is killed and counted as failed (30)",
+    )
+    hosts.add_argument(
+        "--collective-timeout",
+        type=float,
+        default=300.0,
+        metavar="S",
+        help="seconds one collective, or forming one ring, may take (300)",
+    )
+    hosts.add_argument(
+        "--max-failures",
+        type=int,
+        default=0,
+        metavar="N",
+        help="exceptions of FUNCTION to retry as that worker's failure; 0 fails at the first (0)",
+    )
+
+    ray_group = run.add_argument_group("Ray")
+    ray_group.add_argument(
+        "--address",
+        default=os.environ.get("RAY_ADDRESS"),
+        help="Ray cluster to connect to, e.g. 10.0.0.1:6379 or auto (default: $RAY_ADDRESS, else a local Ray)",
+    )
+    ray_group.add_argument(
+        "--verbose",
+        type=int,
+        choices=(0, 1),
+        default=1,
+        help="1 shows progress and a line per membership event, 0 only the summary (1)",
+    )
+    return parser
+
+
+def load_function(target: str) -> Callable[..., Any]:
+    """The function named by `FILE.py:FUNCTION` or `MODULE:FUNCTION`; ValueError naming what is missing."""
+    where, _, name = target.rpartition(":")
+    if where.endswith(".py") or os.path.sep in where:
+        path = os.path.abspath(where)
+        if not os.path.isfile(path):
+            raise ValueError(f"no such file: {where}")
+        module_name = os.path.splitext(os.path.basename(path))[0]
+        # like `python FILE.py`: the file's directory is importable, so its sibling imports work
+        sys.path.insert(0, os.path.dirname(path))
+        spec = importlib.util.spec_from_file_location(module_name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[module_name] = module
+        try:
+            spec.loader.exec_module(module)
+        except Exception as e:
+            raise ValueError(f"loading {where} failed: {type(e).__name__}: {e}") from e
+    else:
+        try:
+            module = importlib.import_module(where)
+        except Exception as e:
+            raise ValueError(f"importing module {where} failed: {type(e).__name__}: {e}") from e
+    fn = getattr(module, name, None)
+    if fn is None:
+        raise ValueError(f"{where} has no {name!r}")
+    if not callable(fn):
+        raise ValueError(f"{where}:{name} is not callable (it is a {type(fn).__name__})")
+    if not _takes_one_argument(fn):
+        raise ValueError(f"{where}:{name} must take one argument, the config dict")
+    return fn
+
+
+def _takes_one_argument(fn: Callable[..., Any]) -> bool:
+    try:
+        inspect.signature(fn).bind({})
+    except TypeError:
+        return False
+    except ValueError:  # no signature to inspect (a builtin): let the worker find out
+        return True
+    return True
+
+
+def make_trainer(args: argparse.Namespace) -> Any:
+    """The `ElasticTrainer` the options describe; ValueError on bad input, before anything is spawned."""
+    return _trainer_class()(
+        load_function(args.target),
+        min_workers=args.min_workers,
+        max_workers=args.max_workers if args.max_workers is not None else args.min_workers,
+        config=dict(args.config or []),
+        resources_per_worker=dict(args.resources_per_worker) if args.resources_per_worker else None,
+        discovery=args.discovery_script,
+        backend=args.backend,
+        elastic_timeout=args.elastic_timeout,
+        reset_limit=args.reset_limit,
+        cooldown_range=tuple(args.cooldown_range),
+        discovery_interval=args.discovery_interval,
+        liveness_timeout=args.liveness_timeout,
+        collective_timeout=args.collective_timeout,
+        max_failures=args.max_failures,
+        verbose=args.verbose,
+    )
+
+
+def _option_names(message: str) -> str:
+    """The trainer's messages name its arguments (`max_workers`); here they are options (`--max-workers`)."""
+    for name in inspect.signature(_trainer_class()).parameters:
+        if name not in ("train_fn", "config", "discovery", "verbose"):
+            message = re.sub(rf"\b{name}\b", "--" + name.replace("_", "-"), message)
+    return message
+
+
+def _trainer_class() -> type:
+    from ray_elastic.trainer import ElasticTrainer
+
+    return ElasticTrainer
+
+
+def summary(result: Any, seconds: float) -> str:
+    """What a user wants to see at the end: events, the last metrics, the return value (truncated)."""
+    short = reprlib.Repr()
+    short.maxstring = short.maxother = 200
+    short.maxdict = short.maxlist = 12
+    lines = [f"ray-elastic: finished in {seconds:.1f} s with {result.resets} reset(s)", "events:"]
+    for ev in result.events:
+        took = f"{ev.reset_duration:.2f} s" if ev.reset_duration is not None else "-"
+        lines.append(f"  {ev.kind:15s} world size {ev.world_size}  reset {took:>7s}  {ev.detail}")
+    if result.metrics:
+        lines.append(f"last metrics ({len(result.metrics)} reported): {short.repr(result.metrics[-1])}")
+    lines.append(f"return value: {short.repr(result.return_value)}")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        trainer = make_trainer(args)
+    except ValueError as e:
+        args.error(_option_names(str(e)))
+
+    import ray
+
+    from ray_elastic.exceptions import TrainingFailedError
+
+    logging.basicConfig(format="%(message)s")
+    if args.verbose:
+        logging.getLogger("ray_elastic").setLevel(logging.INFO)
+    ray.init(address=args.address, logging_level=logging.WARNING)
+    start = time.monotonic()
+    try:
+        result = trainer.fit()
+    except TrainingFailedError as e:
+        print(f"ray-elastic: training failed: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("ray-elastic: interrupted; the run's workers were released", file=sys.stderr)
+        return 130
+    finally:
+        ray.shutdown()
+    print(summary(result, time.monotonic() - start))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,139 @@
+"""`ray-elastic run FILE.py:FUNCTION ...`: its help, its errors on bad input, and one real run.
+
+Help and bad input run `cli.main` in this process (they end before Ray is
+touched); one bad input also goes through the installed `ray-elastic`
+command to show that nothing starts. The real run is the installed command
+against the `ray start --head` cluster, with a discovery script that offers
+fewer slots than the cluster has, so the world size shows that the script
+was obeyed.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import re
+import stat
+import time
+
+import pytest
+from conftest import wait_until
+from ray_start import VENV_BIN
+
+from ray_elastic import ElasticTrainer, cli
+
+CLI = os.path.join(VENV_BIN, "ray-elastic")
+# trainer arguments with a differently named option, or none: train_fn is the positional
+RENAMED = {"discovery": "--discovery-script", "train_fn": None}
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return exit_info.value.code, out, err
+
+
+def test_help_names_every_trainer_option(capsys):
+    code, out, _ = run_cli(capsys, "run", "--help")
+    assert code == 0
+    assert out.startswith("usage: ray-elastic run FILE.py:FUNCTION --min-workers N")
+    for name in inspect.signature(ElasticTrainer).parameters:
+        option = RENAMED.get(name, "--" + name.replace("_", "-"))
+        if option is not None:
+            assert option in out, f"ray-elastic run --help does not mention {option}"
+    assert "--address" in out and "host:slots" in out
+
+
+def test_top_level_help_lists_run(capsys):
+    code, out, _ = run_cli(capsys, "--help")
+    assert code == 0
+    assert re.search(r"^\s+run\s+train FUNCTION\(config\)", out, re.MULTILINE), out
+
+
+@pytest.fixture
+def target(tmp_path) -> str:
+    path = tmp_path / "cli_target.py"
+    path.write_text("LIMIT = 3\n\ndef train(config):\n    return config\n\ndef two(a, b):\n    return a\n")
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["{file}"], "expected FILE.py:FUNCTION"),
+        (["{file}:train"], "the following arguments are required: --min-workers"),
+        (["{dir}/missing.py:train", "--min-workers", "2"], "no such file"),
+        (["{file}:nothing", "--min-workers", "2"], "has no 'nothing'"),
+        (["{file}:LIMIT", "--min-workers", "2"], "is not callable"),
+        (["{file}:two", "--min-workers", "2"], "must take one argument"),
+        (["no_such_module_here:train", "--min-workers", "2"], "importing module no_such_module_here failed"),
+        (["{file}:train", "--min-workers", "3", "--max-workers", "2"], "--max-workers (2) must be >= --min-workers"),
+        (["{file}:train", "--min-workers", "0"], "--min-workers must be an integer >= 1"),
+        (["{file}:train", "--min-workers", "two"], "argument --min-workers: invalid int value"),
+        (["{file}:train", "--min-workers", "2", "--config", "epochs"], "expected KEY=VALUE, got 'epochs'"),
+        (["--min-workers", "2", "--config", "a=1", "{file}:train"], "FILE.py:FUNCTION goes before the options"),
+        (["{file}:train", "--min-workers", "2", "--resources-per-worker", "CPU=x"], "expected NAME=AMOUNT"),
+        (["{file}:train", "--min-workers", "2", "--resources-per-worker", "CPU=0"], "all amounts are 0"),
+        (["{file}:train", "--min-workers", "2", "--cooldown-range", "5", "1"], "--cooldown-range must be"),
+        (["{file}:train", "--min-workers", "2", "--elastic-timeout", "0"], "--elastic-timeout must be a positive"),
+        (["{file}:train", "--min-workers", "2", "--reset-limit", "-1"], "--reset-limit must be an integer >= 0"),
+        (["{file}:train", "--min-workers", "2", "--backend", "mpi"], "--backend must be one of"),
+        (["{file}:train", "--min-workers", "2", "--discovery-script", "{dir}/nope.sh"], "does not exist"),
+        (["{file}:train", "--min-workers", "2", "--discovery-script", "{file}"], "is not executable"),
+        (["{file}:train", "--min-workers", "2", "--verbose", "3"], "argument --verbose: invalid choice"),
+    ],
+)
+def test_bad_input_is_an_error_with_status_2(capsys, target, args, message):
+    argv = ["run", *(a.format(file=target, dir=os.path.dirname(target)) for a in args)]
+    code, out, err = run_cli(capsys, *argv)
+    assert code == 2
+    assert "usage: ray-elastic run" in err
+    assert message in err, err
+
+
+def test_bad_input_exits_before_ray_starts(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("def train(config):\n    return 1\n")
+    start = time.monotonic()
+    proc = cluster_free_run([CLI, "run", f"{script}:train", "--min-workers", "4", "--max-workers", "2"])
+    assert proc.returncode == 2
+    assert "--max-workers (2) must be >= --min-workers (4)" in proc.stderr
+    assert "Ray" not in proc.stderr and time.monotonic() - start < 30
+
+
+def cluster_free_run(argv: list[str]):
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60, check=False)
+
+
+def test_run_with_a_discovery_script(ray_start_cluster, tmp_path):
+    (node,) = wait_until(lambda: ray_start_cluster.list_state("nodes"), 30, "the cluster's node in the state API")
+    discover = tmp_path / "discover.sh"
+    # two slots on the one node, though its 3 CPUs hold three workers: the script decides
+    discover.write_text(f"#!/bin/sh\necho {node['node_ip']}:2\n")
+    discover.chmod(discover.stat().st_mode | stat.S_IXUSR)
+    proc = ray_start_cluster.run(
+        [
+            CLI, "run", "examples/linear_regression.py:train_fn",
+            "--min-workers", "2", "--max-workers", "3",
+            "--discovery-script", str(discover),
+            "--resources-per-worker", "CPU=1",
+            "--config", "steps=40", "lr=0.05", "commit_every=10",
+            "--address", ray_start_cluster.address,
+        ],
+        timeout=180,
+    )  # fmt: skip
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-5000:]
+    assert "[ray-elastic] started with 2 workers" in out, out[-3000:]
+    assert re.search(r"^ray-elastic: finished in [\d.]+ s with 0 reset\(s\)$", proc.stdout, re.MULTILINE), out
+    assert re.search(r"^  start\s+world size 2 ", proc.stdout, re.MULTILINE), out
+    assert re.search(r"^last metrics \(40 reported\): \{.*'step': 40, 'world_size': 2\}$", proc.stdout, re.M), out
+    # config values arrive parsed: 40 an int (the loop stopped at it), the weights learned with lr 0.05
+    returned = re.search(r"^return value: \{'steps': 40, 'w': \[([-\d., ]+)\], 'world_size': 2\}$", proc.stdout, re.M)
+    assert returned, out
+    learned = [float(v) for v in returned.group(1).split(",")]
+    assert learned == pytest.approx([2.0, -3.0, 0.5, 1.0], abs=0.2)
