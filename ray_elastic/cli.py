@@ -126,6 +126,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--discovery-interval", type=float, default=1.0, metavar="S", help="seconds between discovery polls (1)"
     )
     hosts.add_argument(
+        "--discovery-timeout",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="seconds one discovery call may take; a script still running is killed (30)",
+    )
+    hosts.add_argument(
         "--elastic-timeout",
         type=float,
         default=600.0,
@@ -161,6 +168,17 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         metavar="N",
         help="exceptions of FUNCTION to retry as that worker's failure; 0 fails at the first (0)",
+    )
+
+    durable = run.add_argument_group("durable checkpoints")
+    durable.add_argument(
+        "--checkpoint-dir",
+        metavar="DIR_OR_URL",
+        help="local path or fsspec URL: rank 0 writes every --checkpoint-every-th commit there, and a run "
+        "resumes from what it finds (default: in-memory commits only)",
+    )
+    durable.add_argument(
+        "--checkpoint-every", type=int, default=10, metavar="K", help="commits between durable checkpoints (10)"
     )
 
     ray_group = run.add_argument_group("Ray")
@@ -235,9 +253,12 @@ def make_trainer(args: argparse.Namespace) -> Any:
         reset_limit=args.reset_limit,
         cooldown_range=tuple(args.cooldown_range),
         discovery_interval=args.discovery_interval,
+        discovery_timeout=args.discovery_timeout,
         liveness_timeout=args.liveness_timeout,
         collective_timeout=args.collective_timeout,
         max_failures=args.max_failures,
+        checkpoint_dir=args.checkpoint_dir,
+        checkpoint_every=args.checkpoint_every,
         verbose=args.verbose,
     )
 
