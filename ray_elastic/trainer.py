@@ -380,13 +380,13 @@ def _resolve_backend(backend: str, resources: Mapping[str, float]) -> str:
                 "backend='auto' needs torch (pip install 'ray-elastic[torch]') or, on Python <= 3.10, "
                 "pygloo (pip install 'ray-elastic[pygloo]')"
             )
-    if backend in ("gloo", "nccl") and not has_torch:
-        raise ValueError(f"backend={backend!r} needs torch (pip install 'ray-elastic[torch]')")
     if backend == "nccl" and not wants_gpu:
         raise ValueError(
             f"backend='nccl' runs on GPU workers: ask for one GPU each, e.g. resources_per_worker="
             f"{{'CPU': 1, 'GPU': 1}} (got {dict(resources)})"
         )
+    if backend in ("gloo", "nccl") and not has_torch:
+        raise ValueError(f"backend={backend!r} needs torch (pip install 'ray-elastic[torch]')")
     if backend == "pygloo" and not has_pygloo:
         raise ValueError(
             "backend='pygloo' needs pygloo, which has wheels for Python <= 3.10 only "
