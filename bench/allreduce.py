@@ -59,11 +59,19 @@ class Rank:
         t = torch.from_numpy(array)
         return lambda: dist.all_reduce(t, op=dist.ReduceOp.SUM)
 
-    def measure(self, nbytes: int, iters: int, rounds: int) -> dict[str, list[float]]:
-        """Seconds per allreduce, per round, for raw and ours (rounds interleaved)."""
+    def measure(self, nbytes: int, iters: int, rounds: int, values: str) -> dict[str, list[float]]:
+        """Seconds per allreduce, per round, for raw and ours (rounds interleaved).
+
+        `values`: what our path is handed, "numpy" (the array) or "torch" (a tensor sharing its memory).
+        """
         array = np.ones(nbytes // 4, dtype=np.float32)
         raw = self._raw(array)
-        ours = lambda: self.group.allreduce_(array, Sum)  # noqa: E731
+        value = array
+        if values == "torch":
+            import torch
+
+            value = torch.from_numpy(array)
+        ours = lambda: self.group.allreduce_(value, Sum)  # noqa: E731
         out: dict[str, list[float]] = {"raw": [], "ours": []}
         for fn in (raw, ours):  # warm-up: the first calls of a size allocate
             fn()
@@ -85,16 +93,16 @@ class Rank:
         return time.perf_counter() - start
 
 
-def run_backend(backend: str, ranks: int, rounds: int) -> list[dict]:
+def run_backend(backend: str, ranks: int, rounds: int, sizes: list[int], values: str) -> list[dict]:
     kv = create_kv_actor(f"bench-{uuid.uuid4().hex[:6]}", f"ray_elastic_bench_{uuid.uuid4().hex[:8]}")
     ray.get(kv.publish.remote(1, {"world_size": ranks}))
     members = [Rank.remote(backend, kv, r, ranks) for r in range(ranks)]
     ray.get([m.probe.remote(4 << 10) for m in members], timeout=300)
     rows = []
-    for nbytes in SIZES:
+    for nbytes in sizes:
         once = max(ray.get([m.probe.remote(nbytes) for m in members]))
         iters = max(1, min(2000, int(ROUND_S / max(once, 1e-6))))
-        results = ray.get([m.measure.remote(nbytes, iters, rounds) for m in members], timeout=600)
+        results = ray.get([m.measure.remote(nbytes, iters, rounds, values) for m in members], timeout=600)
         raw = statistics.median(results[0]["raw"])
         ours = statistics.median(results[0]["ours"])
         ratio = statistics.median(r / o for r, o in zip(results[0]["raw"], results[0]["ours"], strict=True))
@@ -102,6 +110,7 @@ def run_backend(backend: str, ranks: int, rounds: int) -> list[dict]:
         rows.append(
             {
                 "backend": backend,
+                "values": values,
                 "ranks": ranks,
                 "bytes": nbytes,
                 "iters_per_round": iters,
@@ -134,17 +143,24 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ranks", default="2", help="comma-separated world sizes, e.g. 2,4")
     parser.add_argument("--rounds", type=int, default=21)
+    parser.add_argument("--sizes", default=",".join(map(str, SIZES)), help="comma-separated message sizes in bytes")
+    parser.add_argument("--values", choices=["numpy", "torch"], default="numpy", help="what our path is handed")
     args = parser.parse_args()
     backends = [b for b, lib in (("gloo", "torch"), ("pygloo", "pygloo")) if importlib.util.find_spec(lib)]
     ranks = [int(r) for r in args.ranks.split(",")]
+    sizes = [int(n) for n in args.sizes.split(",")]
     ray.init(address="local", num_cpus=max(ranks), logging_level=logging.WARNING)
     try:
-        rows = [row for b in backends for n in ranks for row in run_backend(b, n, args.rounds)]
+        rows = []
+        for backend in backends:
+            values = args.values if backend == "gloo" else "numpy"  # the pygloo venv has no torch
+            for n in ranks:
+                rows += run_backend(backend, n, args.rounds, sizes, values)
     finally:
         ray.shutdown()
     for backend in backends:
         name = "allreduce" if backend == "gloo" else f"allreduce_{backend}"
-        write_results(name, [r for r in rows if r["backend"] == backend], rounds=args.rounds, sizes=SIZES)
+        write_results(name, [r for r in rows if r["backend"] == backend], rounds=args.rounds, sizes=sizes)
 
 
 if __name__ == "__main__":
