@@ -1,12 +1,18 @@
 # The two commands of the README, on a fresh machine:
 #   make demo   - bootstrap .venv and run the demo on a local multi-node Ray cluster
 #   make test   - bootstrap .venv and run the test suite
+#   make test-pygloo - bootstrap .venv310 (Python 3.10, pygloo, no torch) and run the pygloo lane
 PY ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench soak venv clean
+# the pygloo lane: pygloo has wheels up to Python 3.10 only, and this venv has no torch
+PY310 ?= PYENV_VERSION=3.10.13 python3.10
+VENV310 := .venv310
+STAMP310 := $(VENV310)/.installed
+
+.PHONY: demo test test-pygloo lint bench soak venv venv310 clean
 
 venv: $(STAMP)
 
@@ -18,12 +24,24 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[torch,test,examples]'
 	touch $(STAMP)
 
+venv310: $(STAMP310)
+
+$(STAMP310): pyproject.toml
+	test -x $(VENV310)/bin/python || $(PY310) -m venv $(VENV310)
+	$(VENV310)/bin/pip install -q --upgrade pip
+	$(VENV310)/bin/pip install -q -e '.[pygloo,test]'
+	touch $(STAMP310)
+
 demo: $(STAMP)
 	$(BIN)/python examples/demo.py
 
 test: $(STAMP)
 	$(BIN)/ruff check ray_elastic tests examples bench
 	$(BIN)/python -m pytest -q -ra tests
+
+# the conformance suite and the numpy example through a SIGKILL, on pygloo
+test-pygloo: $(STAMP310)
+	$(VENV310)/bin/python -m pytest -q -ra tests/test_conformance.py tests/test_backends.py
 
 bench: $(STAMP)
 	$(BIN)/python bench/commit.py
@@ -38,4 +56,4 @@ lint: $(STAMP)
 	$(BIN)/ruff check ray_elastic tests examples bench
 
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(VENV310)

@@ -79,7 +79,9 @@ class ElasticTrainer:
         discovery: None for the Ray cluster's alive nodes; a callable returning
             `{host: slots}`; or the path of an executable printing `host:slots`
             lines. Hosts are Ray node IDs (a unique IP is accepted).
-        backend: "auto" (torch Gloo on CPU), "gloo", "pygloo" or "nccl".
+        backend: "auto" (NCCL for GPU workers, else torch Gloo if torch is
+            installed, else pygloo), "gloo", "pygloo" or "nccl" (GPU workers:
+            `resources_per_worker` must ask for a GPU).
         elastic_timeout: seconds to wait for `min_workers` (at start and after
             losing workers), for a newcomer to boot and for placement.
         reset_limit: fail after this many resets (None: unbounded).
@@ -249,6 +251,11 @@ class ElasticTrainer:
 
     def _check_cluster_can_hold_a_worker(self) -> None:
         nodes = alive_ray_nodes()
+        if self.resources_per_worker.get("GPU", 0) > 0 and not any(n.resources.get("GPU", 0) > 0 for n in nodes):
+            raise ValueError(
+                f"backend={self.backend!r} with resources_per_worker={self.resources_per_worker} needs GPUs, "
+                "but no node of the Ray cluster has one"
+            )
         if not any(slots_for_resources(n.resources, self.resources_per_worker) for n in nodes):
             totals = [dict(n.resources) for n in nodes]
             raise ValueError(
@@ -411,15 +418,37 @@ def _check_resources(resources: Mapping[str, float] | None) -> dict[str, float]:
 
 
 def _resolve_backend(backend: str, resources: Mapping[str, float]) -> str:
+    """The backend `backend` stands for, checked against what this interpreter can import.
+
+    The workers of a local cluster run in the driver's environment, so a
+    library missing here would be missing there: better said now than after
+    the workers started.
+    """
     has_torch = importlib.util.find_spec("torch") is not None
+    has_pygloo = importlib.util.find_spec("pygloo") is not None
+    wants_gpu = resources.get("GPU", 0) > 0
     if backend == "auto":
-        if resources.get("GPU", 0) > 0:
-            raise ValueError("GPU workers need the nccl backend, which this version does not ship yet")
-        if has_torch:
+        if wants_gpu:
+            backend = "nccl"
+        elif has_torch:
             return "gloo"
-        raise ValueError("backend='auto' needs torch (pip install 'ray-elastic[torch]')")
-    if backend == "gloo":
-        if not has_torch:
-            raise ValueError("backend='gloo' needs torch (pip install 'ray-elastic[torch]')")
-        return backend
-    raise ValueError(f"backend={backend!r} is not available yet; use 'gloo'")
+        elif has_pygloo:
+            return "pygloo"
+        else:
+            raise ValueError(
+                "backend='auto' needs torch (pip install 'ray-elastic[torch]') or, on Python <= 3.10, "
+                "pygloo (pip install 'ray-elastic[pygloo]')"
+            )
+    if backend == "nccl" and not wants_gpu:
+        raise ValueError(
+            f"backend='nccl' runs on GPU workers: ask for one GPU each, e.g. resources_per_worker="
+            f"{{'CPU': 1, 'GPU': 1}} (got {dict(resources)})"
+        )
+    if backend in ("gloo", "nccl") and not has_torch:
+        raise ValueError(f"backend={backend!r} needs torch (pip install 'ray-elastic[torch]')")
+    if backend == "pygloo" and not has_pygloo:
+        raise ValueError(
+            "backend='pygloo' needs pygloo, which has wheels for Python <= 3.10 only "
+            "(pip install 'ray-elastic[pygloo]')"
+        )
+    return backend

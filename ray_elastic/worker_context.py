@@ -55,25 +55,48 @@ class WorkerSettings:
 
 
 def load_backend(backend: str) -> None:
-    """Import the backend's libraries (torch: seconds in a fresh process).
+    """Import the backend's libraries (torch: seconds in a fresh process) and check this worker can run it.
 
     A newcomer does this before it says it is ready, so the ring never waits
     for a member's imports.
     """
     if backend == "gloo":
         import ray_elastic.collective.torch_gloo  # noqa: F401
+    elif backend == "pygloo":
+        try:
+            import ray_elastic.collective.pygloo_backend  # noqa: F401
+        except ImportError as e:
+            raise RuntimeError(
+                f"backend 'pygloo' cannot be imported in this worker ({e}); pygloo has wheels up to Python 3.10: "
+                "pip install 'ray-elastic[pygloo]'"
+            ) from e
+    elif backend == "nccl":
+        from ray_elastic.collective import nccl
+
+        nccl.load()
     else:
-        raise ValueError(f"backend {backend!r} is not available in this worker")
+        raise ValueError(f"unknown backend {backend!r}")
 
 
-def make_group(backend: str, kv: KVClient, generation: int, rank: int, size: int, timeout: float) -> CollectiveGroup:
-    """Build the ring for `generation` with the chosen backend."""
+def make_group(
+    backend: str, kv: KVClient, generation: int, rank: int, size: int, timeout: float, local_rank: int = 0
+) -> CollectiveGroup:
+    """Build the ring for `generation` with the chosen backend (`local_rank` picks an NCCL worker's GPU)."""
     if backend == "gloo":
         from ray_elastic.collective.torch_gloo import TorchGlooGroup
         from ray_elastic.rendezvous import torch_store
 
         return TorchGlooGroup(torch_store(kv, generation, timeout), rank, size, timeout)
-    raise ValueError(f"backend {backend!r} is not available in this worker")
+    if backend == "pygloo":
+        from ray_elastic.collective.pygloo_backend import PyglooGroup
+
+        return PyglooGroup(kv, generation, rank, size, timeout)
+    if backend == "nccl":
+        from ray_elastic.collective.nccl import TorchNcclGroup
+        from ray_elastic.rendezvous import torch_store
+
+        return TorchNcclGroup(torch_store(kv, generation, timeout), rank, size, timeout, local_rank)
+    raise ValueError(f"unknown backend {backend!r}")
 
 
 class WorkerContext:
@@ -151,6 +174,7 @@ class WorkerContext:
                     slot.rank,
                     slot.size,
                     self.settings.collective_timeout,
+                    local_rank=slot.local_rank,
                 )
             except (HorovodInternalError, GenerationSupersededError, RendezvousTimeoutError) as e:
                 # a peer died while the ring formed: the driver publishes a newer generation

@@ -1,0 +1,144 @@
+"""Choosing a backend, end to end: what `backend=` resolves to, the errors before anything is spawned,
+the numpy example trained through a worker's SIGKILL on every CPU backend this venv can run, and the
+package importing without torch (the pygloo lane has none).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import ray
+from conftest import run_namespaces_alive
+
+import ray_elastic as elastic
+from ray_elastic import ElasticTrainer
+
+sys.path.insert(0, str(Path(__file__).parent.parent / "examples"))
+import linear_regression  # noqa: E402
+
+HAS_TORCH = importlib.util.find_spec("torch") is not None
+HAS_PYGLOO = importlib.util.find_spec("pygloo") is not None
+NO_PYGLOO = "pygloo is not installed: it has wheels for Python <= 3.10 (make test-pygloo)"
+
+
+def noop(config: dict) -> None:
+    return None
+
+
+# ---- resolving and checking `backend=` (no cluster needed) ---------------------------
+
+
+def test_auto_picks_torch_gloo_on_cpu_when_torch_is_installed_else_pygloo():
+    trainer = ElasticTrainer(noop, 1, 1)
+    assert trainer.backend == ("gloo" if HAS_TORCH else "pygloo")
+
+
+@pytest.mark.skipif(not HAS_TORCH, reason="NCCL runs through torch, which this venv lacks")
+def test_auto_picks_nccl_for_gpu_workers():
+    assert ElasticTrainer(noop, 1, 1, resources_per_worker={"CPU": 1, "GPU": 1}).backend == "nccl"
+
+
+def test_nccl_without_a_gpu_per_worker_is_refused():
+    with pytest.raises(ValueError, match="GPU"):
+        ElasticTrainer(noop, 1, 1, backend="nccl")
+
+
+@pytest.mark.skipif(HAS_PYGLOO, reason="pygloo is installed here: the error cannot happen")
+def test_pygloo_where_it_cannot_be_imported_is_refused():
+    with pytest.raises(ValueError, match="Python <= 3.10"):
+        ElasticTrainer(noop, 1, 1, backend="pygloo")
+
+
+@pytest.mark.skipif(HAS_TORCH, reason="torch is installed here: the error cannot happen")
+def test_torch_backends_without_torch_are_refused():
+    for backend in ("gloo", "nccl"):
+        with pytest.raises(ValueError, match="needs torch"):
+            ElasticTrainer(noop, 1, 1, backend=backend, resources_per_worker={"GPU": 1})
+
+
+def test_the_package_and_the_numpy_example_import_without_torch():
+    """The pygloo lane has no torch: `import ray_elastic` and the example must not need it."""
+    code = (
+        "import sys; sys.modules['torch'] = None\n"  # makes `import torch` fail, as in a venv without it
+        f"sys.path.insert(0, {str(Path(__file__).parent.parent / 'examples')!r})\n"
+        "import ray_elastic, linear_regression\n"
+        "from ray_elastic.worker_context import load_backend\n"
+        "import ray_elastic.collective, ray_elastic.state, ray_elastic.elastic, ray_elastic.worker_actor\n"
+        "import ray_elastic.driver_actor, ray_elastic.trainer\n"
+        "assert ray_elastic.ObjectState and linear_regression.train_fn\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+# ---- on the cluster --------------------------------------------------------------------
+
+
+@pytest.mark.integration
+@pytest.mark.skipif(not HAS_TORCH, reason="NCCL runs through torch, which this venv lacks")
+def test_gpu_workers_on_a_cluster_without_gpus_fail_at_fit_before_spawning(cluster, no_leaks):
+    if ray.cluster_resources().get("GPU", 0) > 0:
+        pytest.skip("this cluster has GPUs: the error cannot happen")
+    before = ray.util.list_named_actors(all_namespaces=True)
+    trainer = ElasticTrainer(noop, 1, 1, resources_per_worker={"CPU": 1, "GPU": 1}, verbose=0)
+    start = time.monotonic()
+    with pytest.raises(ValueError, match="no node of the Ray cluster has one"):
+        trainer.fit()
+    assert time.monotonic() - start < 10
+    assert ray.util.list_named_actors(all_namespaces=True) == before
+    assert not run_namespaces_alive()
+
+
+def kill_once(marker: str, rank: int, step: int):
+    """A step hook: rank `rank` SIGKILLs itself at `step`, once across all workers (the marker says who did)."""
+
+    def hook(at: int) -> None:
+        if at != step or elastic.rank() != rank:
+            return
+        try:
+            fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            return
+        os.close(fd)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    return hook
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize(
+    "backend",
+    [
+        pytest.param("gloo", marks=pytest.mark.skipif(not HAS_TORCH, reason="torch is not installed in this venv")),
+        pytest.param("pygloo", marks=pytest.mark.skipif(not HAS_PYGLOO, reason=NO_PYGLOO)),
+    ],
+)
+def test_numpy_example_trains_through_a_sigkill(cluster, no_leaks, tmp_path, backend):
+    marker = tmp_path / "killed"
+    steps = 60
+    result = ElasticTrainer(
+        linear_regression.train_fn,
+        min_workers=2,
+        max_workers=3,
+        config={"steps": steps, "lr": 0.05, "commit_every": 5, "step_hook": kill_once(str(marker), 1, 12)},
+        backend=backend,
+        cooldown_range=(1, 3),
+        verbose=0,
+    ).fit()
+
+    assert marker.exists(), "the worker was never killed"
+    assert "worker_failed" in [e.kind for e in result.events]
+    assert result.resets >= 1
+    assert result.return_value["steps"] == steps
+    # the kill came after step 12's update, before its commit at 15: rank 0 redoes steps 11 and 12
+    reported = [m["step"] for m in result.metrics]
+    assert reported.count(11) == 2 and reported.count(12) == 2, reported[:20]
+    np.testing.assert_allclose(result.return_value["w"], linear_regression.TRUE_W, atol=0.05)
