@@ -113,7 +113,11 @@ def build_parser() -> argparse.ArgumentParser:
         "(5, 0.1, true, [1,2]), else taken as a string",
     )
     workers.add_argument(
-        "--backend", default="auto", help="collective backend: auto (torch Gloo on CPU) or gloo (default: auto)"
+        "--backend",
+        default="auto",
+        choices=("auto", "gloo", "pygloo", "nccl"),
+        help="collective backend: auto (NCCL for GPU workers, else torch Gloo, else pygloo), gloo, pygloo or nccl "
+        "(default: auto)",
     )
 
     hosts = run.add_argument_group("hosts and failures")

@@ -47,7 +47,7 @@ def test_notebook_trains_on_a_running_cluster(ray_start_cluster):
     )
     client.execute(env=kernel_env(ray_start_cluster))
     code = [c for c in nb.cells if c.cell_type == "code"]
-    connect, fit, summary, plot = code
+    connect, fit, summary, plot, timeline = code
     assert re.search(rf"connected to [\d.]+:{ray_start_cluster.gcs_port} with 3.0 CPUs", output_text(connect))
     assert re.search(r"\[ray-elastic\] started with 3 workers", output_text(fit)), output_text(fit)
     text = output_text(summary)
@@ -56,6 +56,7 @@ def test_notebook_trains_on_a_running_cluster(ray_start_cluster):
     assert "ranks held equal state after every sync: True" in text
     assert re.search(r"^start\s+world size 3", text, re.MULTILINE), text
     assert any("image/png" in out.get("data", {}) for out in plot.outputs), "the loss plot was not drawn"
+    assert any("image/png" in out.get("data", {}) for out in timeline.outputs), "the timeline was not shown"
     wait_until(lambda: not ray_start_cluster.run_actors(), 30, "the notebook run's actors to go away")
 
 
