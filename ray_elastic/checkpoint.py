@@ -21,6 +21,7 @@ returns.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import pickle
@@ -32,6 +33,7 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 CHECKPOINT_FILE = "ray_elastic_checkpoint.pkl"
+META_FILE = "ray_elastic_checkpoint.json"  # the latest checkpoint's meta, readable without loading the state
 _FORMAT = 1
 
 
@@ -51,6 +53,7 @@ class CheckpointStore:
         except (ImportError, ValueError) as e:
             raise CheckpointError(f"checkpoint_dir={url!r}: fsspec cannot open it: {e}") from e
         self.path = f"{self.root.rstrip('/')}/{CHECKPOINT_FILE}"
+        self.meta_path = f"{self.root.rstrip('/')}/{META_FILE}"
 
     def check_writable(self) -> None:
         """Create the directory and prove a file can be written and renamed there."""
@@ -68,13 +71,19 @@ class CheckpointStore:
 
     def write(self, state: Any, meta: dict[str, Any]) -> None:
         """Write `state` (picklable) with `meta` atomically: temporary file, then rename."""
-        record = {"format": _FORMAT, "meta": {**meta, "written_at": time.time()}, "state": state}
-        tmp = f"{self.root.rstrip('/')}/.{CHECKPOINT_FILE}.tmp-{uuid.uuid4().hex}"
+        meta = {**meta, "written_at": time.time()}
+        record = {"format": _FORMAT, "meta": meta, "state": state}
         self.fs.makedirs(self.root, exist_ok=True)
+        self._replace(self.path, lambda f: pickle.dump(record, f, protocol=pickle.HIGHEST_PROTOCOL))
+        self._replace(self.meta_path, lambda f: f.write(json.dumps(meta, default=str).encode()))
+
+    def _replace(self, path: str, write: Any) -> None:
+        """Write through a temporary file renamed over `path`."""
+        tmp = f"{self.root.rstrip('/')}/.{path.rsplit('/', 1)[-1]}.tmp-{uuid.uuid4().hex}"
         try:
             with self.fs.open(tmp, "wb") as f:
-                pickle.dump(record, f, protocol=pickle.HIGHEST_PROTOCOL)
-            self.fs.mv(tmp, self.path)
+                write(f)
+            self.fs.mv(tmp, path)
         except BaseException:
             if self.fs.exists(tmp):
                 self.fs.rm(tmp)
@@ -94,8 +103,15 @@ class CheckpointStore:
         return record["state"], record["meta"]
 
     def meta(self) -> dict[str, Any] | None:
-        got = self.read()
-        return None if got is None else got[1]
+        """The latest checkpoint's meta (commit, generation, world size, time), without loading its state."""
+        if not self.exists():
+            return None
+        try:
+            with self.fs.open(self.meta_path, "rb") as f:
+                return json.loads(f.read())
+        except (FileNotFoundError, ValueError):
+            got = self.read()  # a meta file lost or torn: the checkpoint itself has it
+            return None if got is None else got[1]
 
 
 class CheckpointWriter:

@@ -27,7 +27,7 @@ from workloads import counting_train_fn
 
 import ray_elastic as elastic
 from ray_elastic import ElasticTrainer, TrainingFailedError
-from ray_elastic.checkpoint import CHECKPOINT_FILE, CheckpointError, CheckpointStore, CheckpointWriter
+from ray_elastic.checkpoint import CHECKPOINT_FILE, META_FILE, CheckpointError, CheckpointStore, CheckpointWriter
 from ray_elastic.torch.sampler import ElasticSampler
 
 HERE = Path(__file__).parent
@@ -43,7 +43,8 @@ def test_store_round_trips_and_leaves_no_temporary_file(tmp_path):
     state, meta = store.read()
     assert state == {"w": [1, 2, 3]}
     assert meta["commit"] == 4 and meta["written_at"] > 0
-    assert os.listdir(tmp_path / "ckpt") == [CHECKPOINT_FILE]
+    assert sorted(os.listdir(tmp_path / "ckpt")) == sorted([CHECKPOINT_FILE, META_FILE])
+    assert store.meta()["commit"] == 4
 
 
 def test_failed_write_keeps_the_previous_checkpoint(tmp_path):
@@ -52,7 +53,7 @@ def test_failed_write_keeps_the_previous_checkpoint(tmp_path):
     with pytest.raises(Exception, match="pickle"):
         store.write({"bad": lambda: None}, {"commit": 2})  # a lambda does not pickle
     assert store.read()[0] == {"good": True}
-    assert os.listdir(tmp_path) == [CHECKPOINT_FILE]
+    assert sorted(os.listdir(tmp_path)) == sorted([CHECKPOINT_FILE, META_FILE])
 
 
 def test_fsspec_urls_work(tmp_path):
