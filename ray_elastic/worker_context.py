@@ -67,7 +67,7 @@ def make_group(backend: str, kv: KVClient, generation: int, rank: int, size: int
         from ray_elastic.collective.torch_gloo import TorchGlooGroup
         from ray_elastic.rendezvous import torch_store
 
-        return TorchGlooGroup(torch_store(kv, generation, timeout), rank, size, timeout)
+        return TorchGlooGroup(torch_store(kv, generation, timeout, size), rank, size, timeout)
     raise ValueError(f"backend {backend!r} is not available in this worker")
 
 
@@ -123,7 +123,7 @@ class WorkerContext:
                     f"worker {self.worker_id} found no generation to join within "
                     f"{self.settings.rendezvous_timeout:g} s (last generation {self.generation})"
                 )
-            generation, plan = self.kv.wait_generation(after, remaining)
+            generation, plan = self.kv.wait_generation(after, remaining, self.worker_id)
             slot = plan.get(self.worker_id)
             if slot is None:
                 if self.slot is not None:
