@@ -42,6 +42,8 @@ class KVStore:
         self._assignment: dict[str, Any] = {}
         self._generation_waiters: set[asyncio.Future] = set()
         self._calls = 0  # key and generation-wait calls so far: the traffic a generation costs
+        # complete per-rank families, put in the object store once and handed to every rank by reference
+        self._families: dict[tuple[int, str, int], ray.ObjectRef] = {}
 
     # ---- generations -------------------------------------------------
     async def publish(self, generation: int, assignment: dict[str, Any]) -> None:
@@ -52,6 +54,7 @@ class KVStore:
         self._assignment = assignment
         for key in [k for k in self._data if k[0] < generation]:
             del self._data[key]
+        self._families = {k: ref for k, ref in self._families.items() if k[0] >= generation}
         for key in [k for k in self._waiters if k[0] < generation]:
             for fut in self._waiters.pop(key):
                 if not fut.done():
@@ -162,16 +165,23 @@ class KVStore:
         await self._wait(generation, keys, timeout)
         return [self._data[(generation, k)] for k in keys]
 
-    async def wait_family(self, generation: int, prefix: str, count: int, timeout: float) -> list[bytes]:
-        """The values of `prefix0` .. `prefix{count-1}` (one per rank), once all exist.
+    async def wait_family(self, generation: int, prefix: str, count: int, timeout: float) -> list[ray.ObjectRef]:
+        """`[ref]`: a reference to the values of `prefix0` .. `prefix{count-1}`, once all exist.
 
         One call instead of `count` waits and gets: how a rank reads every
-        peer's address when a ring forms.
+        peer's address when a ring forms. The list is put in the object store
+        once per family and shared by reference, so N ranks cost N small
+        replies rather than N copies of N values. The family's keys must be
+        written once per generation (Gloo's per-rank addresses are).
         """
         self._calls += 1
         keys = [f"{prefix}{i}" for i in range(count)]
         await self._wait(generation, keys, timeout)
-        return [self._data[(generation, k)] for k in keys]
+        ref = self._families.get((generation, prefix, count))
+        if ref is None:
+            ref = ray.put([self._data[(generation, k)] for k in keys])
+            self._families[(generation, prefix, count)] = ref
+        return [ref]
 
     async def add(self, generation: int, key: str, amount: int) -> int:
         self._calls += 1
@@ -255,7 +265,12 @@ class KVClient:
         self._call("wait", generation, list(keys), timeout, timeout=timeout)
 
     def wait_family(self, generation: int, prefix: str, count: int, timeout: float) -> list[bytes]:
-        return self._call("wait_family", generation, prefix, count, timeout, timeout=timeout)
+        """The values of `prefix0` .. `prefix{count-1}`, waiting up to `timeout` s for all of them."""
+        (ref,) = self._call("wait_family", generation, prefix, count, timeout, timeout=timeout)
+        try:
+            return ray.get(ref, timeout=_CLIENT_MARGIN_S)
+        except ray.exceptions.GetTimeoutError:
+            raise RendezvousTimeoutError(f"fetching the values of {prefix}* took over {_CLIENT_MARGIN_S:g} s") from None
 
     def add(self, generation: int, key: str, amount: int) -> int:
         return self._call("add", generation, key, amount)

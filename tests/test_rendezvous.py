@@ -326,7 +326,8 @@ def test_wait_family_returns_every_ranks_value_once_all_exist_in_one_call(kv):
     client.set(1, "pg/2", b"c")
     assert_ref_blocked(ref)  # rank 1 is still missing
     client.set(1, "pg/1", b"b")
-    assert ray.get(ref, timeout=10) == [b"a", b"b", b"c"]
+    assert ray.get(ray.get(ref, timeout=10)[0], timeout=10) == [b"a", b"b", b"c"]
+    assert client.wait_family(1, "pg/", 3, 1.0) == [b"a", b"b", b"c"]
     with pytest.raises(RendezvousTimeoutError, match="pg/3"):
         client.wait_family(1, "pg/", 4, 0.3)
 
