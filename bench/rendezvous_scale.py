@@ -93,9 +93,7 @@ def one_generation(hosts: list, size: int, batched: bool) -> dict:
     namespace = f"ray_elastic_bench_rdzv_{uuid.uuid4().hex[:8]}"
     kv = create_kv_actor(f"bench-{namespace}", namespace)
     ray.get(kv.current_generation.remote(), timeout=60)
-    plan = {
-        f"w{r}": WorkerSlot(f"w{r}", f"host{r // 8}", r, size, r % 8, 8, r // 8, size // 8) for r in range(size)
-    }
+    plan = {f"w{r}": WorkerSlot(f"w{r}", f"host{r // 8}", r, size, r % 8, 8, r // 8, size // 8) for r in range(size)}
     parts = [list(range(i, size, len(hosts))) for i in range(len(hosts))]
     refs = [h.run.remote(kv, part, size, batched) for h, part in zip(hosts, parts, strict=True)]
     # every simulated rank is blocked in wait_generation before the driver publishes
