@@ -193,9 +193,13 @@ def raytrain_rep(rng: random.Random, workdir: str, rep: int, every: int) -> dict
     ).fit()
     killed = json.loads(Path(marker).read_text())
     steps = [json.loads(line) for line in Path(log).read_text().splitlines()]
-    after = [s for s in steps if s["time"] > killed["time"]]
-    # the restarted group resumes at or before the killed step; rank 0 alone cannot pass a step whose allreduce failed
-    first = next(s for s in after if s["step"] <= kill_step)
+    # the restarted group's first step is the first one after the kill that does not go forward
+    # (rank 0 may still log the killed step itself just after the kill)
+    first = next(
+        cur
+        for prev, cur in zip(steps, steps[1:], strict=False)
+        if cur["time"] > killed["time"] and cur["step"] <= prev["step"]
+    )
     return {
         "kill_rank": kill_rank,
         "kill_step": kill_step,
