@@ -43,9 +43,19 @@ test: $(STAMP)
 test-pygloo: $(STAMP310)
 	$(VENV310)/bin/python -m pytest -q -ra tests/test_conformance.py tests/test_backends.py
 
-bench: $(STAMP)
+# Ray Train (the peer the benchmarks compare with) only for the benchmarks
+BENCH_STAMP := $(VENV)/.installed-bench
+
+$(BENCH_STAMP): $(STAMP)
+	$(BIN)/pip install -q -e '.[torch,test,examples,bench]'
+	touch $(BENCH_STAMP)
+
+bench: $(BENCH_STAMP)
 	$(BIN)/python bench/commit.py
 	$(BIN)/python bench/throughput.py
+	$(BIN)/python bench/step_costs.py
+	$(BIN)/python bench/rendezvous_scale.py
+	$(BIN)/python bench/scale.py
 	$(BIN)/python bench/recovery.py
 
 # the long chaos soak: 30 events on a 4-node local cluster (a few minutes)

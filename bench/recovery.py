@@ -7,10 +7,16 @@ random step, seeded) SIGKILLs itself right after its step; the survivors'
 next completed step is read from rank 0's reports. Steps lost is how many
 completed steps the rollback to the last commit undid.
 
-Prints p50/p95/max and writes bench/results/recovery.json. Reports, never
-asserts. (Ray Train v2 beside it is issue 6's next step.)
+Ray Train v2 beside it, on the same cluster, same model, same kill, measured
+the same way: `TorchTrainer` (4 workers, DDP) with
+`FailureConfig(max_failures=3)` and a checkpoint every `--rt-every` steps;
+after the kill it restarts every worker and resumes from the last
+checkpoint. Fewer repetitions (`--rt-reps`): each takes tens of seconds.
 
-    .venv/bin/python bench/recovery.py [--reps 10] [--seed 0]
+Prints p50/p95/max and writes bench/results/recovery.json. Reports, never
+asserts.
+
+    .venv/bin/python bench/recovery.py [--reps 10] [--rt-reps 3] [--seed 0]
 """
 
 from __future__ import annotations
@@ -43,6 +49,17 @@ class KillOnce:
     def __call__(self, step: int) -> None:
         if step != self.step or elastic.rank() != self.rank:
             return
+        try:
+            fd = os.open(self.marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            return
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps({"time": time.time(), "step": step}))
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def fire(self, step: int) -> None:
+        """Kill this process now (for loops that check the rank and step themselves)."""
+        self.rank = -1
         try:
             fd = os.open(self.marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
         except FileExistsError:
@@ -106,10 +123,108 @@ def one_rep(rng: random.Random, workdir: str, rep: int) -> dict:
     }
 
 
+def raytrain_train_fn(config: dict) -> None:
+    """Ray Train's loop: the same MLP under DDP, a checkpoint every `every` steps, rank 0 logs each step."""
+    import ray.train
+    import ray.train.torch
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    rank = ray.train.get_context().get_world_rank()
+    model = ray.train.torch.prepare_model(
+        torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    step = 0
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is not None:
+        with checkpoint.as_directory() as d:
+            saved = torch.load(os.path.join(d, "state.pt"))
+        model.module.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["opt"])
+        step = saved["step"]
+    g = torch.Generator().manual_seed(rank)
+    while step < config["steps"]:
+        x, y = torch.randn(32, 64, generator=g), torch.randint(0, 10, (32,), generator=g)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        step += 1
+        if rank == 0:
+            with open(config["log"], "a") as f:
+                f.write(json.dumps({"time": time.time(), "step": step}) + "\n")
+        if rank == config["kill_rank"] and step == config["kill_step"]:
+            KillOnce(rank, step, config["marker"]).fire(step)
+        time.sleep(0.005)
+        if step % config["every"] == 0:
+            with tempfile.TemporaryDirectory() as d:
+                if rank == 0:
+                    torch.save(
+                        {"model": model.module.state_dict(), "opt": opt.state_dict(), "step": step},
+                        os.path.join(d, "state.pt"),
+                    )
+                ray.train.report({"step": step}, checkpoint=ray.train.Checkpoint.from_directory(d))
+
+
+def raytrain_rep(rng: random.Random, workdir: str, rep: int, every: int) -> dict:
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    kill_step = rng.randint(30, 120)
+    kill_rank = rng.randint(0, 3)
+    marker, log = os.path.join(workdir, f"rt-killed-{rep}"), os.path.join(workdir, f"rt-log-{rep}")
+    config = {
+        "steps": kill_step + 60,
+        "every": every,
+        "kill_step": kill_step,
+        "kill_rank": kill_rank,
+        "marker": marker,
+        "log": log,
+    }
+    TorchTrainer(
+        raytrain_train_fn,
+        train_loop_config=config,
+        scaling_config=ScalingConfig(num_workers=4),
+        run_config=RunConfig(
+            name=f"rt-recovery-{rep}",
+            storage_path=os.path.join(workdir, "rt-storage"),
+            failure_config=FailureConfig(max_failures=3),
+        ),
+    ).fit()
+    killed = json.loads(Path(marker).read_text())
+    steps = [json.loads(line) for line in Path(log).read_text().splitlines()]
+    # the restarted group's first step is the first one after the kill that does not go forward
+    # (rank 0 may still log the killed step itself just after the kill)
+    first = next(
+        cur
+        for prev, cur in zip(steps, steps[1:], strict=False)
+        if cur["time"] > killed["time"] and cur["step"] <= prev["step"]
+    )
+    return {
+        "kill_rank": kill_rank,
+        "kill_step": kill_step,
+        "recovery_s": first["time"] - killed["time"],
+        "steps_lost": kill_step - (first["step"] - 1),
+    }
+
+
+def summarize(rows: list[dict]) -> dict:
+    rec = sorted(r["recovery_s"] for r in rows)
+    return {
+        "p50_s": statistics.median(rec),
+        "p95_s": rec[min(len(rec) - 1, round(0.95 * (len(rec) - 1)))],
+        "max_s": rec[-1],
+        "median_steps_lost": statistics.median(r["steps_lost"] for r in rows),
+        "reps": len(rows),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rt-reps", type=int, default=3, help="Ray Train repetitions (0 to skip)")
+    parser.add_argument("--rt-every", type=int, default=50, help="Ray Train: steps between checkpoints")
     args = parser.parse_args()
     import ray
     from ray.cluster_utils import Cluster
@@ -130,20 +245,40 @@ def main() -> None:
                 f"{row['recovery_s']:.3f} s (reset {row['reset_s']:.3f} s), {row['steps_lost']} steps redone",
                 flush=True,
             )
+        rt_rows = []
+        rt_rng = random.Random(args.seed)
+        for rep in range(args.rt_reps):
+            row = raytrain_rep(rt_rng, workdir, rep, args.rt_every)
+            rt_rows.append(row)
+            print(
+                f"Ray Train rep {rep}: rank {row['kill_rank']} killed after step {row['kill_step']}: next step "
+                f"after {row['recovery_s']:.3f} s, {row['steps_lost']} steps redone",
+                flush=True,
+            )
     ray.shutdown()
     cluster.shutdown()
-    rec = sorted(r["recovery_s"] for r in rows)
-    summary = {
-        "p50_s": statistics.median(rec),
-        "p95_s": rec[min(len(rec) - 1, round(0.95 * (len(rec) - 1)))],
-        "max_s": rec[-1],
-        "median_steps_lost": statistics.median(r["steps_lost"] for r in rows),
-    }
+    summary = summarize(rows)
     print(
         f"ray-elastic, 4 -> 3 workers: recovery p50 {summary['p50_s']:.3f} s, p95 {summary['p95_s']:.3f} s, "
         f"max {summary['max_s']:.3f} s; median steps redone {summary['median_steps_lost']}"
     )
-    write_results("recovery", rows, reps=args.reps, seed=args.seed, summary=summary)
+    rt_summary = summarize(rt_rows) if rt_rows else None
+    if rt_summary:
+        print(
+            f"Ray Train v2, 4 workers restarted, checkpoint every {args.rt_every}: recovery p50 "
+            f"{rt_summary['p50_s']:.3f} s, max {rt_summary['max_s']:.3f} s; median steps redone "
+            f"{rt_summary['median_steps_lost']}; p50 ratio {rt_summary['p50_s'] / summary['p50_s']:.0f}x ours"
+        )
+    write_results(
+        "recovery",
+        rows,
+        reps=args.reps,
+        seed=args.seed,
+        summary=summary,
+        raytrain_rows=rt_rows,
+        raytrain_summary=rt_summary,
+        raytrain_checkpoint_every=args.rt_every,
+    )
 
 
 if __name__ == "__main__":

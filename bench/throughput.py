@@ -127,7 +127,7 @@ def main() -> None:
 
     import ray
 
-    ray.init(num_cpus=args.world, logging_level=logging.ERROR, include_dashboard=False)
+    ray.init(address="local", num_cpus=args.world, logging_level=logging.ERROR, include_dashboard=False)
     rows = []
     for name in args.models.split(","):
         n_params = sum(p.numel() for p in make_model(name).parameters())

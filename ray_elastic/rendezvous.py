@@ -8,9 +8,12 @@ once instead of waiting out its timeout. All waits happen inside the actor
 (asyncio futures woken by the write they wait for); clients never poll.
 
 The driver publishes each generation's assignment here; workers block in
-`wait_generation` for the next one. `KVClient` is the synchronous view used
-inside worker processes, and `torch_store()` adapts it to a
-`torch.distributed.Store` for the Gloo backend.
+`wait_generation` for the next one and get back only their own slot. A
+generation's traffic is O(N) calls: each rank announces its address once and
+fetches every peer's address in one `wait_family` call (Gloo's full mesh
+would otherwise read the N addresses one key at a time, 2N^2 calls).
+`KVClient` is the synchronous view used inside worker processes, and
+`torch_store()` adapts it to a `torch.distributed.Store` for the Gloo backend.
 """
 
 from __future__ import annotations
@@ -38,6 +41,9 @@ class KVStore:
         self._generation = 0
         self._assignment: dict[str, Any] = {}
         self._generation_waiters: set[asyncio.Future] = set()
+        self._calls = 0  # key and generation-wait calls so far: the traffic a generation costs
+        # complete per-rank families, put in the object store once and handed to every rank by reference
+        self._families: dict[tuple[int, str, int], ray.ObjectRef] = {}
 
     # ---- generations -------------------------------------------------
     async def publish(self, generation: int, assignment: dict[str, Any]) -> None:
@@ -48,6 +54,7 @@ class KVStore:
         self._assignment = assignment
         for key in [k for k in self._data if k[0] < generation]:
             del self._data[key]
+        self._families = {k: ref for k, ref in self._families.items() if k[0] >= generation}
         for key in [k for k in self._waiters if k[0] < generation]:
             for fut in self._waiters.pop(key):
                 if not fut.done():
@@ -57,8 +64,16 @@ class KVStore:
             if not fut.done():
                 fut.set_result(None)
 
-    async def wait_generation(self, after: int, timeout: float) -> tuple[int, dict[str, Any]]:
-        """The newest published generation greater than `after`, waiting up to `timeout` s."""
+    async def wait_generation(
+        self, after: int, timeout: float, worker_id: str | None = None
+    ) -> tuple[int, dict[str, Any]]:
+        """The newest published generation greater than `after`, waiting up to `timeout` s.
+
+        With `worker_id`, the assignment holds only that worker's entry (empty
+        if it is not in the generation): N workers then fetch O(N) bytes in
+        all, not N copies of the whole plan.
+        """
+        self._calls += 1
         deadline = time.monotonic() + timeout
         while self._generation <= after:
             remaining = deadline - time.monotonic()
@@ -75,7 +90,10 @@ class KVStore:
                 pass
             finally:
                 self._generation_waiters.discard(fut)
-        return self._generation, self._assignment
+        if worker_id is None:
+            return self._generation, self._assignment
+        mine = self._assignment.get(worker_id)
+        return self._generation, ({} if mine is None else {worker_id: mine})
 
     async def hold(self) -> None:
         """Never returns while the actor lives: the driver keeps one call pending to learn of its death."""
@@ -96,16 +114,22 @@ class KVStore:
                 fut.set_result(None)
 
     async def set(self, generation: int, key: str, value: bytes) -> None:
+        self._calls += 1
         self._check_generation(generation)
         self._put(generation, key, value)
 
     async def multi_set(self, generation: int, items: list[tuple[str, bytes]]) -> None:
+        self._calls += 1
         self._check_generation(generation)
         for key, value in items:
             self._put(generation, key, value)
 
     async def wait(self, generation: int, keys: list[str], timeout: float) -> None:
         """Return once every key exists; bounded by `timeout`, failed by a newer generation."""
+        self._calls += 1
+        await self._wait(generation, keys, timeout)
+
+    async def _wait(self, generation: int, keys: list[str], timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while True:
             self._check_generation(generation)
@@ -132,20 +156,42 @@ class KVStore:
                         waiters.discard(fut)
 
     async def get(self, generation: int, key: str, timeout: float) -> bytes:
-        await self.wait(generation, [key], timeout)
+        self._calls += 1
+        await self._wait(generation, [key], timeout)
         return self._data[(generation, key)]
 
     async def multi_get(self, generation: int, keys: list[str], timeout: float) -> list[bytes]:
-        await self.wait(generation, keys, timeout)
+        self._calls += 1
+        await self._wait(generation, keys, timeout)
         return [self._data[(generation, k)] for k in keys]
 
+    async def wait_family(self, generation: int, prefix: str, count: int, timeout: float) -> list[ray.ObjectRef]:
+        """`[ref]`: a reference to the values of `prefix0` .. `prefix{count-1}`, once all exist.
+
+        One call instead of `count` waits and gets: how a rank reads every
+        peer's address when a ring forms. The list is put in the object store
+        once per family and shared by reference, so N ranks cost N small
+        replies rather than N copies of N values. The family's keys must be
+        written once per generation (Gloo's per-rank addresses are).
+        """
+        self._calls += 1
+        keys = [f"{prefix}{i}" for i in range(count)]
+        await self._wait(generation, keys, timeout)
+        ref = self._families.get((generation, prefix, count))
+        if ref is None:
+            ref = ray.put([self._data[(generation, k)] for k in keys])
+            self._families[(generation, prefix, count)] = ref
+        return [ref]
+
     async def add(self, generation: int, key: str, amount: int) -> int:
+        self._calls += 1
         self._check_generation(generation)
         value = int(self._data.get((generation, key), b"0")) + amount
         self._put(generation, key, str(value).encode())
         return value
 
     async def compare_set(self, generation: int, key: str, expected: bytes, desired: bytes) -> bytes:
+        self._calls += 1
         self._check_generation(generation)
         current = self._data.get((generation, key))
         if (current is None and expected == b"") or current == expected:
@@ -154,17 +200,21 @@ class KVStore:
         return expected if current is None else current
 
     async def check(self, generation: int, keys: list[str]) -> bool:
+        self._calls += 1
         self._check_generation(generation)
         return all((generation, k) in self._data for k in keys)
 
     async def delete_key(self, generation: int, key: str) -> bool:
+        self._calls += 1
         return self._data.pop((generation, key), None) is not None
 
     async def num_keys(self, generation: int) -> int:
+        self._calls += 1
         return sum(1 for g, _ in self._data if g == generation)
 
     async def stats(self) -> dict[str, int]:
-        return {"keys": len(self._data), "generation": self._generation}
+        """Keys held, the current generation, and the key and generation-wait calls so far."""
+        return {"keys": len(self._data), "generation": self._generation, "calls": self._calls}
 
 
 def create_kv_actor(run_id: str, namespace: str, scheduling_strategy: Any = None) -> ray.actor.ActorHandle:
@@ -196,8 +246,8 @@ class KVClient:
         except ray.exceptions.RayActorError as e:
             raise CoordinatorDiedError(f"the run's rendezvous (KV) actor died: {str(e).splitlines()[0]}") from None
 
-    def wait_generation(self, after: int, timeout: float) -> tuple[int, dict[str, Any]]:
-        return self._call("wait_generation", after, timeout, timeout=timeout)
+    def wait_generation(self, after: int, timeout: float, worker_id: str | None = None) -> tuple[int, dict[str, Any]]:
+        return self._call("wait_generation", after, timeout, worker_id, timeout=timeout)
 
     def set(self, generation: int, key: str, value: bytes) -> None:
         self._call("set", generation, key, value)
@@ -213,6 +263,14 @@ class KVClient:
 
     def wait(self, generation: int, keys: Iterable[str], timeout: float) -> None:
         self._call("wait", generation, list(keys), timeout, timeout=timeout)
+
+    def wait_family(self, generation: int, prefix: str, count: int, timeout: float) -> list[bytes]:
+        """The values of `prefix0` .. `prefix{count-1}`, waiting up to `timeout` s for all of them."""
+        (ref,) = self._call("wait_family", generation, prefix, count, timeout, timeout=timeout)
+        try:
+            return ray.get(ref, timeout=_CLIENT_MARGIN_S)
+        except ray.exceptions.GetTimeoutError:
+            raise RendezvousTimeoutError(f"fetching the values of {prefix}* took over {_CLIENT_MARGIN_S:g} s") from None
 
     def add(self, generation: int, key: str, amount: int) -> int:
         return self._call("add", generation, key, amount)
@@ -230,8 +288,12 @@ class KVClient:
         return self._call("num_keys", generation)
 
 
-def torch_store(client: KVClient, generation: int, timeout: float):
-    """A `torch.distributed.Store` over the KV actor, scoped to `generation`."""
+def torch_store(client: KVClient, generation: int, timeout: float, world_size: int | None = None):
+    """A `torch.distributed.Store` over the KV actor, scoped to `generation`.
+
+    With `world_size`, per-rank keys are read for all ranks in one call (see
+    `KVTorchStore`).
+    """
     from ray_elastic.collective.torch_store import KVTorchStore
 
-    return KVTorchStore(client, generation, timeout)
+    return KVTorchStore(client, generation, timeout, world_size)

@@ -86,7 +86,7 @@ def make_group(
         from ray_elastic.collective.torch_gloo import TorchGlooGroup
         from ray_elastic.rendezvous import torch_store
 
-        return TorchGlooGroup(torch_store(kv, generation, timeout), rank, size, timeout)
+        return TorchGlooGroup(torch_store(kv, generation, timeout, size), rank, size, timeout)
     if backend == "pygloo":
         from ray_elastic.collective.pygloo_backend import PyglooGroup
 
@@ -95,7 +95,7 @@ def make_group(
         from ray_elastic.collective.nccl import TorchNcclGroup
         from ray_elastic.rendezvous import torch_store
 
-        return TorchNcclGroup(torch_store(kv, generation, timeout), rank, size, timeout, local_rank)
+        return TorchNcclGroup(torch_store(kv, generation, timeout, size), rank, size, timeout, local_rank)
     raise ValueError(f"unknown backend {backend!r}")
 
 
@@ -157,7 +157,7 @@ class WorkerContext:
                     f"worker {self.worker_id} found no generation to join within "
                     f"{self.settings.rendezvous_timeout:g} s (last generation {self.generation})"
                 )
-            generation, plan = self.kv.wait_generation(after, remaining)
+            generation, plan = self.kv.wait_generation(after, remaining, self.worker_id)
             slot = plan.get(self.worker_id)
             if slot is None:
                 if self.slot is not None:

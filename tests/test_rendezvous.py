@@ -300,3 +300,73 @@ def test_torch_prefix_store_works_on_top_of_the_adapter(kv):
     assert store.num_keys() == 3
     assert store.delete_key("cs") is True
     assert not client.check(1, ["x/cs"])
+
+
+# ---- traffic per generation ---------------------------------------------------------
+
+
+def calls(kv: ray.actor.ActorHandle) -> int:
+    return ray.get(kv.stats.remote(), timeout=10)["calls"]
+
+
+def test_wait_generation_with_a_worker_id_returns_only_that_workers_entry(kv):
+    plan = {f"w{i}": {"rank": i} for i in range(50)}
+    ray.get(kv.publish.remote(1, plan), timeout=10)
+    client = KVClient(kv)
+    assert client.wait_generation(0, 5.0, "w7") == (1, {"w7": {"rank": 7}})
+    assert client.wait_generation(0, 5.0, "not-admitted") == (1, {})
+    assert client.wait_generation(0, 5.0) == (1, plan)
+
+
+def test_wait_family_returns_every_ranks_value_once_all_exist_in_one_call(kv):
+    ray.get(kv.publish.remote(1, {}), timeout=10)
+    client = KVClient(kv)
+    client.set(1, "pg/0", b"a")
+    ref = kv.wait_family.remote(1, "pg/", 3, 30.0)
+    client.set(1, "pg/2", b"c")
+    assert_ref_blocked(ref)  # rank 1 is still missing
+    client.set(1, "pg/1", b"b")
+    assert ray.get(ray.get(ref, timeout=10)[0], timeout=10) == [b"a", b"b", b"c"]
+    assert client.wait_family(1, "pg/", 3, 1.0) == [b"a", b"b", b"c"]
+    with pytest.raises(RendezvousTimeoutError, match="pg/3"):
+        client.wait_family(1, "pg/", 4, 0.3)
+
+
+def test_per_rank_keys_are_read_in_one_call_and_other_keys_every_time(kv):
+    client = KVClient(kv)
+    ray.get(kv.publish.remote(1, {}), timeout=10)
+    client.multi_set(1, [(f"x/{r}", f"addr{r}".encode()) for r in range(4)] + [("x/9", b"not-a-rank")])
+    store = torch_store(client, 1, timeout=5.0, world_size=4)
+    before = calls(kv)
+    assert [store.get(f"x/{r}") for r in range(4)] == [b"addr0", b"addr1", b"addr2", b"addr3"]
+    store.wait([f"x/{r}" for r in range(4)])
+    assert calls(kv) - before == 1, "the four per-rank keys should cost one call"
+    # a key beyond the world size, or not of the `<prefix>/<rank>` form, is read from the actor each time
+    client.set(1, "x/9", b"changed")
+    assert store.get("x/9") == b"changed"
+    store.set("counter", "1")
+    assert store.get("counter") == b"1"
+    with pytest.raises(RendezvousTimeoutError, match="y/2"):
+        store.wait(["y/2"], timedelta(seconds=0.3))
+
+
+def test_a_gloo_ring_of_four_costs_each_rank_one_set_and_one_read(kv):
+    """2N calls for the ring instead of Gloo's 2N^2 + N key-at-a-time reads."""
+    ray.get(kv.publish.remote(1, {}), timeout=10)
+    size = 4
+    before = calls(kv)
+    stores = [torch_store(KVClient(kv), 1, timeout=30.0, world_size=size) for _ in range(size)]
+
+    def member(rank: int) -> float:
+        import torch
+
+        group = dist.ProcessGroupGloo(dist.PrefixStore("default_pg", stores[rank]), rank, size, timedelta(seconds=30))
+        t = torch.tensor([float(rank)])
+        group.allreduce([t]).wait()
+        return t.item()
+
+    with ThreadPoolExecutor(size) as pool:
+        sums = list(pool.map(member, range(size), timeout=60))
+
+    assert sums == [6.0] * size
+    assert calls(kv) - before == 2 * size

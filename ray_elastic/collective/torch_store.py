@@ -3,6 +3,15 @@
 Defined at module level inside the package: a Store subclass defined in
 `__main__` or a closure cannot be shipped by Ray's cloudpickle (pybind11
 metaclass conflict). Instances are built inside each worker, never shipped.
+
+Gloo's full mesh makes each rank write its address under `<prefix>/<rank>`
+and then wait for and read every rank's address one key at a time: 2N^2
+calls per ring. Given the world size, the store reads such a per-rank key's
+whole family in one bounded call (`wait_family`, which returns once all N
+exist) and serves the rest from memory, so a ring costs each rank a set and
+one read. Those keys are written once per ring (a generation's store is never
+reused), which is what makes the local copy safe; any other key goes to the
+actor on every call.
 """
 
 from __future__ import annotations
@@ -21,19 +30,42 @@ def _as_bytes(value: str | bytes | bytearray | list[int]) -> bytes:
 
 
 class KVTorchStore(dist.Store):
-    """Every operation is one bounded call to the KV actor for one generation."""
+    """Every operation is one bounded call to the KV actor for one generation.
 
-    def __init__(self, client: KVClient, generation: int, timeout: float) -> None:
+    `world_size` (optional) turns on the one-call read of per-rank keys
+    `<prefix>/<r>`, r < world_size, described in the module docstring.
+    """
+
+    def __init__(self, client: KVClient, generation: int, timeout: float, world_size: int | None = None) -> None:
         super().__init__()
         self._client = client
         self._generation = generation
         self._timeout_s = timeout
+        self._world_size = world_size
+        self._per_rank: dict[str, bytes] = {}
+
+    def _family(self, key: str) -> str | None:
+        """`<prefix>/` if `key` is `<prefix>/<rank>` with rank < world size, else None."""
+        prefix, sep, last = key.rpartition("/")
+        if self._world_size and sep and last.isdigit() and int(last) < self._world_size:
+            return prefix + sep
+        return None
+
+    def _fetch_family(self, prefix: str, timeout: float) -> None:
+        values = self._client.wait_family(self._generation, prefix, self._world_size, timeout)
+        self._per_rank.update((f"{prefix}{i}", v) for i, v in enumerate(values))
 
     def set(self, key: str, value: str | bytes) -> None:
+        self._per_rank.pop(key, None)
         self._client.set(self._generation, key, _as_bytes(value))
 
     def get(self, key: str) -> bytes:
-        return self._client.get(self._generation, key, self._timeout_s)
+        if key not in self._per_rank:
+            family = self._family(key)
+            if family is None:
+                return self._client.get(self._generation, key, self._timeout_s)
+            self._fetch_family(family, self._timeout_s)
+        return self._per_rank[key]
 
     def multi_get(self, keys: list[str]) -> list[bytes]:
         return self._client.multi_get(self._generation, keys, self._timeout_s)
@@ -49,7 +81,15 @@ class KVTorchStore(dist.Store):
 
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
         seconds = self._timeout_s if timeout is None else timeout.total_seconds()
-        self._client.wait(self._generation, keys, seconds)
+        missing = [k for k in keys if k not in self._per_rank]
+        if not missing:
+            return
+        families = {self._family(k) for k in missing}
+        if None in families:
+            self._client.wait(self._generation, missing, seconds)
+            return
+        for family in families:
+            self._fetch_family(family, seconds)
 
     def check(self, keys: list[str]) -> bool:
         return self._client.check(self._generation, keys)
