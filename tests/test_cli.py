@@ -78,7 +78,7 @@ def target(tmp_path) -> str:
         (["{file}:train", "--min-workers", "2", "--cooldown-range", "5", "1"], "--cooldown-range must be"),
         (["{file}:train", "--min-workers", "2", "--elastic-timeout", "0"], "--elastic-timeout must be a positive"),
         (["{file}:train", "--min-workers", "2", "--reset-limit", "-1"], "--reset-limit must be an integer >= 0"),
-        (["{file}:train", "--min-workers", "2", "--backend", "mpi"], "--backend must be one of"),
+        (["{file}:train", "--min-workers", "2", "--backend", "mpi"], "invalid choice: 'mpi'"),
         (["{file}:train", "--min-workers", "2", "--discovery-script", "{dir}/nope.sh"], "does not exist"),
         (["{file}:train", "--min-workers", "2", "--discovery-script", "{file}"], "is not executable"),
         (["{file}:train", "--min-workers", "2", "--verbose", "3"], "argument --verbose: invalid choice"),
