@@ -32,7 +32,7 @@ class Progress:
     def __init__(self, enabled: bool) -> None:
         self.enabled = enabled
         self._bar = None
-        self._logged: set[tuple[float, str]] = set()
+        self._logged: set[tuple[float, str, str]] = set()
         self._reports = 0
         self._latest: dict[str, Any] = {}
         if enabled:
@@ -45,7 +45,7 @@ class Progress:
         if not self.enabled:
             return
         for ev in status.get("events", []):
-            key = (ev["time"], ev["kind"])
+            key = (ev["time"], ev["kind"], ev["detail"])
             if key in self._logged or (ev["reset_duration"] is None and status.get("state") not in ("done", "failed")):
                 continue
             self._logged.add(key)

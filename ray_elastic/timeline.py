@@ -27,13 +27,14 @@ _COLORS = {
 
 
 def world_size_steps(events: Sequence[Event], end: float) -> tuple[list[float], list[int]]:
-    """(times, sizes) of the world size as a step function from the first event to `end`."""
+    """(times, sizes) of the world size as a step function from the start of training to `end`."""
     ordered = sorted((e for e in events if e.reset_duration is not None or e.kind == "start"), key=lambda e: e.time)
     times, sizes = [], []
     for e in ordered:
         if e.kind in ("resumed", "newcomer_failed"):
             continue  # no change of membership
-        times.append(e.time)
+        # the first generation trains once its workers booted and synced, not when the run began
+        times.append(e.time + e.reset_duration if e.kind == "start" and e.reset_duration else e.time)
         sizes.append(e.world_size)
     if times:
         times.append(max(end, times[-1]))
