@@ -33,6 +33,7 @@ def test_submitted_job_trains_through_a_worker_crash(ray_start_cluster):
         timeout=240,
     )  # fmt: skip
     logs = proc.stdout + proc.stderr
+    print(logs[-3000:])  # shown with pytest -s: what `ray job submit` printed
     assert proc.returncode == 0, logs[-5000:]
     assert re.search(r"Job 'raysubmit_\w+' succeeded", logs), logs[-3000:]
     assert "[ray-elastic] started with 3 workers" in logs, logs[-3000:]
