@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -92,3 +93,27 @@ def _copy(value: Any) -> Any:
     if clone is not None:
         return clone()
     return value.copy()
+
+
+R = TypeVar("R")
+
+
+def guarded_call(what: str, fn: Callable[[], R]) -> R:
+    """Run one blocking collective of a backend.
+
+    Marks the worker as inside a collective meanwhile (the driver's stuck-rank
+    detection reads it) and turns a broken ring (a peer's connection closed,
+    a timeout, a store error) into `HorovodInternalError` naming `what`.
+    """
+    from ray_elastic.exceptions import HorovodInternalError
+    from ray_elastic.worker_context import collective_activity
+
+    collective_activity(True)
+    try:
+        return fn()
+    except HorovodInternalError:
+        raise
+    except (RuntimeError, ConnectionError, TimeoutError) as e:
+        raise HorovodInternalError(f"{what} failed: {e}") from e
+    finally:
+        collective_activity(False)

@@ -17,17 +17,14 @@ called from Python), and a collective holds the GIL while it blocks.
 from __future__ import annotations
 
 import pickle
-from collections.abc import Callable
 from typing import Any, TypeVar
 
 import numpy as np
 import pygloo
 import ray
 
-from ray_elastic.collective.base import CollectiveGroup, ReduceOp
-from ray_elastic.exceptions import HorovodInternalError
+from ray_elastic.collective.base import CollectiveGroup, ReduceOp, guarded_call
 from ray_elastic.rendezvous import KVClient
-from ray_elastic.worker_context import collective_activity
 
 T = TypeVar("T")
 
@@ -124,18 +121,7 @@ class PyglooGroup(CollectiveGroup):
         self._call("connectFullMesh", lambda: self._context.connectFullMesh(self._store, self._device))
         self._int_buf = np.zeros(1, dtype=np.int64)
 
-    @staticmethod
-    def _call(what: str, fn: Callable[[], T]) -> T:
-        collective_activity(True)
-        try:
-            return fn()
-        except HorovodInternalError:
-            raise
-        except (RuntimeError, ConnectionError, TimeoutError) as e:
-            # Gloo's "connection reset by peer", its 30 s timeout and store errors land here
-            raise HorovodInternalError(f"{what} failed: {e}") from e
-        finally:
-            collective_activity(False)
+    _call = staticmethod(guarded_call)
 
     # ---- raw ops on numpy arrays ------------------------------------------------------
     def _allreduce(self, array: np.ndarray, op: Any) -> None:

@@ -19,9 +19,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ray_elastic.collective.base import CollectiveGroup, ReduceOp
-from ray_elastic.exceptions import HorovodInternalError
-from ray_elastic.worker_context import collective_activity
+from ray_elastic.collective.base import CollectiveGroup, ReduceOp, guarded_call
 
 T = TypeVar("T")
 
@@ -71,18 +69,7 @@ class TorchDistGroup(CollectiveGroup):
         """`value` as a tensor on this group's device, and how to copy a result back (None: shared)."""
         return as_tensor(value), None
 
-    @staticmethod
-    def _call(what: str, fn: Callable[[], T]) -> T:
-        collective_activity(True)
-        try:
-            return fn()
-        except HorovodInternalError:
-            raise
-        except (RuntimeError, ConnectionError, TimeoutError) as e:
-            # DistBackendError, Gloo's "connection closed" and store errors all land here
-            raise HorovodInternalError(f"{what} failed: {e}") from e
-        finally:
-            collective_activity(False)
+    _call = staticmethod(guarded_call)
 
     def allreduce_(self, value: T, op: ReduceOp = ReduceOp.AVERAGE) -> T:
         t, write_back = self._stage(value)
