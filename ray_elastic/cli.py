@@ -19,6 +19,7 @@ import logging
 import os
 import re
 import reprlib
+import socket
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -296,6 +297,23 @@ def summary(result: Any, seconds: float) -> str:
     return "\n".join(lines)
 
 
+def _unreachable(address: str | None, timeout: float = 5.0) -> str | None:
+    """Why a `host:port` GCS address cannot be reached (None if it can, or is not of that form).
+
+    `ray.init` retries an unreachable GCS for minutes; one bounded TCP connect says so at once.
+    """
+    if not address or "://" in address or ":" not in address:
+        return None  # "auto", "local", a ray:// client address: Ray's own checks apply
+    host, _, port = address.rpartition(":")
+    if not port.isdigit():
+        return None
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout).close()
+    except OSError as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -311,7 +329,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(format="%(message)s")
     if args.verbose:
         logging.getLogger("ray_elastic").setLevel(logging.INFO)
-    ray.init(address=args.address, logging_level=logging.WARNING)
+    problem = _unreachable(args.address)
+    if problem:
+        print(f"ray-elastic: cannot reach the Ray cluster at {args.address}: {problem}", file=sys.stderr)
+        return 1
+    try:
+        ray.init(address=args.address, logging_level=logging.WARNING)
+    except (ConnectionError, RuntimeError) as e:
+        print(f"ray-elastic: cannot connect to the Ray cluster at {args.address!r}: {e}", file=sys.stderr)
+        return 1
     start = time.monotonic()
     try:
         result = trainer.fit()

@@ -102,6 +102,21 @@ def test_bad_input_exits_before_ray_starts(tmp_path):
     assert "Ray" not in proc.stderr and time.monotonic() - start < 30
 
 
+def test_unreachable_address_is_a_one_line_error_at_once(tmp_path):
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = tmp_path / "train.py"
+    script.write_text("def train(config):\n    return 1\n")
+    start = time.monotonic()
+    proc = cluster_free_run([CLI, "run", f"{script}:train", "--min-workers", "1", "--address", f"127.0.0.1:{port}"])
+    assert proc.returncode == 1
+    assert f"cannot reach the Ray cluster at 127.0.0.1:{port}: ConnectionRefusedError" in proc.stderr
+    assert "Traceback" not in proc.stderr and time.monotonic() - start < 30
+
+
 def cluster_free_run(argv: list[str]):
     import subprocess
 
