@@ -3,8 +3,7 @@
 Same model, same synthetic data, same batch per worker, same world size, one
 thread per worker (`torch.set_num_threads(1)` in every rank of every system:
 at world size 4 the 4 ranks share this machine's 2 cores, oversubscribed
-alike), interleaved in one run (every round runs each system once per model
-and world size, in a rotating order) so the ratios hold on a noisy machine:
+alike). Three systems:
 
 - `ddp`: `torch.nn.parallel.DistributedDataParallel` over Gloo in
   `torch.multiprocessing` processes, no Ray;
@@ -14,10 +13,12 @@ and world size, in a rotating order) so the ratios hold on a noisy machine:
 - `raytrain`: Ray Train v2's `TorchTrainer` (`prepare_model`, i.e. DDP over
   the Gloo group Ray Train sets up) on the same local Ray.
 
-Samples/s is measured inside the training loop on rank 0 over the steps after
-a warm-up, the same way in all three: start-up (processes, actors, process
-group) is excluded. Prints a table and writes bench/results/throughput.json.
-Reports, never asserts.
+For each model and world size the three start side by side once (start-up is
+excluded from every figure) and then take turns: in each round every system
+runs one window (a warm-up, then `--steps` timed steps on rank 0) while the
+other two wait idle on a file, in a rotating order. So every ratio compares
+windows taken seconds apart, which is what holds on a noisy shared machine.
+Prints a table and writes bench/results/throughput.json. Reports, never asserts.
 
     .venv/bin/python bench/throughput.py [--models mlp1m,mlp25m] [--worlds 2,4] [--rounds 3]
 """
@@ -26,10 +27,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import statistics
 import tempfile
+import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
@@ -40,7 +44,10 @@ from results_file import write_results
 
 MODELS = {"mlp1m": (1024, 896, 1), "mlp25m": (1024, 2048, 6)}  # input width, hidden width, hidden layers
 BATCH = 64
-WARMUP = 5
+WARMUP = 3
+POLL_S = 0.02
+TURN_TIMEOUT_S = 600.0
+SYSTEMS = ("ddp", "elastic", "raytrain")
 
 
 def make_model(name: str) -> torch.nn.Module:
@@ -57,112 +64,185 @@ def batch(name: str, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(BATCH, MODELS[name][0], generator=g), torch.randint(0, 10, (BATCH,), generator=g)
 
 
-def _ddp_worker(rank: int, world: int, name: str, steps: int, store_path: str, out: str) -> None:
+def wait_file(*paths: str, what: str) -> str:
+    """The first of `paths` to exist; waits up to TURN_TIMEOUT_S."""
+    deadline = time.monotonic() + TURN_TIMEOUT_S
+    while True:
+        for p in paths:
+            if os.path.exists(p):
+                return p
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {TURN_TIMEOUT_S:g} s waiting for {what} ({paths[0]})")
+        time.sleep(POLL_S)
+
+
+def take_turns(system: str, control: str, rank: int, world: int, steps: int, step_fn: Callable[[], None]) -> None:
+    """Run one timed window each time the orchestrator says `<system>-go-<k>`, until `<system>-end`."""
+    if rank == 0:
+        Path(control, f"{system}-ready").touch()
+    end = os.path.join(control, f"{system}-end")
+    k = 0
+    while wait_file(os.path.join(control, f"{system}-go-{k}"), end, what=f"{system}'s turn {k}") != end:
+        for _ in range(WARMUP):
+            step_fn()
+        start = time.perf_counter()
+        for _ in range(steps):
+            step_fn()
+        elapsed = time.perf_counter() - start
+        if rank == 0:
+            done = Path(control, f"{system}-done-{k}")
+            done.with_suffix(".tmp").write_text(json.dumps({"samples_per_s": steps * BATCH * world / elapsed}))
+            done.with_suffix(".tmp").rename(done)
+        k += 1
+
+
+def sgd_step(model: torch.nn.Module, opt: torch.optim.Optimizer, name: str, step: int) -> None:
+    x, y = batch(name, step)
+    opt.zero_grad()
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+
+
+# ---- the three systems: each runs `take_turns` in every rank ----------------------------------
+
+
+def _ddp_worker(rank: int, world: int, name: str, steps: int, control: str) -> None:
     torch.set_num_threads(1)
-    store = dist.FileStore(store_path, world)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=120))
+    store = dist.FileStore(os.path.join(control, "ddp-store"), world)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=600))
     torch.manual_seed(0)
     model = torch.nn.parallel.DistributedDataParallel(make_model(name))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    start = 0.0
-    for step in range(steps + WARMUP):
-        if step == WARMUP:
-            start = time.perf_counter()
-        x, y = batch(name, step)
-        opt.zero_grad()
-        torch.nn.functional.cross_entropy(model(x), y).backward()
-        opt.step()
-    elapsed = time.perf_counter() - start
-    if rank == 0:
-        Path(out).write_text(json.dumps({"samples_per_s": steps * BATCH * world / elapsed}))
+    counter = iter(range(10**9))
+    take_turns("ddp", control, rank, world, steps, lambda: sgd_step(model, opt, name, next(counter)))
     dist.destroy_process_group()
 
 
-def run_ddp(name: str, world: int, steps: int) -> float:
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "out.json")
-        mp.spawn(_ddp_worker, args=(world, name, steps, os.path.join(tmp, "store"), out), nprocs=world, join=True)
-        return json.loads(Path(out).read_text())["samples_per_s"]
+def run_ddp(name: str, world: int, steps: int, control: str) -> None:
+    mp.spawn(_ddp_worker, args=(world, name, steps, control), nprocs=world, join=True)
 
 
-def elastic_train_fn(config: dict) -> float:
+def elastic_train_fn(config: dict) -> None:
     import ray_elastic as elastic
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    name, steps = config["model"], config["steps"]
+    name = config["model"]
     model = make_model(name)
     opt = elastic.torch.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01))
     state = elastic.torch.TorchState(model=model, optimizer=opt, step=0)
 
     @elastic.run
-    def train(state) -> float:
-        start = 0.0
-        while state.step < steps + WARMUP:
-            if state.step == WARMUP:
-                start = time.perf_counter()
-            x, y = batch(name, state.step)
-            opt.zero_grad()
-            torch.nn.functional.cross_entropy(model(x), y).backward()
-            opt.step()
+    def train(state) -> None:
+        def step() -> None:
+            sgd_step(model, opt, name, state.step)
             state.step += 1
             if state.step % 10 == 0:
                 state.commit()
             else:
                 state.check_host_updates()
-        return steps * BATCH * elastic.size() / (time.perf_counter() - start)
 
-    return train(state)
+        take_turns("elastic", config["control"], elastic.rank(), elastic.size(), config["steps"], step)
+
+    train(state)
 
 
-def run_elastic(name: str, world: int, steps: int) -> float:
+def run_elastic(name: str, world: int, steps: int, control: str) -> None:
     import ray_elastic as elastic
 
-    trainer = elastic.ElasticTrainer(elastic_train_fn, world, world, config={"model": name, "steps": steps}, verbose=0)
-    return trainer.fit().return_value
+    config = {"model": name, "steps": steps, "control": control}
+    elastic.ElasticTrainer(elastic_train_fn, world, world, config=config, verbose=0).fit()
 
 
 def raytrain_train_fn(config: dict) -> None:
-    """Ray Train's loop: the same model under `prepare_model` (DDP), rank 0 writes its samples/s."""
+    """Ray Train's loop: the same model under `prepare_model` (DDP)."""
     import ray.train
     import ray.train.torch
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    name, steps = config["model"], config["steps"]
+    name = config["model"]
     model = ray.train.torch.prepare_model(make_model(name))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    start = 0.0
-    for step in range(steps + WARMUP):
-        if step == WARMUP:
-            start = time.perf_counter()
-        x, y = batch(name, step)
-        opt.zero_grad()
-        torch.nn.functional.cross_entropy(model(x), y).backward()
-        opt.step()
-    elapsed = time.perf_counter() - start
     context = ray.train.get_context()
-    if context.get_world_rank() == 0:
-        samples_per_s = steps * BATCH * context.get_world_size() / elapsed
-        Path(config["out"]).write_text(json.dumps({"samples_per_s": samples_per_s}))
+    counter = iter(range(10**9))
+    take_turns(
+        "raytrain",
+        config["control"],
+        context.get_world_rank(),
+        context.get_world_size(),
+        config["steps"],
+        lambda: sgd_step(model, opt, name, next(counter)),
+    )
 
 
-def run_raytrain(name: str, world: int, steps: int) -> float:
+def run_raytrain(name: str, world: int, steps: int, control: str) -> None:
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "out.json")
-        TorchTrainer(
-            raytrain_train_fn,
-            train_loop_config={"model": name, "steps": steps, "out": out},
-            scaling_config=ScalingConfig(num_workers=world),
-            run_config=RunConfig(storage_path=os.path.join(tmp, "storage")),
-        ).fit()
-        return json.loads(Path(out).read_text())["samples_per_s"]
+    TorchTrainer(
+        raytrain_train_fn,
+        train_loop_config={"model": name, "steps": steps, "control": control},
+        scaling_config=ScalingConfig(num_workers=world),
+        run_config=RunConfig(storage_path=os.path.join(control, "rt-storage")),
+    ).fit()
 
 
-SYSTEMS = {"ddp": run_ddp, "elastic": run_elastic, "raytrain": run_raytrain}
+RUNNERS = {"ddp": run_ddp, "elastic": run_elastic, "raytrain": run_raytrain}
+
+
+# ---- the orchestrator ----------------------------------------------------------------------------
+
+
+def measure(name: str, world: int, steps: int, rounds: int, systems: list[str]) -> dict[str, list[float]]:
+    """Start `systems` side by side, then give each one window per round; samples/s per window."""
+    with tempfile.TemporaryDirectory() as control:
+        errors: dict[str, BaseException] = {}
+
+        def run(system: str) -> None:
+            try:
+                RUNNERS[system](name, world, steps, control)
+            except BaseException as e:  # noqa: BLE001 - reported to the orchestrator, which stops waiting
+                errors[system] = e
+
+        threads = {s: threading.Thread(target=run, args=(s,), daemon=True) for s in systems}
+        for t in threads.values():
+            t.start()
+
+        def wait_for(path: str, system: str, what: str) -> None:
+            deadline = time.monotonic() + TURN_TIMEOUT_S
+            while not os.path.exists(path):
+                if system in errors:
+                    raise RuntimeError(f"{system} failed while waiting for {what}") from errors[system]
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"timed out after {TURN_TIMEOUT_S:g} s waiting for {what}")
+                time.sleep(POLL_S)
+
+        t0 = time.perf_counter()
+        for s in systems:
+            wait_for(os.path.join(control, f"{s}-ready"), s, f"{s} to start {world} ranks")
+        print(f"{name} world {world}: all systems started in {time.perf_counter() - t0:.1f} s", flush=True)
+        samples: dict[str, list[float]] = {s: [] for s in systems}
+        for rnd in range(rounds):
+            order = systems[rnd % len(systems) :] + systems[: rnd % len(systems)]  # rotate who goes first
+            for s in order:
+                Path(control, f"{s}-go-{rnd}").touch()
+                done = os.path.join(control, f"{s}-done-{rnd}")
+                wait_for(done, s, f"{s}'s window {rnd}")
+                samples[s].append(json.loads(Path(done).read_text())["samples_per_s"])
+            print(
+                f"{name} world {world} round {rnd}: "
+                + ", ".join(f"{s} {samples[s][-1]:.0f}" for s in systems)
+                + " samples/s",
+                flush=True,
+            )
+        for s in systems:
+            Path(control, f"{s}-end").touch()
+        for s, t in threads.items():
+            t.join(120)
+            if t.is_alive() or s in errors:
+                raise RuntimeError(f"{s} did not finish cleanly") from errors.get(s)
+        return samples
 
 
 def main() -> None:
@@ -170,47 +250,37 @@ def main() -> None:
     parser.add_argument("--models", default="mlp1m,mlp25m")
     parser.add_argument("--worlds", default="2,4")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=60, help="measured steps of the small model (a quarter for 25M)")
-    parser.add_argument("--systems", default="ddp,elastic,raytrain")
+    parser.add_argument("--steps", type=int, default=100, help="timed steps per window (an eighth for the 25M model)")
+    parser.add_argument("--systems", default=",".join(SYSTEMS))
     args = parser.parse_args()
-    import logging
-
     import ray
 
     worlds = [int(w) for w in args.worlds.split(",")]
     systems = args.systems.split(",")
     os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
-    ray.init(address="local", num_cpus=max(worlds), logging_level=logging.ERROR, include_dashboard=False)
-    configs = []
+    # logical CPUs for ray-elastic's and Ray Train's ranks side by side (they take turns on the 2 real cores)
+    ray.init(address="local", num_cpus=2 * max(worlds), logging_level=logging.ERROR, include_dashboard=False)
+    rows = []
     for name in args.models.split(","):
         n_params = sum(p.numel() for p in make_model(name).parameters())
-        steps = args.steps if n_params < 5e6 else max(10, args.steps // 4)
-        configs += [(name, n_params, world, steps) for world in worlds]
-    samples: dict[tuple[str, int, str], list[float]] = {}
-    for rnd in range(args.rounds):
-        for name, _, world, steps in configs:
-            order = systems[rnd % len(systems) :] + systems[: rnd % len(systems)]  # rotate who goes first
-            for system in order:
-                t0 = time.perf_counter()
-                value = SYSTEMS[system](name, world, steps)
-                samples.setdefault((name, world, system), []).append(value)
-                print(
-                    f"round {rnd}: {name} world {world} {system}: {value:.0f} samples/s "
-                    f"(whole run with start-up {time.perf_counter() - t0:.1f} s)",
-                    flush=True,
+        steps = args.steps if n_params < 5e6 else max(10, args.steps // 8)
+        for world in worlds:
+            samples = measure(name, world, steps, args.rounds, systems)
+            row = {"model": name, "params_m": round(n_params / 1e6, 2), "world": world, "steps": steps}
+            for s in systems:
+                row[f"{s}_samples_per_s"] = statistics.median(samples[s])
+                row[f"{s}_rounds"] = samples[s]
+            # the ratio of each round's windows (taken seconds apart), then the median over rounds
+            if "ddp" in systems and "elastic" in systems:
+                row["elastic_over_ddp"] = statistics.median(
+                    e / d for e, d in zip(samples["elastic"], samples["ddp"], strict=True)
                 )
+            if "raytrain" in systems and "elastic" in systems:
+                row["elastic_over_raytrain"] = statistics.median(
+                    e / r for e, r in zip(samples["elastic"], samples["raytrain"], strict=True)
+                )
+            rows.append(row)
     ray.shutdown()
-    rows = []
-    for name, n_params, world, steps in configs:
-        row = {"model": name, "params_m": round(n_params / 1e6, 2), "world": world, "steps": steps}
-        for system in systems:
-            row[f"{system}_samples_per_s"] = statistics.median(samples[(name, world, system)])
-            row[f"{system}_rounds"] = samples[(name, world, system)]
-        if "ddp" in systems and "elastic" in systems:
-            row["elastic_over_ddp"] = row["elastic_samples_per_s"] / row["ddp_samples_per_s"]
-        if "raytrain" in systems and "elastic" in systems:
-            row["elastic_over_raytrain"] = row["elastic_samples_per_s"] / row["raytrain_samples_per_s"]
-        rows.append(row)
     print(f"{'model':>7} {'params':>7} {'world':>5} " + " ".join(f"{s:>10}" for s in systems) + "  ours/DDP  ours/RT")
     for row in rows:
         over_ddp, over_rt = row.get("elastic_over_ddp", float("nan")), row.get("elastic_over_raytrain", float("nan"))
