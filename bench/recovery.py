@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 
 import torch
+from own_dashboard import own_dashboard
 from results_file import write_results
 
 import ray_elastic as elastic
@@ -229,7 +230,7 @@ def main() -> None:
     import ray
     from ray.cluster_utils import Cluster
 
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, **own_dashboard()})
     for _ in range(2):
         cluster.add_node(num_cpus=2)
     ray.init(address=cluster.address, logging_level=logging.ERROR)

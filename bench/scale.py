@@ -47,6 +47,7 @@ from pathlib import Path
 
 import ray
 import torch
+from own_dashboard import own_dashboard
 from ray.cluster_utils import Cluster
 from results_file import write_results
 
@@ -220,7 +221,7 @@ def raytrain_rep(workdir: str, rep: int, every: int, timeout: float) -> dict:
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, **own_dashboard()})
     cluster.add_node(num_cpus=2)
     ray.init(address=cluster.address, logging_level=logging.ERROR)
     cluster.wait_for_nodes()

@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from own_dashboard import own_dashboard
 from results_file import write_results
 
 MODELS = {"mlp1m": (1024, 896, 1), "mlp25m": (1024, 2048, 6)}  # input width, hidden width, hidden layers
@@ -259,7 +260,7 @@ def main() -> None:
     systems = args.systems.split(",")
     os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
     # logical CPUs for ray-elastic's and Ray Train's ranks side by side (they take turns on the 2 real cores)
-    ray.init(address="local", num_cpus=2 * max(worlds), logging_level=logging.ERROR, include_dashboard=False)
+    ray.init(address="local", num_cpus=2 * max(worlds), logging_level=logging.ERROR, **own_dashboard())
     rows = []
     for name in args.models.split(","):
         n_params = sum(p.numel() for p in make_model(name).parameters())
