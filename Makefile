@@ -58,7 +58,7 @@ bench: $(BENCH_STAMP)
 	$(BIN)/python bench/step_costs.py
 	$(BIN)/python bench/rendezvous_scale.py
 	$(BIN)/python bench/memory.py
-	$(BIN)/python bench/allreduce.py --ranks 2,4
+	$(BIN)/python bench/allreduce.py --ranks 2,4 --rounds 11
 	$(BIN)/python bench/scale.py
 	$(BIN)/python bench/recovery.py
 

@@ -144,7 +144,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=1024)
     parser.add_argument("--metric-steps", type=int, default=10_000, help="reported metrics the driver holds")
-    parser.add_argument("--reps", type=int, default=3, help="repetitions of the worker overhead measurement")
+    parser.add_argument("--reps", type=int, default=2, help="repetitions of the worker overhead measurement")
     args = parser.parse_args()
     import ray_elastic as elastic
 

@@ -107,7 +107,7 @@ def one_rep(rng: random.Random, workdir: str, rep: int) -> dict:
         train_fn,
         min_workers=2,
         max_workers=4,
-        config={"steps": kill_step + 60, "hook": KillOnce(kill_rank, kill_step, marker)},
+        config={"steps": kill_step + 20, "hook": KillOnce(kill_rank, kill_step, marker)},
         cooldown_range=(60, 60),
         verbose=0,
     ).fit()
@@ -175,7 +175,7 @@ def raytrain_rep(rng: random.Random, workdir: str, rep: int, every: int) -> dict
     kill_rank = rng.randint(0, 3)
     marker, log = os.path.join(workdir, f"rt-killed-{rep}"), os.path.join(workdir, f"rt-log-{rep}")
     config = {
-        "steps": kill_step + 60,
+        "steps": kill_step + 20,
         "every": every,
         "kill_step": kill_step,
         "kill_rank": kill_rank,

@@ -155,7 +155,7 @@ def one_rep(cluster: Cluster, base_node: str, workdir: str, rep: int) -> dict:
         "down_to_world2_s": times[first2] - t_withdrawn,
         "down_pause_s": longest_gap(times, t_withdrawn, times[first2] + 1),
         "down_steps_lost": metrics[first2 - 1]["step"] - (metrics[first2]["step"] - 1),
-        "events": [(e.kind, e.world_size, e.reset_duration) for e in result.events],
+        "events": [(e.kind, e.world_size, e.reset_duration, e.detail) for e in result.events],
     }
 
 
@@ -286,7 +286,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as workdir:
         for rep in range(args.reps):
             # a fresh cluster per repetition: a second run on a cluster that lost a node did not start in 180 s
-            cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+            cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
             base = cluster.add_node(num_cpus=2)
             ray.init(address=cluster.address, logging_level=logging.ERROR)
             cluster.wait_for_nodes()

@@ -251,7 +251,7 @@ def main() -> None:
     parser.add_argument("--models", default="mlp1m,mlp25m")
     parser.add_argument("--worlds", default="2,4")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=100, help="timed steps per window (an eighth for the 25M model)")
+    parser.add_argument("--steps", type=int, default=100, help="timed steps per window (a tenth for the 25M model)")
     parser.add_argument("--systems", default=",".join(SYSTEMS))
     args = parser.parse_args()
     import ray
@@ -264,7 +264,7 @@ def main() -> None:
     rows = []
     for name in args.models.split(","):
         n_params = sum(p.numel() for p in make_model(name).parameters())
-        steps = args.steps if n_params < 5e6 else max(10, args.steps // 8)
+        steps = args.steps if n_params < 5e6 else max(8, args.steps // 10)
         for world in worlds:
             samples = measure(name, world, steps, args.rounds, systems)
             row = {"model": name, "params_m": round(n_params / 1e6, 2), "world": world, "steps": steps}
