@@ -50,11 +50,15 @@ $(BENCH_STAMP): $(STAMP)
 	$(BIN)/pip install -q -e '.[torch,test,examples,bench]'
 	touch $(BENCH_STAMP)
 
+# every benchmark, within 15 minutes on this project's 2-core machine; each prints a table and writes
+# bench/results/<name>.json (bench/RESULTS.md is written from them)
 bench: $(BENCH_STAMP)
 	$(BIN)/python bench/commit.py
 	$(BIN)/python bench/throughput.py
 	$(BIN)/python bench/step_costs.py
 	$(BIN)/python bench/rendezvous_scale.py
+	$(BIN)/python bench/memory.py
+	$(BIN)/python bench/allreduce.py --ranks 2,4 --rounds 11
 	$(BIN)/python bench/scale.py
 	$(BIN)/python bench/recovery.py
 

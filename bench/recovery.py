@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 
 import torch
+from own_dashboard import own_dashboard
 from results_file import write_results
 
 import ray_elastic as elastic
@@ -106,7 +107,7 @@ def one_rep(rng: random.Random, workdir: str, rep: int) -> dict:
         train_fn,
         min_workers=2,
         max_workers=4,
-        config={"steps": kill_step + 60, "hook": KillOnce(kill_rank, kill_step, marker)},
+        config={"steps": kill_step + 20, "hook": KillOnce(kill_rank, kill_step, marker)},
         cooldown_range=(60, 60),
         verbose=0,
     ).fit()
@@ -174,7 +175,7 @@ def raytrain_rep(rng: random.Random, workdir: str, rep: int, every: int) -> dict
     kill_rank = rng.randint(0, 3)
     marker, log = os.path.join(workdir, f"rt-killed-{rep}"), os.path.join(workdir, f"rt-log-{rep}")
     config = {
-        "steps": kill_step + 60,
+        "steps": kill_step + 20,
         "every": every,
         "kill_step": kill_step,
         "kill_rank": kill_rank,
@@ -229,7 +230,7 @@ def main() -> None:
     import ray
     from ray.cluster_utils import Cluster
 
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, **own_dashboard()})
     for _ in range(2):
         cluster.add_node(num_cpus=2)
     ray.init(address=cluster.address, logging_level=logging.ERROR)

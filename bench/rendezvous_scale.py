@@ -50,6 +50,13 @@ class SimHost:
     """One process holding many simulated ranks, one thread each."""
 
     def pid(self) -> int:
+        """The process id, once the modules a worker has loaded before it forms a ring are imported.
+
+        A worker imports torch.distributed long before its first rendezvous;
+        importing it lazily here, in 256 threads at once, would time the import.
+        """
+        import ray_elastic.collective.torch_store  # noqa: F401
+
         return int(__import__("os").getpid())
 
     def run(self, kv: ray.actor.ActorHandle, ranks: list[int], size: int, batched: bool) -> list[float]:
@@ -89,7 +96,16 @@ def actor_pid(handle: ray.actor.ActorHandle) -> int:
     return int(actors(handle._actor_id.hex())["Pid"])
 
 
-def one_generation(hosts: list, size: int, batched: bool) -> dict:
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU time the processes have used so far."""
+    total = 0.0
+    for pid in pids:
+        t = psutil.Process(pid).cpu_times()
+        total += t.user + t.system
+    return total
+
+
+def one_generation(hosts: list, host_pids: list[int], size: int, batched: bool) -> dict:
     namespace = f"ray_elastic_bench_rdzv_{uuid.uuid4().hex[:8]}"
     kv = create_kv_actor(f"bench-{namespace}", namespace)
     ray.get(kv.current_generation.remote(), timeout=60)
@@ -99,12 +115,15 @@ def one_generation(hosts: list, size: int, batched: bool) -> dict:
     # every simulated rank is blocked in wait_generation before the driver publishes
     wait_for(f"{size} ranks waiting for the generation", lambda: ray.get(kv.stats.remote())["calls"] >= size, 120)
     calls_before = ray.get(kv.stats.remote())["calls"]
+    kv_pid = actor_pid(kv)
+    kv_cpu, hosts_cpu = cpu_seconds([kv_pid]), cpu_seconds(host_pids)
     start = time.time()
     ray.get(kv.publish.remote(1, plan))
     done = [t for part in ray.get(refs, timeout=600) for t in part]
     elapsed = max(done) - start
+    kv_cpu, hosts_cpu = cpu_seconds([kv_pid]) - kv_cpu, cpu_seconds(host_pids) - hosts_cpu
     calls = ray.get(kv.stats.remote())["calls"] - calls_before + size  # + the N generation waits
-    rss = psutil.Process(actor_pid(kv)).memory_info().rss
+    rss = psutil.Process(kv_pid).memory_info().rss
     ray.kill(kv)
     return {
         "ranks": size,
@@ -114,6 +133,10 @@ def one_generation(hosts: list, size: int, batched: bool) -> dict:
         "calls_per_rank": calls / size,
         "p50_rank_s": statistics.median(done) - start,
         "kv_rss_mb": rss / 2**20,
+        # CPU seconds used during the generation: the KV actor's (the service) and the simulated
+        # clients' (N ranks' client work that a real job spreads over N processes)
+        "kv_cpu_s": kv_cpu,
+        "clients_cpu_s": hosts_cpu,
     }
 
 
@@ -153,16 +176,19 @@ def main() -> None:
     args = parser.parse_args()
     ray.init(address="local", num_cpus=2, logging_level=logging.ERROR, include_dashboard=False)
     hosts = [SimHost.remote() for _ in range(args.procs)]
-    ray.get([h.pid.remote() for h in hosts], timeout=120)
-    rows = [one_generation(hosts, args.legacy_ranks, batched=False)]
+    host_pids = ray.get([h.pid.remote() for h in hosts], timeout=120)
+    rows = [one_generation(hosts, host_pids, args.legacy_ranks, batched=False)]
     for size in [int(n) for n in args.ranks.split(",")]:
-        rows.append(one_generation(hosts, size, batched=True))
+        rows.append(one_generation(hosts, host_pids, size, batched=True))
     ray.shutdown()
-    print(f"{'ranks':>6} {'traffic':>14} {'seconds':>8} {'calls':>9} {'calls/rank':>10} {'KV RSS':>8}")
+    print(
+        f"{'ranks':>6} {'traffic':>14} {'seconds':>8} {'calls':>9} {'calls/rank':>10} {'KV RSS':>8} "
+        f"{'KV CPU s':>8} {'clients CPU s':>13}"
+    )
     for r in rows:
         print(
             f"{r['ranks']:>6} {r['traffic']:>14} {r['seconds']:>8.3f} {r['kv_calls']:>9} "
-            f"{r['calls_per_rank']:>10.1f} {r['kv_rss_mb']:>6.0f}MB"
+            f"{r['calls_per_rank']:>10.1f} {r['kv_rss_mb']:>6.0f}MB {r['kv_cpu_s']:>8.2f} {r['clients_cpu_s']:>13.2f}"
         )
     decision = driver_decision(1000, 8, reps=20)
     print(

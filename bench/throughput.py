@@ -1,40 +1,54 @@
-"""Steady-state throughput: DistributedOptimizer under ElasticTrainer against torch DDP.
+"""Steady-state throughput: DistributedOptimizer under ElasticTrainer against torch DDP and Ray Train.
 
-Same model, same synthetic data, same world size, one thread per worker,
-interleaved (DDP, ours, DDP, ours, ...) in one run so the ratio holds on a
-noisy shared machine:
+Same model, same synthetic data, same batch per worker, same world size, one
+thread per worker (`torch.set_num_threads(1)` in every rank of every system:
+at world size 4 the 4 ranks share this machine's 2 cores, oversubscribed
+alike). Three systems:
 
 - `ddp`: `torch.nn.parallel.DistributedDataParallel` over Gloo in
   `torch.multiprocessing` processes, no Ray;
 - `elastic`: `ray_elastic.torch.DistributedOptimizer` in `ElasticTrainer`
   workers on a local Ray, with `check_host_updates()` every step and
-  `commit()` every 10 steps, as a real elastic loop runs.
+  `commit()` every 10 steps, as a real elastic loop runs;
+- `raytrain`: Ray Train v2's `TorchTrainer` (`prepare_model`, i.e. DDP over
+  the Gloo group Ray Train sets up) on the same local Ray.
 
-Samples/s is measured on rank 0 over the steps after a warm-up. Prints a
-table and writes bench/results/throughput.json. Reports, never asserts.
+For each model and world size the three start side by side once (start-up is
+excluded from every figure) and then take turns: in each round every system
+runs one window (a warm-up, then `--steps` timed steps on rank 0) while the
+other two wait idle on a file, in a rotating order. So every ratio compares
+windows taken seconds apart, which is what holds on a noisy shared machine.
+Prints a table and writes bench/results/throughput.json. Reports, never asserts.
 
-    .venv/bin/python bench/throughput.py [--models mlp1m,mlp25m] [--world 2] [--rounds 3]
+    .venv/bin/python bench/throughput.py [--models mlp1m,mlp25m] [--worlds 2,4] [--rounds 3]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import statistics
 import tempfile
+import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from own_dashboard import own_dashboard
 from results_file import write_results
 
 MODELS = {"mlp1m": (1024, 896, 1), "mlp25m": (1024, 2048, 6)}  # input width, hidden width, hidden layers
 BATCH = 64
-WARMUP = 5
+WARMUP = 3
+POLL_S = 0.02
+TURN_TIMEOUT_S = 600.0
+SYSTEMS = ("ddp", "elastic", "raytrain")
 
 
 def make_model(name: str) -> torch.nn.Module:
@@ -51,110 +65,232 @@ def batch(name: str, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(BATCH, MODELS[name][0], generator=g), torch.randint(0, 10, (BATCH,), generator=g)
 
 
-def _ddp_worker(rank: int, world: int, name: str, steps: int, store_path: str, out: str) -> None:
+def wait_file(*paths: str, what: str) -> str:
+    """The first of `paths` to exist; waits up to TURN_TIMEOUT_S."""
+    deadline = time.monotonic() + TURN_TIMEOUT_S
+    while True:
+        for p in paths:
+            if os.path.exists(p):
+                return p
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {TURN_TIMEOUT_S:g} s waiting for {what} ({paths[0]})")
+        time.sleep(POLL_S)
+
+
+def take_turns(system: str, control: str, rank: int, world: int, steps: int, step_fn: Callable[[], None]) -> None:
+    """Run one timed window each time the orchestrator says `<system>-go-<k>`, until `<system>-end`."""
+    if rank == 0:
+        Path(control, f"{system}-ready").touch()
+    end = os.path.join(control, f"{system}-end")
+    k = 0
+    while wait_file(os.path.join(control, f"{system}-go-{k}"), end, what=f"{system}'s turn {k}") != end:
+        for _ in range(WARMUP):
+            step_fn()
+        start = time.perf_counter()
+        for _ in range(steps):
+            step_fn()
+        elapsed = time.perf_counter() - start
+        if rank == 0:
+            done = Path(control, f"{system}-done-{k}")
+            done.with_suffix(".tmp").write_text(json.dumps({"samples_per_s": steps * BATCH * world / elapsed}))
+            done.with_suffix(".tmp").rename(done)
+        k += 1
+
+
+def sgd_step(model: torch.nn.Module, opt: torch.optim.Optimizer, name: str, step: int) -> None:
+    x, y = batch(name, step)
+    opt.zero_grad()
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+
+
+# ---- the three systems: each runs `take_turns` in every rank ----------------------------------
+
+
+def _ddp_worker(rank: int, world: int, name: str, steps: int, control: str) -> None:
     torch.set_num_threads(1)
-    store = dist.FileStore(store_path, world)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=120))
+    store = dist.FileStore(os.path.join(control, "ddp-store"), world)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=600))
     torch.manual_seed(0)
     model = torch.nn.parallel.DistributedDataParallel(make_model(name))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    start = 0.0
-    for step in range(steps + WARMUP):
-        if step == WARMUP:
-            start = time.perf_counter()
-        x, y = batch(name, step)
-        opt.zero_grad()
-        torch.nn.functional.cross_entropy(model(x), y).backward()
-        opt.step()
-    elapsed = time.perf_counter() - start
-    if rank == 0:
-        Path(out).write_text(json.dumps({"samples_per_s": steps * BATCH * world / elapsed}))
+    counter = iter(range(10**9))
+    take_turns("ddp", control, rank, world, steps, lambda: sgd_step(model, opt, name, next(counter)))
     dist.destroy_process_group()
 
 
-def run_ddp(name: str, world: int, steps: int) -> float:
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "out.json")
-        mp.spawn(_ddp_worker, args=(world, name, steps, os.path.join(tmp, "store"), out), nprocs=world, join=True)
-        return json.loads(Path(out).read_text())["samples_per_s"]
+def run_ddp(name: str, world: int, steps: int, control: str) -> None:
+    mp.spawn(_ddp_worker, args=(world, name, steps, control), nprocs=world, join=True)
 
 
-def elastic_train_fn(config: dict) -> float:
+def elastic_train_fn(config: dict) -> None:
     import ray_elastic as elastic
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    name, steps = config["model"], config["steps"]
+    name = config["model"]
     model = make_model(name)
     opt = elastic.torch.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01))
     state = elastic.torch.TorchState(model=model, optimizer=opt, step=0)
 
     @elastic.run
-    def train(state) -> float:
-        start = 0.0
-        while state.step < steps + WARMUP:
-            if state.step == WARMUP:
-                start = time.perf_counter()
-            x, y = batch(name, state.step)
-            opt.zero_grad()
-            torch.nn.functional.cross_entropy(model(x), y).backward()
-            opt.step()
+    def train(state) -> None:
+        def step() -> None:
+            sgd_step(model, opt, name, state.step)
             state.step += 1
             if state.step % 10 == 0:
                 state.commit()
             else:
                 state.check_host_updates()
-        return steps * BATCH * elastic.size() / (time.perf_counter() - start)
 
-    return train(state)
+        take_turns("elastic", config["control"], elastic.rank(), elastic.size(), config["steps"], step)
+
+    train(state)
 
 
-def run_elastic(name: str, world: int, steps: int) -> float:
+def run_elastic(name: str, world: int, steps: int, control: str) -> None:
     import ray_elastic as elastic
 
-    trainer = elastic.ElasticTrainer(elastic_train_fn, world, world, config={"model": name, "steps": steps}, verbose=0)
-    return trainer.fit().return_value
+    config = {"model": name, "steps": steps, "control": control}
+    elastic.ElasticTrainer(elastic_train_fn, world, world, config=config, verbose=0).fit()
+
+
+def raytrain_train_fn(config: dict) -> None:
+    """Ray Train's loop: the same model under `prepare_model` (DDP)."""
+    import ray.train
+    import ray.train.torch
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    name = config["model"]
+    model = ray.train.torch.prepare_model(make_model(name))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    context = ray.train.get_context()
+    counter = iter(range(10**9))
+    take_turns(
+        "raytrain",
+        config["control"],
+        context.get_world_rank(),
+        context.get_world_size(),
+        config["steps"],
+        lambda: sgd_step(model, opt, name, next(counter)),
+    )
+
+
+def run_raytrain(name: str, world: int, steps: int, control: str) -> None:
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    TorchTrainer(
+        raytrain_train_fn,
+        train_loop_config={"model": name, "steps": steps, "control": control},
+        scaling_config=ScalingConfig(num_workers=world),
+        run_config=RunConfig(storage_path=os.path.join(control, "rt-storage")),
+    ).fit()
+
+
+RUNNERS = {"ddp": run_ddp, "elastic": run_elastic, "raytrain": run_raytrain}
+
+
+# ---- the orchestrator ----------------------------------------------------------------------------
+
+
+def measure(name: str, world: int, steps: int, rounds: int, systems: list[str]) -> dict[str, list[float]]:
+    """Start `systems` side by side, then give each one window per round; samples/s per window."""
+    with tempfile.TemporaryDirectory() as control:
+        errors: dict[str, BaseException] = {}
+
+        def run(system: str) -> None:
+            try:
+                RUNNERS[system](name, world, steps, control)
+            except BaseException as e:  # noqa: BLE001 - reported to the orchestrator, which stops waiting
+                errors[system] = e
+
+        threads = {s: threading.Thread(target=run, args=(s,), daemon=True) for s in systems}
+        for t in threads.values():
+            t.start()
+
+        def wait_for(path: str, system: str, what: str) -> None:
+            deadline = time.monotonic() + TURN_TIMEOUT_S
+            while not os.path.exists(path):
+                if system in errors:
+                    raise RuntimeError(f"{system} failed while waiting for {what}") from errors[system]
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"timed out after {TURN_TIMEOUT_S:g} s waiting for {what}")
+                time.sleep(POLL_S)
+
+        t0 = time.perf_counter()
+        for s in systems:
+            wait_for(os.path.join(control, f"{s}-ready"), s, f"{s} to start {world} ranks")
+        print(f"{name} world {world}: all systems started in {time.perf_counter() - t0:.1f} s", flush=True)
+        samples: dict[str, list[float]] = {s: [] for s in systems}
+        for rnd in range(rounds):
+            order = systems[rnd % len(systems) :] + systems[: rnd % len(systems)]  # rotate who goes first
+            for s in order:
+                Path(control, f"{s}-go-{rnd}").touch()
+                done = os.path.join(control, f"{s}-done-{rnd}")
+                wait_for(done, s, f"{s}'s window {rnd}")
+                samples[s].append(json.loads(Path(done).read_text())["samples_per_s"])
+            print(
+                f"{name} world {world} round {rnd}: "
+                + ", ".join(f"{s} {samples[s][-1]:.0f}" for s in systems)
+                + " samples/s",
+                flush=True,
+            )
+        for s in systems:
+            Path(control, f"{s}-end").touch()
+        for s, t in threads.items():
+            t.join(120)
+            if t.is_alive() or s in errors:
+                raise RuntimeError(f"{s} did not finish cleanly") from errors.get(s)
+        return samples
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="mlp1m,mlp25m")
-    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--worlds", default="2,4")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--steps", type=int, default=100, help="timed steps per window (a tenth for the 25M model)")
+    parser.add_argument("--systems", default=",".join(SYSTEMS))
     args = parser.parse_args()
-    import logging
-
     import ray
 
-    ray.init(address="local", num_cpus=args.world, logging_level=logging.ERROR, include_dashboard=False)
+    worlds = [int(w) for w in args.worlds.split(",")]
+    systems = args.systems.split(",")
+    os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
+    # logical CPUs for ray-elastic's and Ray Train's ranks side by side (they take turns on the 2 real cores)
+    ray.init(address="local", num_cpus=2 * max(worlds), logging_level=logging.ERROR, **own_dashboard())
     rows = []
     for name in args.models.split(","):
         n_params = sum(p.numel() for p in make_model(name).parameters())
-        steps = args.steps if n_params < 5e6 else max(10, args.steps // 4)
-        ddp, ours = [], []
-        for _ in range(args.rounds):
-            ddp.append(run_ddp(name, args.world, steps))
-            ours.append(run_elastic(name, args.world, steps))
-        row = {
-            "model": name,
-            "params_m": round(n_params / 1e6, 2),
-            "world": args.world,
-            "steps": steps,
-            "ddp_samples_per_s": statistics.median(ddp),
-            "elastic_samples_per_s": statistics.median(ours),
-            "ddp_rounds": ddp,
-            "elastic_rounds": ours,
-        }
-        row["elastic_over_ddp"] = row["elastic_samples_per_s"] / row["ddp_samples_per_s"]
-        rows.append(row)
-        print(
-            f"{name:>7} ({row['params_m']}M) world {args.world}: DDP {row['ddp_samples_per_s']:8.0f} samples/s, "
-            f"ray-elastic {row['elastic_samples_per_s']:8.0f} samples/s, ratio {row['elastic_over_ddp']:.3f}",
-            flush=True,
-        )
+        steps = args.steps if n_params < 5e6 else max(8, args.steps // 10)
+        for world in worlds:
+            samples = measure(name, world, steps, args.rounds, systems)
+            row = {"model": name, "params_m": round(n_params / 1e6, 2), "world": world, "steps": steps}
+            for s in systems:
+                row[f"{s}_samples_per_s"] = statistics.median(samples[s])
+                row[f"{s}_rounds"] = samples[s]
+            # the ratio of each round's windows (taken seconds apart), then the median over rounds
+            if "ddp" in systems and "elastic" in systems:
+                row["elastic_over_ddp"] = statistics.median(
+                    e / d for e, d in zip(samples["elastic"], samples["ddp"], strict=True)
+                )
+            if "raytrain" in systems and "elastic" in systems:
+                row["elastic_over_raytrain"] = statistics.median(
+                    e / r for e, r in zip(samples["elastic"], samples["raytrain"], strict=True)
+                )
+            rows.append(row)
     ray.shutdown()
-    write_results("throughput", rows, rounds=args.rounds)
+    print(f"{'model':>7} {'params':>7} {'world':>5} " + " ".join(f"{s:>10}" for s in systems) + "  ours/DDP  ours/RT")
+    for row in rows:
+        over_ddp, over_rt = row.get("elastic_over_ddp", float("nan")), row.get("elastic_over_raytrain", float("nan"))
+        print(
+            f"{row['model']:>7} {row['params_m']:>6}M {row['world']:>5} "
+            + " ".join(f"{row[f'{s}_samples_per_s']:>10.0f}" for s in systems)
+            + f"  {over_ddp:>8.3f} {over_rt:>8.3f}"
+        )
+    write_results("throughput", rows, rounds=args.rounds, threads_per_rank=1, batch_per_rank=BATCH, warmup=WARMUP)
 
 
 if __name__ == "__main__":

@@ -9,9 +9,10 @@ once instead of waiting out its timeout. All waits happen inside the actor
 
 The driver publishes each generation's assignment here; workers block in
 `wait_generation` for the next one and get back only their own slot. A
-generation's traffic is O(N) calls: each rank announces its address once and
-fetches every peer's address in one `wait_family` call (Gloo's full mesh
-would otherwise read the N addresses one key at a time, 2N^2 calls).
+generation's traffic is O(N) calls, two per rank: `wait_generation`, then one
+`wait_family` call that writes the rank's address and fetches every peer's
+(Gloo's full mesh would otherwise read the N addresses one key at a time,
+2N^2 calls).
 `KVClient` is the synchronous view used inside worker processes, and
 `torch_store()` adapts it to a `torch.distributed.Store` for the Gloo backend.
 """
@@ -130,30 +131,41 @@ class KVStore:
         await self._wait(generation, keys, timeout)
 
     async def _wait(self, generation: int, keys: list[str], timeout: float) -> None:
+        # Keys are awaited one at a time, in order, each with a future of its own: a wait for N keys
+        # costs O(N) however the writes interleave (a future on every missing key, rechecked after each
+        # write, made N ranks waiting for N addresses cost O(N^3) at 1024 ranks).
         deadline = time.monotonic() + timeout
+        data = self._data
+        start = 0
         while True:
             self._check_generation(generation)
-            missing = [k for k in keys if (generation, k) not in self._data]
-            if not missing:
-                return
+            missing = next((i for i in range(start, len(keys)) if (generation, keys[i]) not in data), None)
+            if missing is None:
+                # every key was seen; one pass from the start, since a key may have been deleted meanwhile
+                missing = next((i for i in range(len(keys)) if (generation, keys[i]) not in data), None)
+                if missing is None:
+                    return
+            start = missing
             remaining = deadline - time.monotonic()
             if remaining <= 0:
+                absent = [k for k in keys if (generation, k) not in data]
                 raise RendezvousTimeoutError(
-                    f"timed out after {timeout:g} s waiting for keys {missing[:4]} of generation {generation} "
+                    f"timed out after {timeout:g} s waiting for keys {absent[:4]} of generation {generation} "
                     f"(run {self.run_id}): a peer did not join"
                 )
+            key = (generation, keys[missing])
             fut = asyncio.get_running_loop().create_future()
-            for k in missing:
-                self._waiters.setdefault((generation, k), set()).add(fut)
+            self._waiters.setdefault(key, set()).add(fut)
             try:
                 await asyncio.wait_for(fut, remaining)
             except asyncio.TimeoutError:
                 pass
             finally:
-                for k in missing:
-                    waiters = self._waiters.get((generation, k))
-                    if waiters is not None:
-                        waiters.discard(fut)
+                waiters = self._waiters.get(key)
+                if waiters is not None:
+                    waiters.discard(fut)
+                    if not waiters:
+                        del self._waiters[key]
 
     async def get(self, generation: int, key: str, timeout: float) -> bytes:
         self._calls += 1
@@ -165,19 +177,30 @@ class KVStore:
         await self._wait(generation, keys, timeout)
         return [self._data[(generation, k)] for k in keys]
 
-    async def wait_family(self, generation: int, prefix: str, count: int, timeout: float) -> list[ray.ObjectRef]:
+    async def wait_family(
+        self, generation: int, prefix: str, count: int, timeout: float, put: tuple[str, bytes] | None = None
+    ) -> list[ray.ObjectRef]:
         """`[ref]`: a reference to the values of `prefix0` .. `prefix{count-1}`, once all exist.
 
         One call instead of `count` waits and gets: how a rank reads every
-        peer's address when a ring forms. The list is put in the object store
-        once per family and shared by reference, so N ranks cost N small
-        replies rather than N copies of N values. The family's keys must be
-        written once per generation (Gloo's per-rank addresses are).
+        peer's address when a ring forms. With `put` (a key and its value),
+        the caller's own key is written first, in the same call: a rank's
+        whole share of a ring is then this one call. The list is put in the
+        object store once per family and shared by reference, so N ranks cost
+        N small replies rather than N copies of N values. The family's keys
+        must be written once per generation (Gloo's per-rank addresses are).
         """
         self._calls += 1
+        if put is not None:
+            self._check_generation(generation)
+            self._put(generation, *put)
+        ref = self._families.get((generation, prefix, count))
+        if ref is not None:  # complete already: its keys are written once per generation
+            self._check_generation(generation)
+            return [ref]
         keys = [f"{prefix}{i}" for i in range(count)]
         await self._wait(generation, keys, timeout)
-        ref = self._families.get((generation, prefix, count))
+        ref = self._families.get((generation, prefix, count))  # another caller may have completed it meanwhile
         if ref is None:
             ref = ray.put([self._data[(generation, k)] for k in keys])
             self._families[(generation, prefix, count)] = ref
@@ -264,9 +287,14 @@ class KVClient:
     def wait(self, generation: int, keys: Iterable[str], timeout: float) -> None:
         self._call("wait", generation, list(keys), timeout, timeout=timeout)
 
-    def wait_family(self, generation: int, prefix: str, count: int, timeout: float) -> list[bytes]:
-        """The values of `prefix0` .. `prefix{count-1}`, waiting up to `timeout` s for all of them."""
-        (ref,) = self._call("wait_family", generation, prefix, count, timeout, timeout=timeout)
+    def wait_family(
+        self, generation: int, prefix: str, count: int, timeout: float, put: tuple[str, bytes] | None = None
+    ) -> list[bytes]:
+        """The values of `prefix0` .. `prefix{count-1}`, waiting up to `timeout` s for all of them.
+
+        `put`: a `(key, value)` written first, in the same call (see `KVStore.wait_family`).
+        """
+        (ref,) = self._call("wait_family", generation, prefix, count, timeout, put, timeout=timeout)
         try:
             return ray.get(ref, timeout=_CLIENT_MARGIN_S)
         except ray.exceptions.GetTimeoutError:

@@ -8,10 +8,12 @@ Gloo's full mesh makes each rank write its address under `<prefix>/<rank>`
 and then wait for and read every rank's address one key at a time: 2N^2
 calls per ring. Given the world size, the store reads such a per-rank key's
 whole family in one bounded call (`wait_family`, which returns once all N
-exist) and serves the rest from memory, so a ring costs each rank a set and
-one read. Those keys are written once per ring (a generation's store is never
-reused), which is what makes the local copy safe; any other key goes to the
-actor on every call.
+exist) and serves the rest from memory. The write of the rank's own per-rank
+key is held back and sent inside that same call, so a ring costs each rank
+one call; it is sent on its own before any other operation, so a write is
+never held back past something that could depend on it. Those keys are
+written once per ring (a generation's store is never reused), which is what
+makes the local copy safe; any other key goes to the actor on every call.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ class KVTorchStore(dist.Store):
         self._timeout_s = timeout
         self._world_size = world_size
         self._per_rank: dict[str, bytes] = {}
+        self._held: tuple[str, bytes] | None = None  # a per-rank key's write, sent with the next family read
 
     def _family(self, key: str) -> str | None:
         """`<prefix>/` if `key` is `<prefix>/<rank>` with rank < world size, else None."""
@@ -51,32 +54,52 @@ class KVTorchStore(dist.Store):
             return prefix + sep
         return None
 
+    def _send_held(self) -> None:
+        """Send a held-back write on its own (before any operation other than its family's read)."""
+        if self._held is not None:
+            key, value = self._held
+            self._held = None
+            self._client.set(self._generation, key, value)
+
     def _fetch_family(self, prefix: str, timeout: float) -> None:
-        values = self._client.wait_family(self._generation, prefix, self._world_size, timeout)
+        put = None
+        if self._held is not None and self._family(self._held[0]) == prefix:
+            put, self._held = self._held, None
+        self._send_held()
+        values = self._client.wait_family(self._generation, prefix, self._world_size, timeout, put)
         self._per_rank.update((f"{prefix}{i}", v) for i, v in enumerate(values))
 
     def set(self, key: str, value: str | bytes) -> None:
         self._per_rank.pop(key, None)
+        self._send_held()
+        if self._family(key) is not None:
+            self._held = (key, _as_bytes(value))
+            return
         self._client.set(self._generation, key, _as_bytes(value))
 
     def get(self, key: str) -> bytes:
         if key not in self._per_rank:
             family = self._family(key)
             if family is None:
+                self._send_held()
                 return self._client.get(self._generation, key, self._timeout_s)
             self._fetch_family(family, self._timeout_s)
         return self._per_rank[key]
 
     def multi_get(self, keys: list[str]) -> list[bytes]:
+        self._send_held()
         return self._client.multi_get(self._generation, keys, self._timeout_s)
 
     def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:
+        self._send_held()
         self._client.multi_set(self._generation, [(k, _as_bytes(v)) for k, v in zip(keys, values, strict=False)])
 
     def add(self, key: str, amount: int) -> int:
+        self._send_held()
         return self._client.add(self._generation, key, amount)
 
     def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
+        self._send_held()
         return self._client.compare_set(self._generation, key, _as_bytes(expected), _as_bytes(desired))
 
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
@@ -86,18 +109,22 @@ class KVTorchStore(dist.Store):
             return
         families = {self._family(k) for k in missing}
         if None in families:
+            self._send_held()
             self._client.wait(self._generation, missing, seconds)
             return
         for family in families:
             self._fetch_family(family, seconds)
 
     def check(self, keys: list[str]) -> bool:
+        self._send_held()
         return self._client.check(self._generation, keys)
 
     def delete_key(self, key: str) -> bool:
+        self._send_held()
         return self._client.delete_key(self._generation, key)
 
     def num_keys(self) -> int:
+        self._send_held()
         return self._client.num_keys(self._generation)
 
     # torch's C++ side (PrefixStore, which init_process_group wraps around us) calls these names

@@ -1,0 +1,185 @@
+"""Memory: the driver actor's RSS at N simulated ranks, and a worker actor's overhead over bare torch.
+
+1. Driver at scale. A real `DriverActor` object is built inside a Ray actor
+   process (the kind of process the driver runs in) and given N worker
+   records on N/8 hosts, then publishes one generation of N ranks to a real KV
+   actor (`_publish`: rank assignment, the plan, the events), and takes N
+   ranks x `--metric-steps` reported metrics. No worker actors or placement
+   groups are started (N processes do not fit on 2 cores): what is measured
+   is the driver's own bookkeeping for N ranks, on top of its process. RSS is
+   read with psutil before the object exists (the process with ray_elastic
+   imported) and after.
+2. Worker overhead. A 2-worker `ElasticTrainer` on a local Ray trains a small
+   MLP for a few steps (so each worker has joined a Gloo ring, synced and
+   committed) and reads its own RSS. Beside it, with the same model and the
+   same steps: a bare `python -c` process that imports torch (no Ray), and a
+   plain Ray actor that imports torch (Ray's own share of a worker process).
+
+Prints a table and writes bench/results/memory.json. Reports, never asserts.
+
+    .venv/bin/python bench/memory.py [--ranks 1024]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import subprocess
+import sys
+import time
+import uuid
+
+import psutil
+import ray
+from results_file import write_results
+
+MB = 2**20
+STEPS = 20
+
+# the same work in every process measured for the worker overhead: a small MLP, a few SGD steps
+WORK = """
+import torch
+torch.set_num_threads(1)
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+for _ in range({steps}):
+    x, y = torch.randn(32, 64), torch.randint(0, 10, (32,))
+    opt.zero_grad()
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+"""
+
+
+def rss_mb() -> float:
+    return psutil.Process().memory_info().rss / MB
+
+
+@ray.remote(num_cpus=0)
+class DriverHost:
+    """A Ray actor process that holds a `DriverActor` object for N simulated ranks."""
+
+    def measure(self, ranks: int, metric_steps: int) -> dict:
+        import asyncio
+
+        from ray_elastic.driver_actor import DriverActor, DriverSettings, WorkerRecord, WorkerStatus
+        from ray_elastic.rendezvous import create_kv_actor
+
+        namespace = f"ray_elastic_bench_mem_{uuid.uuid4().hex[:8]}"
+        kv = create_kv_actor(f"bench-{namespace}", namespace)
+        ray.get(kv.current_generation.remote(), timeout=60)
+        base = rss_mb()
+        settings = DriverSettings(min_workers=1, max_workers=ranks, resources_per_worker={"CPU": 1.0})
+        driver = DriverActor(f"bench-{namespace}", namespace, kv, b"payload", None, settings)
+        driver._started_at = time.time()
+        now = time.monotonic()
+        for seq in range(1, ranks + 1):
+            host = f"{seq // 8:040x}"  # node-id-sized host keys, 8 slots each
+            driver.hosts[host] = 8
+            driver.host_first_seen.setdefault(host, now)
+            driver.workers[f"w{seq}"] = WorkerRecord(f"w{seq}", host, seq, WorkerStatus.READY, now, answered=True)
+        asyncio.run(driver._publish(list(driver.workers.values())))
+        after_publish = rss_mb()
+        for step in range(metric_steps):
+            driver.metrics.append((time.time(), {"step": step, "loss": 0.5, "world_size": ranks}))
+        after_metrics = rss_mb()
+        ray.kill(kv)
+        return {
+            "ranks": ranks,
+            "process_rss_mb": base,
+            "driver_rss_mb": after_publish,
+            "driver_state_mb": after_publish - base,
+            "rss_with_metrics_mb": after_metrics,
+            "metric_steps": metric_steps,
+            "generation": driver.generation,
+            "plan_size": len(driver.plan),
+        }
+
+
+@ray.remote(num_cpus=1)
+class TorchActor:
+    """A plain Ray actor doing the same work: Ray's own share of a worker process."""
+
+    def rss_after_work(self) -> float:
+        exec(WORK.format(steps=STEPS), {})  # noqa: S102 - our own constant text
+        return rss_mb()
+
+
+def worker_train_fn(config: dict) -> float:
+    import torch
+
+    import ray_elastic as elastic
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
+    opt = elastic.torch.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01))
+    state = elastic.torch.TorchState(model=model, optimizer=opt, step=0)
+
+    @elastic.run
+    def train(state) -> float:
+        while state.step < STEPS:
+            x, y = torch.randn(32, 64), torch.randint(0, 10, (32,))
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            state.step += 1
+            if state.step % 10 == 0:
+                state.commit()
+            else:
+                state.check_host_updates()
+        return psutil.Process().memory_info().rss / MB
+
+    return train(state)
+
+
+def bare_torch_rss() -> float:
+    code = WORK.format(steps=STEPS) + "\nimport psutil\nprint(psutil.Process().memory_info().rss)\n"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    return int(out.stdout.split()[-1]) / MB
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, default=1024)
+    parser.add_argument("--metric-steps", type=int, default=10_000, help="reported metrics the driver holds")
+    parser.add_argument("--reps", type=int, default=2, help="repetitions of the worker overhead measurement")
+    args = parser.parse_args()
+    import ray_elastic as elastic
+
+    ray.init(address="local", num_cpus=2, logging_level=logging.ERROR, include_dashboard=False)
+    host = DriverHost.remote()
+    driver = ray.get(host.measure.remote(args.ranks, args.metric_steps), timeout=300)
+    ray.kill(host)
+    print(
+        f"driver, {driver['ranks']} ranks: process {driver['process_rss_mb']:.0f} MB before the driver object, "
+        f"{driver['driver_rss_mb']:.0f} MB with {driver['ranks']} worker records and a published generation "
+        f"(+{driver['driver_state_mb']:.1f} MB), {driver['rss_with_metrics_mb']:.0f} MB with "
+        f"{driver['metric_steps']} reported metrics",
+        flush=True,
+    )
+    rows = []
+    for rep in range(args.reps):
+        bare = bare_torch_rss()
+        actor = TorchActor.remote()
+        ray_actor = ray.get(actor.rss_after_work.remote(), timeout=300)
+        ray.kill(actor)
+        result = elastic.ElasticTrainer(worker_train_fn, 2, 2, verbose=0).fit()
+        ours = result.return_value  # rank 0's
+        rows.append({"bare_torch_mb": bare, "ray_actor_torch_mb": ray_actor, "elastic_worker_mb": ours})
+        print(
+            f"rep {rep}: bare python + torch {bare:.0f} MB, Ray actor + torch {ray_actor:.0f} MB, "
+            f"ray-elastic worker (in a ring, synced, committed) {ours:.0f} MB",
+            flush=True,
+        )
+    ray.shutdown()
+    summary = {k: sorted(r[k] for r in rows)[len(rows) // 2] for k in rows[0]}
+    summary["elastic_over_bare_mb"] = summary["elastic_worker_mb"] - summary["bare_torch_mb"]
+    summary["elastic_over_ray_actor_mb"] = summary["elastic_worker_mb"] - summary["ray_actor_torch_mb"]
+    print("median: " + json.dumps({k: round(v, 1) for k, v in summary.items()}))
+    write_results("memory", rows, driver=driver, worker_summary=summary, steps=STEPS)
+
+
+if __name__ == "__main__":
+    main()
