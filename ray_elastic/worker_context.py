@@ -95,7 +95,9 @@ def make_group(
         from ray_elastic.collective.nccl import TorchNcclGroup
         from ray_elastic.rendezvous import torch_store
 
-        return TorchNcclGroup(torch_store(kv, generation, timeout, size), rank, size, timeout, local_rank)
+        # no one-call family reads: NCCL's unique id is one key `<prefix>/0` that only rank 0 writes,
+        # which the family read (made for Gloo's every-rank addresses) would wait on with N-1 keys missing
+        return TorchNcclGroup(torch_store(kv, generation, timeout), rank, size, timeout, local_rank)
     raise ValueError(f"unknown backend {backend!r}")
 
 

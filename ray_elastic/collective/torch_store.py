@@ -35,7 +35,10 @@ class KVTorchStore(dist.Store):
     """Every operation is one bounded call to the KV actor for one generation.
 
     `world_size` (optional) turns on the one-call read of per-rank keys
-    `<prefix>/<r>`, r < world_size, described in the module docstring.
+    `<prefix>/<r>`, r < world_size, described in the module docstring. Only
+    for a backend whose every rank writes its own such key before reading
+    the others' (Gloo): a key that one rank writes for all (NCCL's unique id)
+    would be waited on with the rest of its "family" never written.
     """
 
     def __init__(self, client: KVClient, generation: int, timeout: float, world_size: int | None = None) -> None:
