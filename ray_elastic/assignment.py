@@ -17,13 +17,14 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import NamedTuple
 
 
 # NamedTuples, not frozen dataclasses: the driver builds one per worker per decision, and at
 # 8000 workers a frozen dataclass's __init__ alone costs tens of milliseconds
 class LiveWorker(NamedTuple):
-    """A worker that exists now: its id, its host and its spawn order."""
+    """A worker that exists now: its id, its host and its spawn order (unique: the driver counts spawns)."""
 
     worker_id: str
     host: str
@@ -51,10 +52,9 @@ def assign_ranks(workers: Sequence[LiveWorker]) -> dict[str, WorkerSlot]:
     number of such hosts, as in Horovod.
     """
     by_host: dict[str, list[LiveWorker]] = {}
-    for w in sorted(workers, key=lambda w: (w.seq, w.worker_id)):
+    for w in sorted(workers, key=_BY_AGE):
         by_host.setdefault(w.host, []).append(w)
     # dicts keep insertion order: hosts come in the order of their oldest worker
-    hosts = list(by_host)
     size = len(workers)
     cross_sizes: dict[int, int] = {}
     for members in by_host.values():
@@ -63,23 +63,20 @@ def assign_ranks(workers: Sequence[LiveWorker]) -> dict[str, WorkerSlot]:
     slots: dict[str, WorkerSlot] = {}
     rank = 0
     cross_seen: dict[int, int] = {}
-    for host in hosts:
-        members = by_host[host]
+    make = WorkerSlot._make  # positional construction: the hot loop at thousands of workers
+    for host, members in by_host.items():
+        local_size = len(members)
         for local_rank, w in enumerate(members):
             cross_rank = cross_seen.get(local_rank, 0)
             cross_seen[local_rank] = cross_rank + 1
-            slots[w.worker_id] = WorkerSlot(
-                worker_id=w.worker_id,
-                host=host,
-                rank=rank,
-                size=size,
-                local_rank=local_rank,
-                local_size=len(members),
-                cross_rank=cross_rank,
-                cross_size=cross_sizes[local_rank],
+            slots[w.worker_id] = make(
+                (w.worker_id, host, rank, size, local_rank, local_size, cross_rank, cross_sizes[local_rank])
             )
             rank += 1
     return slots
+
+
+_BY_AGE = attrgetter("seq")  # oldest first; seq is unique, so no tie-break is needed
 
 
 @dataclass(frozen=True)
@@ -111,7 +108,7 @@ def plan_scaling(
       workers are held back.
     """
     by_host: dict[str, list[LiveWorker]] = {}
-    for w in sorted(workers, key=lambda w: (w.seq, w.worker_id)):
+    for w in sorted(workers, key=_BY_AGE):
         by_host.setdefault(w.host, []).append(w)
     remove: list[LiveWorker] = []
     kept: list[LiveWorker] = []
@@ -120,7 +117,7 @@ def plan_scaling(
         kept.extend(members[:slots])
         remove.extend(members[slots:])
     if len(kept) > max_workers:
-        kept.sort(key=lambda w: (w.seq, w.worker_id))
+        kept.sort(key=_BY_AGE)
         remove.extend(kept[max_workers:])
         kept = kept[:max_workers]
     counts: dict[str, int] = {}
