@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 from own_dashboard import own_dashboard
 from results_file import write_results
+from small_mlp import make_mlp, raytrain_checkpoint, raytrain_resume, sgd_step
 
 import ray_elastic as elastic
 
@@ -48,19 +49,11 @@ class KillOnce:
         self.rank, self.step, self.marker = rank, step, marker
 
     def __call__(self, step: int) -> None:
-        if step != self.step or elastic.rank() != self.rank:
-            return
-        try:
-            fd = os.open(self.marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-        except FileExistsError:
-            return
-        with os.fdopen(fd, "w") as f:
-            f.write(json.dumps({"time": time.time(), "step": step}))
-        os.kill(os.getpid(), signal.SIGKILL)
+        if step == self.step and elastic.rank() == self.rank:
+            self.fire(step)
 
     def fire(self, step: int) -> None:
-        """Kill this process now (for loops that check the rank and step themselves)."""
-        self.rank = -1
+        """Kill this process now, unless the marker says it already happened (for loops that check themselves)."""
         try:
             fd = os.open(self.marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
         except FileExistsError:
@@ -73,7 +66,7 @@ class KillOnce:
 def train_fn(config: dict) -> int:
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
+    model = make_mlp()
     opt = elastic.torch.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))
     state = elastic.torch.TorchState(model=model, optimizer=opt, step=0)
     hook = config["hook"]
@@ -82,10 +75,7 @@ def train_fn(config: dict) -> int:
     def train(state) -> int:
         g = torch.Generator().manual_seed(elastic.rank())
         while state.step < config["steps"]:
-            x, y = torch.randn(32, 64, generator=g), torch.randint(0, 10, (32,), generator=g)
-            opt.zero_grad()
-            torch.nn.functional.cross_entropy(model(x), y).backward()
-            opt.step()
+            sgd_step(model, opt, g)
             state.step += 1
             elastic.report({"step": state.step, "world_size": elastic.size()})
             hook(state.step)
@@ -132,24 +122,12 @@ def raytrain_train_fn(config: dict) -> None:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     rank = ray.train.get_context().get_world_rank()
-    model = ray.train.torch.prepare_model(
-        torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
-    )
+    model = ray.train.torch.prepare_model(make_mlp())
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    step = 0
-    checkpoint = ray.train.get_checkpoint()
-    if checkpoint is not None:
-        with checkpoint.as_directory() as d:
-            saved = torch.load(os.path.join(d, "state.pt"))
-        model.module.load_state_dict(saved["model"])
-        opt.load_state_dict(saved["opt"])
-        step = saved["step"]
+    step = raytrain_resume(model, opt)
     g = torch.Generator().manual_seed(rank)
     while step < config["steps"]:
-        x, y = torch.randn(32, 64, generator=g), torch.randint(0, 10, (32,), generator=g)
-        opt.zero_grad()
-        torch.nn.functional.cross_entropy(model(x), y).backward()
-        opt.step()
+        sgd_step(model, opt, g)
         step += 1
         if rank == 0:
             with open(config["log"], "a") as f:
@@ -158,13 +136,7 @@ def raytrain_train_fn(config: dict) -> None:
             KillOnce(rank, step, config["marker"]).fire(step)
         time.sleep(0.005)
         if step % config["every"] == 0:
-            with tempfile.TemporaryDirectory() as d:
-                if rank == 0:
-                    torch.save(
-                        {"model": model.module.state_dict(), "opt": opt.state_dict(), "step": step},
-                        os.path.join(d, "state.pt"),
-                    )
-                ray.train.report({"step": step}, checkpoint=ray.train.Checkpoint.from_directory(d))
+            raytrain_checkpoint(model, opt, step, rank)
 
 
 def raytrain_rep(rng: random.Random, workdir: str, rep: int, every: int) -> dict:

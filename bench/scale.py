@@ -50,6 +50,7 @@ import torch
 from own_dashboard import own_dashboard
 from ray.cluster_utils import Cluster
 from results_file import write_results
+from small_mlp import make_mlp, raytrain_checkpoint, raytrain_resume, sgd_step
 
 import ray_elastic as elastic
 
@@ -67,7 +68,7 @@ class FileDiscovery:
 def train_fn(config: dict) -> int:
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
+    model = make_mlp()
     opt = elastic.torch.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))
     state = elastic.torch.TorchState(model=model, optimizer=opt, step=0)
     progress, stop = config["progress"], config["stop"]
@@ -76,10 +77,7 @@ def train_fn(config: dict) -> int:
     def train(state) -> int:
         g = torch.Generator().manual_seed(elastic.rank())
         while not os.path.exists(stop) and state.step < config["max_steps"]:
-            x, y = torch.randn(32, 64, generator=g), torch.randint(0, 10, (32,), generator=g)
-            opt.zero_grad()
-            torch.nn.functional.cross_entropy(model(x), y).backward()
-            opt.step()
+            sgd_step(model, opt, g)
             state.step += 1
             elastic.report({"step": state.step, "world_size": elastic.size()})
             if elastic.rank() == 0 and state.step % 10 == 0:
@@ -168,37 +166,19 @@ def raytrain_train_fn(config: dict) -> None:
     torch.manual_seed(0)
     context = ray.train.get_context()
     rank, world = context.get_world_rank(), context.get_world_size()
-    model = ray.train.torch.prepare_model(
-        torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
-    )
+    model = ray.train.torch.prepare_model(make_mlp())
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    step = 0
-    checkpoint = ray.train.get_checkpoint()
-    if checkpoint is not None:
-        with checkpoint.as_directory() as d:
-            saved = torch.load(os.path.join(d, "state.pt"))
-        model.module.load_state_dict(saved["model"])
-        opt.load_state_dict(saved["opt"])
-        step = saved["step"]
+    step = raytrain_resume(model, opt)
     g = torch.Generator().manual_seed(rank)
     while not os.path.exists(config["stop"]) and step < config["max_steps"]:
-        x, y = torch.randn(32, 64, generator=g), torch.randint(0, 10, (32,), generator=g)
-        opt.zero_grad()
-        torch.nn.functional.cross_entropy(model(x), y).backward()
-        opt.step()
+        sgd_step(model, opt, g)
         step += 1
         if rank == 0:
             with open(config["log"], "a") as f:
                 f.write(json.dumps({"time": time.time(), "step": step, "world_size": world}) + "\n")
         time.sleep(0.01)
         if step % config["every"] == 0:
-            with tempfile.TemporaryDirectory() as d:
-                if rank == 0:
-                    torch.save(
-                        {"model": model.module.state_dict(), "opt": opt.state_dict(), "step": step},
-                        os.path.join(d, "state.pt"),
-                    )
-                ray.train.report({"step": step}, checkpoint=ray.train.Checkpoint.from_directory(d))
+            raytrain_checkpoint(model, opt, step, rank)
 
 
 def read_log(path: str) -> list[dict]:

@@ -24,6 +24,7 @@ import time
 import ray
 import torch
 from results_file import write_results
+from small_mlp import make_mlp
 
 import ray_elastic as elastic
 
@@ -32,7 +33,7 @@ def report_loop(config: dict) -> dict:
     """Steps/s on rank 0 in alternating blocks of `steps` steps: without report(), then with it, ..."""
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
+    model = make_mlp()
     opt = elastic.torch.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01))
     state = elastic.torch.TorchState(model=model, optimizer=opt, step=0)
     x, y = torch.randn(32, 64), torch.randint(0, 10, (32,))
