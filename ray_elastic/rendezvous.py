@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -30,6 +31,18 @@ from ray_elastic.exceptions import CoordinatorDiedError, GenerationSupersededErr
 
 # extra seconds a client waits for the actor's own bounded answer
 _CLIENT_MARGIN_S = 10.0
+
+
+@dataclass(eq=False)
+class _Family:
+    """Keys `<prefix>0` .. `<prefix>{count-1}` of one generation that ranks wait for together."""
+
+    generation: int
+    prefix: str
+    count: int
+    missing: set[int]  # indices not written yet
+    done: asyncio.Future  # set once none is missing (or failed when the generation is superseded)
+    ref: ray.ObjectRef | None = None  # the values, in the object store once complete
 
 
 class KVStore:
@@ -43,8 +56,10 @@ class KVStore:
         self._assignment: dict[str, Any] = {}
         self._generation_waiters: set[asyncio.Future] = set()
         self._calls = 0  # key and generation-wait calls so far: the traffic a generation costs
-        # complete per-rank families, put in the object store once and handed to every rank by reference
-        self._families: dict[tuple[int, str, int], ray.ObjectRef] = {}
+        # per-rank families being waited for, by (generation, prefix, count) and by generation;
+        # a complete one's values are put in the object store once and handed to every rank by reference
+        self._families: dict[tuple[int, str, int], _Family] = {}
+        self._watched: dict[int, list[_Family]] = {}
 
     # ---- generations -------------------------------------------------
     async def publish(self, generation: int, assignment: dict[str, Any]) -> None:
@@ -55,7 +70,15 @@ class KVStore:
         self._assignment = assignment
         for key in [k for k in self._data if k[0] < generation]:
             del self._data[key]
-        self._families = {k: ref for k, ref in self._families.items() if k[0] >= generation}
+        for key, family in list(self._families.items()):
+            if key[0] < generation:
+                del self._families[key]
+                if not family.done.done():
+                    family.done.set_exception(
+                        GenerationSupersededError(f"generation {key[0]} superseded by {generation}")
+                    )
+                    family.done.exception()  # retrieved: no "never retrieved" log if no caller waits any more
+        self._watched = {g: families for g, families in self._watched.items() if g >= generation}
         for key in [k for k in self._waiters if k[0] < generation]:
             for fut in self._waiters.pop(key):
                 if not fut.done():
@@ -109,7 +132,10 @@ class KVStore:
             raise GenerationSupersededError(f"generation {generation} superseded by {self._generation}")
 
     def _put(self, generation: int, key: str, value: bytes) -> None:
+        new = (generation, key) not in self._data
         self._data[(generation, key)] = value
+        if new and self._watched:
+            self._count_family_key(generation, key, present=True)
         for fut in self._waiters.pop((generation, key), ()):
             if not fut.done():
                 fut.set_result(None)
@@ -189,22 +215,61 @@ class KVStore:
         object store once per family and shared by reference, so N ranks cost
         N small replies rather than N copies of N values. The family's keys
         must be written once per generation (Gloo's per-rank addresses are).
+
+        A family counts its missing keys as they are written, and all its
+        waiters wait on one future set when the count reaches zero: N ranks
+        waiting for the same N keys cost O(N) in all, one wake-up each,
+        whatever order the keys come in.
         """
         self._calls += 1
+        self._check_generation(generation)
         if put is not None:
-            self._check_generation(generation)
             self._put(generation, *put)
-        ref = self._families.get((generation, prefix, count))
-        if ref is not None:  # complete already: its keys are written once per generation
-            self._check_generation(generation)
-            return [ref]
-        keys = [f"{prefix}{i}" for i in range(count)]
-        await self._wait(generation, keys, timeout)
-        ref = self._families.get((generation, prefix, count))  # another caller may have completed it meanwhile
-        if ref is None:
-            ref = ray.put([self._data[(generation, k)] for k in keys])
-            self._families[(generation, prefix, count)] = ref
-        return [ref]
+        family = self._families.get((generation, prefix, count))
+        if family is None:
+            family = self._watch_family(generation, prefix, count)
+        if family.ref is None:
+            done, _ = await asyncio.wait({family.done}, timeout=timeout)
+            if not done:
+                absent = [f"{prefix}{i}" for i in range(count) if (generation, f"{prefix}{i}") not in self._data]
+                raise RendezvousTimeoutError(
+                    f"timed out after {timeout:g} s waiting for keys {absent[:4]} of generation {generation} "
+                    f"(run {self.run_id}): a peer did not join"
+                )
+            family.done.result()  # raises GenerationSupersededError if a newer generation came first
+        return [family.ref]
+
+    def _watch_family(self, generation: int, prefix: str, count: int) -> _Family:
+        """Start counting the family's keys: one scan now, then one decrement per new key in `_put`."""
+        missing = {i for i in range(count) if (generation, f"{prefix}{i}") not in self._data}
+        family = _Family(generation, prefix, count, missing, asyncio.get_running_loop().create_future())
+        self._families[(generation, prefix, count)] = family
+        self._watched.setdefault(generation, []).append(family)
+        if not missing:
+            self._complete(family)
+        return family
+
+    def _complete(self, family: _Family) -> None:
+        keys = [(family.generation, f"{family.prefix}{i}") for i in range(family.count)]
+        family.ref = ray.put([self._data[k] for k in keys])
+        if not family.done.done():
+            family.done.set_result(None)
+
+    def _count_family_key(self, generation: int, key: str, present: bool) -> None:
+        """Key `key` came (`present`) or went: update the incomplete families of `generation` it belongs to."""
+        for family in self._watched.get(generation, ()):
+            suffix = key[len(family.prefix) :]
+            if family.ref is not None or not key.startswith(family.prefix) or not suffix.isdigit():
+                continue
+            index = int(suffix)
+            if index >= family.count or suffix != str(index):  # "07" is not rank 7's key
+                continue
+            if present:
+                family.missing.discard(index)
+                if not family.missing:
+                    self._complete(family)
+            else:
+                family.missing.add(index)
 
     async def add(self, generation: int, key: str, amount: int) -> int:
         self._calls += 1
@@ -229,7 +294,10 @@ class KVStore:
 
     async def delete_key(self, generation: int, key: str) -> bool:
         self._calls += 1
-        return self._data.pop((generation, key), None) is not None
+        deleted = self._data.pop((generation, key), None) is not None
+        if deleted and self._watched:
+            self._count_family_key(generation, key, present=False)
+        return deleted
 
     async def num_keys(self, generation: int) -> int:
         self._calls += 1

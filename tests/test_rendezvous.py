@@ -366,6 +366,51 @@ def test_wait_family_can_write_the_callers_own_key_in_the_same_call(kv):
     assert ray.get(ray.get(waiting, timeout=10)[0], timeout=10) == [b"zero", b"one"]
 
 
+def test_a_family_wait_of_an_older_generation_is_released_at_once_by_a_newer_one(kv):
+    """A rank forming a ring with a peer that died is freed by the next generation, not its timeout."""
+    ray.get(kv.publish.remote(1, {}), timeout=10)
+    waiting = kv.wait_family.remote(1, "pg/", 2, 60.0, ("pg/0", b"mine"))
+    assert_ref_blocked(waiting)
+    start = time.monotonic()
+    ray.get(kv.publish.remote(2, {}), timeout=10)
+    with pytest.raises(GenerationSupersededError):
+        ray.get(waiting, timeout=10)
+    assert time.monotonic() - start < 5
+    # the new generation's family starts from nothing: the old generation's key does not count
+    client = KVClient(kv)
+    with pytest.raises(RendezvousTimeoutError, match=r"pg/0"):
+        client.wait_family(2, "pg/", 2, 0.3, ("pg/1", b"peer"))
+
+
+def test_a_family_counts_each_key_once_and_a_deleted_key_as_missing_again(kv):
+    ray.get(kv.publish.remote(1, {}), timeout=10)
+    client = KVClient(kv)
+    client.set(1, "f/0", b"a")
+    waiting = kv.wait_family.remote(1, "f/", 3, 30.0)
+    client.set(1, "f/0", b"a2")  # written twice: still one of three
+    client.set(1, "f/1", b"b")
+    client.set(1, "f/01", b"not rank 1")  # not a rank key of the family
+    client.set(1, "f/7", b"beyond the family")
+    assert client.delete_key(1, "f/1")
+    client.set(1, "f/2", b"c")
+    assert_ref_blocked(waiting)  # f/1 is missing again
+    client.set(1, "f/1", b"b2")
+    assert ray.get(ray.get(waiting, timeout=10)[0], timeout=10) == [b"a2", b"b2", b"c"]
+
+
+def test_many_ranks_waiting_for_one_family_are_all_answered_whatever_the_write_order(kv):
+    """Every rank writes its key and waits in the same call, arriving in reverse rank order."""
+    ray.get(kv.publish.remote(1, {}), timeout=10)
+    size = 64
+    refs = [
+        kv.wait_family.remote(1, "ring/", size, 30.0, (f"ring/{r}", f"addr{r}".encode())) for r in reversed(range(size))
+    ]
+    expected = [f"addr{r}".encode() for r in range(size)]
+    for ref in refs:
+        assert ray.get(ray.get(ref, timeout=30)[0], timeout=10) == expected
+    assert len({ray.get(ref, timeout=10)[0].hex() for ref in refs}) == 1, "one object shared by every rank"
+
+
 def test_a_wait_for_many_keys_returns_whatever_order_they_are_written_in(kv):
     ray.get(kv.publish.remote(1, {}), timeout=10)
     client = KVClient(kv)

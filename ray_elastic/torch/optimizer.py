@@ -4,9 +4,14 @@ Parameters are grouped into buckets of about `bucket_cap_mb` (in reverse
 order of the optimizer's parameters, which approximates the order in which
 backward produces their gradients, as DDP does). A gradient hook counts the
 gradients of each bucket; when a bucket is complete, its gradients are
-copied into one flat buffer and an asynchronous allreduce starts while
-backward goes on. `step()` waits for the buckets, writes the averaged
-gradients back and steps the wrapped optimizer.
+copied into one flat buffer (divided by the world size on the way, for
+`Average`) and an asynchronous allreduce starts while backward goes on.
+`step()` waits for the buckets and steps the wrapped optimizer. Each
+contiguous parameter's `.grad` is then a view into its bucket, as with
+DDP's `gradient_as_bucket_view=True`: no copy back, and a step whose grads
+were kept (zeroed, not set to None) copies nothing in either. The next
+step overwrites that buffer, so a `.grad` kept past the next step must be
+cloned.
 
 Every allreduce goes through the current generation's ring, so the
 optimizer keeps working after each reset; buckets launched in an older
@@ -139,19 +144,31 @@ class DistributedOptimizer:
 
     def _launch(self, bucket: _Bucket) -> None:
         self._next_launch += 1
+        size = current().slot.size
+        # Average divides while copying into the bucket (one pass, as DDP's default hook divides before
+        # its allreduce), so nothing is left to do to the sum but hand it back
+        scale = 1.0 / size if self.op is Average and size > 1 else None
         offset = 0
         with torch.no_grad():
             for p in bucket.params:
                 n = p.numel()
-                if p.grad is None:
-                    bucket.flat[offset : offset + n].zero_()
+                dst = bucket.flat[offset : offset + n]
+                grad = p.grad
+                if grad is None:
+                    dst.zero_()
+                elif grad.data_ptr() == dst.data_ptr() and grad.is_contiguous():
+                    # still the bucket's view from the last step (grads kept, not set to None): in place
+                    if scale is not None:
+                        dst.mul_(scale)
+                elif scale is not None:
+                    torch.mul(grad.reshape(-1), scale, out=dst)
                 else:
-                    bucket.flat[offset : offset + n].copy_(p.grad.reshape(-1))
+                    dst.copy_(grad.reshape(-1))
                 offset += n
             if bucket is self._buckets[-1]:
                 ctx = current()
                 bucket.flat[-1] = 1.0 if ctx.notice > ctx.generation else 0.0
-        if current().slot.size > 1:
+        if size > 1:
             bucket.work = dist.all_reduce(bucket.flat, op=dist.ReduceOp.SUM, async_op=True)
 
     # ---- step ------------------------------------------------------------
@@ -165,7 +182,6 @@ class DistributedOptimizer:
             if ctx.generation != self._generation:
                 self._reset_buckets()
                 self._generation = ctx.generation
-            size = ctx.slot.size
             for bucket in self._buckets[self._next_launch :]:
                 self._launch(bucket)  # buckets with parameters that got no gradient this step
             for bucket in self._buckets:
@@ -177,15 +193,15 @@ class DistributedOptimizer:
                         collective_activity(False)
                 if bucket is self._buckets[-1]:
                     ctx.agree_on_notice(bool(bucket.flat[-1].item() > 0))
-                if self.op is Average and size > 1:
-                    bucket.flat.div_(size)
                 offset = 0
                 with torch.no_grad():
                     for p in bucket.params:
                         n = p.numel()
                         view = bucket.flat[offset : offset + n].view_as(p)
-                        if p.grad is None:
-                            p.grad = view.clone()
+                        if p.is_contiguous():
+                            p.grad = view  # the averaged gradient, in the bucket: no copy back
+                        elif p.grad is None:
+                            p.grad = view.clone()  # keeps autograd's layout for a non-contiguous parameter
                         else:
                             p.grad.copy_(view)
                         offset += n

@@ -1,0 +1,100 @@
+"""Where the machine's CPU went during a benchmark window, per process and per thread.
+
+Reads every thread's user + system time from /proc before and after a window
+and sorts the difference into classes: the ranks of the system being timed
+(split by thread name, so a rank's compute thread shows apart from Ray's and
+Gloo's threads in the same process), the idle systems' ranks, Ray's own
+processes (raylet, GCS, dashboard, idle workers), ray-elastic's driver and KV
+actors, the benchmark process itself, and everything else on the machine
+(other users' jobs on a shared machine). Linux only.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import defaultdict
+
+_TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
+
+# Ray's processes, by a word of their command line
+_RAY_SYSTEM = ("gcs_server", "raylet", "dashboard", "log_monitor", "monitor.py", "runtime_env", "agent")
+
+
+def _threads(pid: int) -> dict[int, tuple[str, float]]:
+    """tid -> (thread name, CPU seconds so far) for one process; empty if it is gone."""
+    out: dict[int, tuple[str, float]] = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                name = f.read().strip()
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        out[int(tid)] = (name, (int(fields[11]) + int(fields[12])) * _TICK_S)  # utime + stime
+    return out
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+class Snapshot:
+    """Every thread's CPU time on the machine at one moment."""
+
+    def __init__(self) -> None:
+        self.at = time.perf_counter()
+        self.threads: dict[int, dict[int, tuple[str, float]]] = {}
+        self.cmdlines: dict[int, str] = {}
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                pid = int(entry)
+                self.threads[pid] = _threads(pid)
+                self.cmdlines[pid] = _cmdline(pid)
+
+
+def account(before: Snapshot, after: Snapshot, active: set[int], idle: set[int]) -> dict:
+    """CPU seconds per class between two snapshots; `active`/`idle`: rank pids of the timed and the idle systems.
+
+    Returns {"wall_s", "classes": {class: s}, "active_threads": {thread name: s}}. A thread born
+    during the window counts from zero.
+    """
+    me = os.getpid()
+    classes: dict[str, float] = defaultdict(float)
+    active_threads: dict[str, float] = defaultdict(float)
+    for pid, threads in after.threads.items():
+        old = before.threads.get(pid, {})
+        used = {tid: (name, cpu - old.get(tid, (name, 0.0))[1]) for tid, (name, cpu) in threads.items()}
+        total = sum(cpu for _, cpu in used.values())
+        if total <= 0:
+            continue
+        cmd = after.cmdlines.get(pid, "")
+        if pid in active:
+            cls = "ranks (timed system)"
+            for tid, (name, cpu) in used.items():
+                active_threads[f"{name} (main thread)" if tid == pid else name] += cpu
+        elif pid in idle:
+            cls = "ranks (idle systems)"
+        elif pid == me:
+            cls = "benchmark process"
+        elif cmd.startswith("ray::DriverActor") or cmd.startswith("ray::KVStore"):
+            cls = "ray-elastic driver + KV actors"
+        elif cmd.startswith("ray::") or any(word in cmd for word in _RAY_SYSTEM):
+            cls = "Ray's processes"
+        else:
+            cls = "other (not this benchmark)"
+        classes[cls] += total
+    return {
+        "wall_s": after.at - before.at,
+        "classes": dict(classes),
+        "active_threads": dict(sorted(active_threads.items(), key=lambda kv: -kv[1])),
+    }
