@@ -46,6 +46,14 @@ PREFIX = "0//cpu//0/"  # the key prefix init_process_group's Gloo uses
 
 
 @ray.remote(num_cpus=0)
+class NoopService:
+    """The floor of any rendezvous served by one async Ray actor: a call that does nothing."""
+
+    async def call(self) -> None:
+        return None
+
+
+@ray.remote(num_cpus=0)
 class SimHost:
     """One process holding many simulated ranks, one thread each."""
 
@@ -75,6 +83,17 @@ class SimHost:
             for peer in range(size):
                 store.wait([f"{PREFIX}{peer}"])
                 store.get(f"{PREFIX}{peer}")
+            return time.time()
+
+        with ThreadPoolExecutor(len(ranks)) as pool:
+            return list(pool.map(one_rank, ranks))
+
+    def run_noop(self, service: ray.actor.ActorHandle, ranks: list[int], calls: int) -> list[float]:
+        """Each rank makes `calls` no-op calls in a row; returns when each rank finished."""
+
+        def one_rank(_rank: int) -> float:
+            for _ in range(calls):
+                ray.get(service.call.remote(), timeout=TIMEOUT_S)
             return time.time()
 
         with ThreadPoolExecutor(len(ranks)) as pool:
@@ -140,6 +159,34 @@ def one_generation(hosts: list, host_pids: list[int], size: int, batched: bool) 
     }
 
 
+def noop_floor(hosts: list, host_pids: list[int], size: int) -> dict:
+    """N ranks making 2 no-op calls each to one async actor, the same way: what Ray's calls alone cost."""
+    service = NoopService.options(max_concurrency=100_000).remote()
+    ray.get(service.call.remote(), timeout=60)
+    service_pid = actor_pid(service)
+    parts = [list(range(i, size, len(hosts))) for i in range(len(hosts))]
+    service_cpu, hosts_cpu = cpu_seconds([service_pid]), cpu_seconds(host_pids)
+    start = time.time()
+    done = [
+        t
+        for part in ray.get([h.run_noop.remote(service, p, 2) for h, p in zip(hosts, parts, strict=True)])
+        for t in part
+    ]
+    row = {
+        "ranks": size,
+        "traffic": "2 no-op calls",
+        "seconds": max(done) - start,
+        "kv_calls": 2 * size,
+        "calls_per_rank": 2.0,
+        "p50_rank_s": statistics.median(done) - start,
+        "kv_rss_mb": psutil.Process(service_pid).memory_info().rss / 2**20,
+        "kv_cpu_s": cpu_seconds([service_pid]) - service_cpu,
+        "clients_cpu_s": cpu_seconds(host_pids) - hosts_cpu,
+    }
+    ray.kill(service)
+    return row
+
+
 def driver_decision(hosts: int, slots: int, reps: int) -> dict:
     """Time the driver's pure decisions for a full cluster: one reconcile and one rank assignment."""
     offered = {f"node{h:04d}": slots for h in range(hosts)}
@@ -180,6 +227,8 @@ def main() -> None:
     rows = [one_generation(hosts, host_pids, args.legacy_ranks, batched=False)]
     for size in [int(n) for n in args.ranks.split(",")]:
         rows.append(one_generation(hosts, host_pids, size, batched=True))
+    # the same number of Ray calls doing nothing, at the largest N: the floor under any actor-served rendezvous
+    rows.append(noop_floor(hosts, host_pids, max(int(n) for n in args.ranks.split(","))))
     ray.shutdown()
     print(
         f"{'ranks':>6} {'traffic':>14} {'seconds':>8} {'calls':>9} {'calls/rank':>10} {'KV RSS':>8} "

@@ -9,6 +9,7 @@ through the `torch.distributed.Store` adapter that the Gloo backend uses.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 import uuid
@@ -22,7 +23,7 @@ import torch.distributed as dist
 
 from ray_elastic.collective.torch_store import KVTorchStore
 from ray_elastic.exceptions import GenerationSupersededError, RendezvousTimeoutError
-from ray_elastic.rendezvous import KVClient, create_kv_actor, torch_store
+from ray_elastic.rendezvous import KVClient, create_kv_actor, decode_family, torch_store
 
 # the workers cannot import this module: Ray's own cloudpickle ships its functions by value
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -326,7 +327,7 @@ def test_wait_family_returns_every_ranks_value_once_all_exist_in_one_call(kv):
     client.set(1, "pg/2", b"c")
     assert_ref_blocked(ref)  # rank 1 is still missing
     client.set(1, "pg/1", b"b")
-    assert ray.get(ray.get(ref, timeout=10)[0], timeout=10) == [b"a", b"b", b"c"]
+    assert decode_family(ray.get(ref, timeout=10)[0]) == [b"a", b"b", b"c"]
     assert client.wait_family(1, "pg/", 3, 1.0) == [b"a", b"b", b"c"]
     with pytest.raises(RendezvousTimeoutError, match="pg/3"):
         client.wait_family(1, "pg/", 4, 0.3)
@@ -356,14 +357,14 @@ def test_wait_family_can_write_the_callers_own_key_in_the_same_call(kv):
     client.set(1, "pg/0", b"a")
     before = calls(kv)
     ref = kv.wait_family.remote(1, "pg/", 2, 30.0, ("pg/1", b"b"))
-    assert ray.get(ray.get(ref, timeout=10)[0], timeout=10) == [b"a", b"b"]
+    assert decode_family(ray.get(ref, timeout=10)[0]) == [b"a", b"b"]
     assert calls(kv) - before == 1
     assert client.get(1, "pg/1", 1.0) == b"b", "the write is visible to every other client"
     # a rank whose peers are not there yet still announces itself: a peer's read then sees it
     waiting = kv.wait_family.remote(1, "q/", 2, 30.0, ("q/1", b"one"))
     assert_ref_blocked(waiting)
     assert client.wait_family(1, "q/", 2, 5.0, ("q/0", b"zero")) == [b"zero", b"one"]
-    assert ray.get(ray.get(waiting, timeout=10)[0], timeout=10) == [b"zero", b"one"]
+    assert decode_family(ray.get(waiting, timeout=10)[0]) == [b"zero", b"one"]
 
 
 def test_a_family_wait_of_an_older_generation_is_released_at_once_by_a_newer_one(kv):
@@ -395,7 +396,7 @@ def test_a_family_counts_each_key_once_and_a_deleted_key_as_missing_again(kv):
     client.set(1, "f/2", b"c")
     assert_ref_blocked(waiting)  # f/1 is missing again
     client.set(1, "f/1", b"b2")
-    assert ray.get(ray.get(waiting, timeout=10)[0], timeout=10) == [b"a2", b"b2", b"c"]
+    assert decode_family(ray.get(waiting, timeout=10)[0]) == [b"a2", b"b2", b"c"]
 
 
 def test_many_ranks_waiting_for_one_family_are_all_answered_whatever_the_write_order(kv):
@@ -407,8 +408,19 @@ def test_many_ranks_waiting_for_one_family_are_all_answered_whatever_the_write_o
     ]
     expected = [f"addr{r}".encode() for r in range(size)]
     for ref in refs:
-        assert ray.get(ray.get(ref, timeout=30)[0], timeout=10) == expected
-    assert len({ray.get(ref, timeout=10)[0].hex() for ref in refs}) == 1, "one object shared by every rank"
+        assert decode_family(ray.get(ref, timeout=30)[0]) == expected
+
+
+def test_a_family_too_large_to_answer_inline_comes_by_object_reference(kv):
+    """Values that do not compress under the inline limit still reach every rank, through the object store."""
+    ray.get(kv.publish.remote(1, {}), timeout=10)
+    client = KVClient(kv)
+    values = [os.urandom(2048) for _ in range(64)]  # 128 KiB that do not compress
+    client.multi_set(1, [(f"big/{r}", v) for r, v in enumerate(values)])
+    (reply,) = ray.get(kv.wait_family.remote(1, "big/", 64, 10.0), timeout=10)
+    assert isinstance(reply, ray.ObjectRef)
+    assert decode_family(reply) == values
+    assert client.wait_family(1, "big/", 64, 10.0) == values
 
 
 def test_a_wait_for_many_keys_returns_whatever_order_they_are_written_in(kv):
