@@ -21,9 +21,9 @@ _TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
 _RAY_SYSTEM = ("gcs_server", "raylet", "dashboard", "log_monitor", "monitor.py", "runtime_env", "agent")
 
 
-def _threads(pid: int) -> dict[int, tuple[str, float]]:
-    """tid -> (thread name, CPU seconds so far) for one process; empty if it is gone."""
-    out: dict[int, tuple[str, float]] = {}
+def _threads(pid: int) -> dict[int, tuple[str, float, float, int]]:
+    """tid -> (thread name, CPU seconds, of which in the kernel, minor page faults) so far; empty if gone."""
+    out: dict[int, tuple[str, float, float, int]] = {}
     try:
         tids = os.listdir(f"/proc/{pid}/task")
     except OSError:
@@ -36,7 +36,8 @@ def _threads(pid: int) -> dict[int, tuple[str, float]]:
                 fields = f.read().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        out[int(tid)] = (name, (int(fields[11]) + int(fields[12])) * _TICK_S)  # utime + stime
+        # after the name: fields[7] minflt, [11] utime, [12] stime (proc(5), counted from 0 here)
+        out[int(tid)] = (name, (int(fields[11]) + int(fields[12])) * _TICK_S, int(fields[12]) * _TICK_S, int(fields[7]))
     return out
 
 
@@ -53,7 +54,7 @@ class Snapshot:
 
     def __init__(self) -> None:
         self.at = time.perf_counter()
-        self.threads: dict[int, dict[int, tuple[str, float]]] = {}
+        self.threads: dict[int, dict[int, tuple[str, float, float, int]]] = {}
         self.cmdlines: dict[int, str] = {}
         for entry in os.listdir("/proc"):
             if entry.isdigit():
@@ -71,17 +72,23 @@ def account(before: Snapshot, after: Snapshot, active: set[int], idle: set[int])
     me = os.getpid()
     classes: dict[str, float] = defaultdict(float)
     active_threads: dict[str, float] = defaultdict(float)
+    active_kernel_s, active_faults = 0.0, 0
     for pid, threads in after.threads.items():
         old = before.threads.get(pid, {})
-        used = {tid: (name, cpu - old.get(tid, (name, 0.0))[1]) for tid, (name, cpu) in threads.items()}
-        total = sum(cpu for _, cpu in used.values())
+        used = {}
+        for tid, (name, cpu, kernel, faults) in threads.items():
+            _, cpu0, kernel0, faults0 = old.get(tid, (name, 0.0, 0.0, 0))
+            used[tid] = (name, cpu - cpu0, kernel - kernel0, faults - faults0)
+        total = sum(u[1] for u in used.values())
         if total <= 0:
             continue
         cmd = after.cmdlines.get(pid, "")
         if pid in active:
             cls = "ranks (timed system)"
-            for tid, (name, cpu) in used.items():
+            for tid, (name, cpu, kernel, faults) in used.items():
                 active_threads[f"{name} (main thread)" if tid == pid else name] += cpu
+                active_kernel_s += kernel
+                active_faults += faults
         elif pid in idle:
             cls = "ranks (idle systems)"
         elif pid == me:
@@ -97,4 +104,6 @@ def account(before: Snapshot, after: Snapshot, active: set[int], idle: set[int])
         "wall_s": after.at - before.at,
         "classes": dict(classes),
         "active_threads": dict(sorted(active_threads.items(), key=lambda kv: -kv[1])),
+        "active_kernel_s": active_kernel_s,  # the timed ranks' CPU spent in the kernel (page faults, syscalls)
+        "active_minor_faults": active_faults,
     }

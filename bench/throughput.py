@@ -25,7 +25,7 @@ During each window every thread's CPU time on the machine is read from /proc
 else took. Prints tables and writes bench/results/throughput.json. Reports,
 never asserts.
 
-    .venv/bin/python bench/throughput.py [--models mlp1m,mlp25m] [--worlds 2,4] [--rounds 3]
+    .venv/bin/python bench/throughput.py [--models mlp1m,mlp25m] [--worlds 2,4] [--rounds 5]
 """
 
 from __future__ import annotations
@@ -213,6 +213,8 @@ def cpu_summary(windows: list[dict], steps: int) -> dict[str, float]:
         "rank_cpu_ms_per_step": median(lambda w: ranks(w) / (steps + WARMUP) * 1e3),
         "rank_cores": median(lambda w: ranks(w) / w["wall_s"]),
         "rest_cores": median(lambda w: (sum(w["classes"].values()) - ranks(w)) / w["wall_s"]),
+        "rank_kernel_ms_per_step": median(lambda w: w["active_kernel_s"] / (steps + WARMUP) * 1e3),
+        "rank_faults_per_step": median(lambda w: w["active_minor_faults"] / (steps + WARMUP)),
     }
 
 
@@ -288,8 +290,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="mlp1m,mlp25m")
     parser.add_argument("--worlds", default="2,4")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=100, help="timed steps per window (a tenth for the 25M model)")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=100, help="timed steps per window (a fifth for the 25M model)")
     parser.add_argument("--systems", default=",".join(SYSTEMS))
     args = parser.parse_args()
     import ray
@@ -311,7 +313,7 @@ def main() -> None:
     rows = []
     for name in args.models.split(","):
         n_params = sum(p.numel() for p in make_model(name).parameters())
-        steps = args.steps if n_params < 5e6 else max(8, args.steps // 10)
+        steps = args.steps if n_params < 5e6 else max(8, args.steps // 5)
         for world in worlds:
             samples, cpu = measure(name, world, steps, args.rounds, systems)
             row = {"model": name, "params_m": round(n_params / 1e6, 2), "world": world, "steps": steps}
@@ -340,11 +342,15 @@ def main() -> None:
             + f"  {over_ddp:>8.3f} {over_rt:>8.3f}"
         )
     print("where the CPU went during the windows (median over rounds; cores = CPU seconds / wall seconds):")
-    print(f"{'model':>7} {'world':>5} {'system':>9} {'rank CPU ms/step':>16} {'ranks, cores':>12} {'rest, cores':>11}")
+    print(
+        f"{'model':>7} {'world':>5} {'system':>9} {'rank CPU ms/step':>16} {'in kernel':>9} {'faults/step':>11} "
+        f"{'ranks, cores':>12} {'rest, cores':>11}"
+    )
     for row in rows:
         for s in systems:
             print(
                 f"{row['model']:>7} {row['world']:>5} {s:>9} {row[f'{s}_rank_cpu_ms_per_step']:>16.2f} "
+                f"{row[f'{s}_rank_kernel_ms_per_step']:>9.2f} {row[f'{s}_rank_faults_per_step']:>11.0f} "
                 f"{row[f'{s}_rank_cores']:>12.2f} {row[f'{s}_rest_cores']:>11.2f}"
             )
     write_results("throughput", rows, rounds=args.rounds, threads_per_rank=1, batch_per_rank=BATCH, warmup=WARMUP)
