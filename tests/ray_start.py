@@ -39,15 +39,21 @@ _PORT_OPTIONS = (
 _WORKER_PORTS = 40
 
 
-def _free_ports(count: int) -> list[int]:
-    """`count` distinct ports the kernel says are free now (bound then released)."""
+def _free_ports(count: int, avoid: range) -> list[int]:
+    """`count` distinct ports the kernel says are free now (bound then released), none in `avoid`.
+
+    `avoid` is the workers' port range: Ray refuses to start when a component's port falls in it.
+    """
     socks, ports = [], []
     try:
-        for _ in range(count):
+        while len(ports) < count:
             s = socket.socket()
             s.bind(("127.0.0.1", 0))
-            socks.append(s)
-            ports.append(s.getsockname()[1])
+            socks.append(s)  # held until all are picked, so the kernel hands out distinct ports
+            if s.getsockname()[1] not in avoid:
+                ports.append(s.getsockname()[1])
+            elif len(socks) > count + 1000:
+                raise RuntimeError(f"no {count} free ports outside {avoid} found")
     finally:
         for s in socks:
             s.close()
@@ -57,13 +63,17 @@ def _free_ports(count: int) -> list[int]:
 def _free_range(width: int) -> int:
     """The first port of `width` consecutive ports that are free now."""
     for base in range(20000 + secrets.randbelow(20000), 60000, width):
+        socks = []
         try:
-            with socket.socket() as a, socket.socket() as b:
-                a.bind(("127.0.0.1", base))
-                b.bind(("127.0.0.1", base + width - 1))
+            for port in range(base, base + width):
+                socks.append(socket.socket())
+                socks[-1].bind(("127.0.0.1", port))
             return base
         except OSError:
             continue
+        finally:
+            for s in socks:
+                s.close()
     raise RuntimeError(f"no range of {width} free ports found for Ray's workers")
 
 
@@ -74,12 +84,13 @@ class RayStartCluster:
         # short: Ray puts unix sockets under the temp dir, and their paths are limited to 107 bytes
         self.temp_dir = tempfile.mkdtemp(prefix="re-", dir="/tmp")
         self.token = secrets.token_hex(32)
-        ports = dict(zip(_PORT_OPTIONS, _free_ports(len(_PORT_OPTIONS)), strict=True))
+        worker_base = _free_range(_WORKER_PORTS)
+        worker_ports = range(worker_base, worker_base + _WORKER_PORTS)
+        ports = dict(zip(_PORT_OPTIONS, _free_ports(len(_PORT_OPTIONS), avoid=worker_ports), strict=True))
         self.gcs_port = ports["--port"]
         self.dashboard_port = ports["--dashboard-port"]
         self.address = f"127.0.0.1:{self.gcs_port}"
         self.dashboard_url = f"http://127.0.0.1:{self.dashboard_port}"
-        worker_base = _free_range(_WORKER_PORTS)
         self.env = {
             **os.environ,
             "PATH": VENV_BIN + os.pathsep + os.environ.get("PATH", ""),  # as an activated venv has it
