@@ -84,10 +84,9 @@ class KVStore:
         self._assignment: dict[str, Any] = {}
         self._generation_waiters: set[asyncio.Future] = set()
         self._calls = 0  # key and generation-wait calls so far: the traffic a generation costs
-        # per-rank families being waited for, by (generation, prefix, count) and by generation;
-        # a complete one's values are encoded once and the same reply goes to every rank
+        # per-rank families being waited for, by (generation, prefix, count); a complete one's values
+        # are encoded once and the same reply goes to every rank
         self._families: dict[tuple[int, str, int], _Family] = {}
-        self._watched: dict[int, list[_Family]] = {}
 
     # ---- generations -------------------------------------------------
     async def publish(self, generation: int, assignment: dict[str, Any]) -> None:
@@ -106,7 +105,6 @@ class KVStore:
                         GenerationSupersededError(f"generation {key[0]} superseded by {generation}")
                     )
                     family.done.exception()  # retrieved: no "never retrieved" log if no caller waits any more
-        self._watched = {g: families for g, families in self._watched.items() if g >= generation}
         for key in [k for k in self._waiters if k[0] < generation]:
             for fut in self._waiters.pop(key):
                 if not fut.done():
@@ -162,7 +160,7 @@ class KVStore:
     def _put(self, generation: int, key: str, value: bytes) -> None:
         new = (generation, key) not in self._data
         self._data[(generation, key)] = value
-        if new and self._watched:
+        if new and self._families:
             self._count_family_key(generation, key, present=True)
         for fut in self._waiters.pop((generation, key), ()):
             if not fut.done():
@@ -272,7 +270,6 @@ class KVStore:
         missing = {i for i in range(count) if (generation, f"{prefix}{i}") not in self._data}
         family = _Family(generation, prefix, count, missing, asyncio.get_running_loop().create_future())
         self._families[(generation, prefix, count)] = family
-        self._watched.setdefault(generation, []).append(family)
         if not missing:
             self._complete(family)
         return family
@@ -285,9 +282,11 @@ class KVStore:
 
     def _count_family_key(self, generation: int, key: str, present: bool) -> None:
         """Key `key` came (`present`) or went: update the incomplete families of `generation` it belongs to."""
-        for family in self._watched.get(generation, ()):
+        for family in self._families.values():  # a family or two per generation
             suffix = key[len(family.prefix) :]
-            if family.reply is not None or not key.startswith(family.prefix) or not suffix.isdigit():
+            if family.generation != generation or family.reply is not None:
+                continue
+            if not key.startswith(family.prefix) or not suffix.isdigit():
                 continue
             index = int(suffix)
             if index >= family.count or suffix != str(index):  # "07" is not rank 7's key
@@ -323,7 +322,7 @@ class KVStore:
     async def delete_key(self, generation: int, key: str) -> bool:
         self._calls += 1
         deleted = self._data.pop((generation, key), None) is not None
-        if deleted and self._watched:
+        if deleted and self._families:
             self._count_family_key(generation, key, present=False)
         return deleted
 

@@ -35,9 +35,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ray_elastic.collective.base import Average, ReduceOp, Sum
+from ray_elastic.collective.base import Average, ReduceOp, Sum, guarded_call
 from ray_elastic.exceptions import HorovodInternalError
-from ray_elastic.worker_context import collective_activity, current
+from ray_elastic.worker_context import current
 
 
 class _Bucket:
@@ -144,7 +144,8 @@ class DistributedOptimizer:
 
     def _launch(self, bucket: _Bucket) -> None:
         self._next_launch += 1
-        size = current().slot.size
+        ctx = current()
+        size = ctx.slot.size
         # Average divides while copying into the bucket (one pass, as DDP's default hook divides before
         # its allreduce), so nothing is left to do to the sum but hand it back
         scale = 1.0 / size if self.op is Average and size > 1 else None
@@ -166,7 +167,6 @@ class DistributedOptimizer:
                     dst.copy_(grad.reshape(-1))
                 offset += n
             if bucket is self._buckets[-1]:
-                ctx = current()
                 bucket.flat[-1] = 1.0 if ctx.notice > ctx.generation else 0.0
         if size > 1:
             bucket.work = dist.all_reduce(bucket.flat, op=dist.ReduceOp.SUM, async_op=True)
@@ -186,11 +186,7 @@ class DistributedOptimizer:
                 self._launch(bucket)  # buckets with parameters that got no gradient this step
             for bucket in self._buckets:
                 if bucket.work is not None:
-                    collective_activity(True)
-                    try:
-                        bucket.work.wait()
-                    finally:
-                        collective_activity(False)
+                    guarded_call("gradient allreduce", bucket.work.wait)
                 if bucket is self._buckets[-1]:
                     ctx.agree_on_notice(bool(bucket.flat[-1].item() > 0))
                 offset = 0
