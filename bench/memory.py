@@ -1,10 +1,10 @@
 """Memory: the driver actor's RSS at N simulated ranks, and a worker actor's overhead over bare torch.
 
-1. Driver at scale. A real `DriverActor` object is built inside a Ray actor
-   process (the kind of process the driver runs in) and given N worker
-   records on N/8 hosts, then publishes one generation of N ranks to a real KV
-   actor (`_publish`: rank assignment, the plan, the events), and takes N
-   ranks x `--metric-steps` reported metrics. No worker actors or placement
+1. Driver at scale. The driver's real core (`DriverCore`) is built inside a
+   Ray actor process (the kind of process the driver runs in), discovers N/8
+   hosts of 8 slots, sees N workers ready and publishes one generation of N
+   ranks (rank assignment, the plan, the events), and its metrics log takes
+   `--metric-steps` reported metrics. No worker actors or placement
    groups are started (N processes do not fit on 2 cores): what is measured
    is the driver's own bookkeeping for N ranks, on top of its process. RSS is
    read with psutil before the object exists (the process with ray_elastic
@@ -58,33 +58,26 @@ def rss_mb() -> float:
 
 @ray.remote(num_cpus=0)
 class DriverHost:
-    """A Ray actor process that holds a `DriverActor` object for N simulated ranks."""
+    """A Ray actor process that holds a driver core for N simulated ranks."""
 
     def measure(self, ranks: int, metric_steps: int) -> dict:
-        import asyncio
+        from ray_elastic.config import RunConfig
+        from ray_elastic.driver import messages as m
+        from ray_elastic.driver.core import DriverCore
+        from ray_elastic.driver.metrics_log import MetricsLog
 
-        from ray_elastic.driver_actor import DriverActor, DriverSettings, WorkerRecord, WorkerStatus
-        from ray_elastic.rendezvous import create_kv_actor
-
-        namespace = f"ray_elastic_bench_mem_{uuid.uuid4().hex[:8]}"
-        kv = create_kv_actor(f"bench-{namespace}", namespace)
-        ray.get(kv.current_generation.remote(), timeout=60)
         base = rss_mb()
-        settings = DriverSettings(min_workers=1, max_workers=ranks, resources_per_worker={"CPU": 1.0})
-        driver = DriverActor(f"bench-{namespace}", namespace, kv, b"payload", None, settings)
-        driver._started_at = time.time()
-        now = time.monotonic()
-        for seq in range(1, ranks + 1):
-            host = f"{seq // 8:040x}"  # node-id-sized host keys, 8 slots each
-            driver.hosts[host] = 8
-            driver.host_first_seen.setdefault(host, now)
-            driver.workers[f"w{seq}"] = WorkerRecord(f"w{seq}", host, seq, WorkerStatus.READY, now, answered=True)
-        asyncio.run(driver._publish(list(driver.workers.values())))
+        config = RunConfig(min_workers=1, max_workers=ranks, resources_per_worker={"CPU": 1.0})
+        core = DriverCore(config, wall_offset=time.time() - time.monotonic(), started_at=time.monotonic())
+        hosts = {f"{i:040x}": 8 for i in range((ranks + 7) // 8)}  # node-id-sized host keys, 8 slots each
+        spawned = core.handle([m.HostsDiscovered(hosts)], time.monotonic())
+        actions = core.handle([m.WorkerReady(a.worker_id) for a in spawned if isinstance(a, m.Spawn)], time.monotonic())
+        [publish] = [a for a in actions if isinstance(a, m.Publish)]
         after_publish = rss_mb()
+        log = MetricsLog(f"bench-mem-{uuid.uuid4().hex[:8]}")
         for step in range(metric_steps):
-            driver.metrics.append((time.time(), {"step": step, "loss": 0.5, "world_size": ranks}))
+            log.add([(time.time(), {"step": step, "loss": 0.5, "world_size": ranks})])
         after_metrics = rss_mb()
-        ray.kill(kv)
         return {
             "ranks": ranks,
             "process_rss_mb": base,
@@ -92,8 +85,8 @@ class DriverHost:
             "driver_state_mb": after_publish - base,
             "rss_with_metrics_mb": after_metrics,
             "metric_steps": metric_steps,
-            "generation": driver.generation,
-            "plan_size": len(driver.plan),
+            "generation": publish.generation,
+            "plan_size": len(publish.plan),
         }
 
 

@@ -9,10 +9,9 @@ whether it succeeded, failed or was interrupted.
 
 from __future__ import annotations
 
-import importlib.util
 import logging
-import math
 import os
+import threading
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -23,19 +22,21 @@ import cloudpickle
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from ray_elastic.checkpoint import CheckpointError, CheckpointStore, normalize_url
+from ray_elastic.checkpoint import CheckpointError, CheckpointStore
+from ray_elastic.config import RunConfig
 from ray_elastic.discovery import alive_ray_nodes, check_discovery_spec, slots_for_resources
-from ray_elastic.driver_actor import DriverSettings, create_driver_actor
+from ray_elastic.driver.actor import create_driver_actor
 from ray_elastic.events import Event
 from ray_elastic.exceptions import TrainingFailedError
+from ray_elastic.protocol import RunOutcome
 from ray_elastic.rendezvous import create_kv_actor
-from ray_elastic.worker_context import WorkerSettings
 
 logger = logging.getLogger(__name__)
 
-BACKENDS = ("auto", "gloo", "pygloo", "nccl")
 _POLL_S = 0.5
-_CLEANUP_TIMEOUT_S = 30.0
+_STATUS_TIMEOUT_S = 30.0  # a driver that does not answer a status query for this long is retried
+_STOP_TIMEOUT_S = 5.0  # delivering the stop request to the driver of an interrupted fit()
+_CLEANUP_TIMEOUT_S = 30.0  # listing and removing the run's actors and placement groups in Ray's GCS
 
 
 @dataclass
@@ -130,12 +131,24 @@ class ElasticTrainer:
     ) -> None:
         if not callable(train_fn):
             raise ValueError(f"train_fn must be callable, got {type(train_fn).__name__}")
-        _check_int("min_workers", min_workers, 1)
-        _check_int("max_workers", max_workers, 1)
-        if max_workers < min_workers:
-            raise ValueError(f"max_workers ({max_workers}) must be >= min_workers ({min_workers})")
         if config is not None and not isinstance(config, Mapping):
             raise ValueError(f"config must be a dict, got {type(config).__name__}")
+        self.run_config = RunConfig.create(
+            min_workers=min_workers,
+            max_workers=max_workers,
+            resources_per_worker=resources_per_worker,
+            backend=backend,
+            elastic_timeout=elastic_timeout,
+            reset_limit=reset_limit,
+            cooldown_range=cooldown_range,
+            discovery_interval=discovery_interval,
+            discovery_timeout=discovery_timeout,
+            liveness_timeout=liveness_timeout,
+            collective_timeout=collective_timeout,
+            max_failures=max_failures,
+            checkpoint_dir=checkpoint_dir,
+            checkpoint_every=checkpoint_every,
+        )
         config = dict(config or {})
         try:
             self._payload = _pickle_by_value((train_fn, config))
@@ -143,38 +156,6 @@ class ElasticTrainer:
             raise ValueError(
                 f"train_fn and config must be picklable to reach the workers: {type(e).__name__}: {e}"
             ) from e
-        self.resources_per_worker = _check_resources(resources_per_worker)
-        if backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-        self.backend = _resolve_backend(backend, self.resources_per_worker)
-        for name, value in (
-            ("elastic_timeout", elastic_timeout),
-            ("discovery_interval", discovery_interval),
-            ("discovery_timeout", discovery_timeout),
-            ("liveness_timeout", liveness_timeout),
-            ("collective_timeout", collective_timeout),
-        ):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or math.isinf(value):
-                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
-        if reset_limit is not None:
-            _check_int("reset_limit", reset_limit, 0)
-        _check_int("max_failures", max_failures, 0)
-        _check_int("checkpoint_every", checkpoint_every, 1)
-        if checkpoint_dir is not None:
-            if not isinstance(checkpoint_dir, (str, os.PathLike)) or not os.fspath(checkpoint_dir):
-                raise ValueError(f"checkpoint_dir must be a path or an fsspec URL, got {checkpoint_dir!r}")
-            checkpoint_dir = normalize_url(checkpoint_dir)
-            try:
-                CheckpointStore(checkpoint_dir)
-            except CheckpointError as e:
-                raise ValueError(str(e)) from e
-        if (
-            not isinstance(cooldown_range, (tuple, list))
-            or len(cooldown_range) != 2
-            or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in cooldown_range)
-            or not 0 <= cooldown_range[0] <= cooldown_range[1]
-        ):
-            raise ValueError(f"cooldown_range must be (min_s, max_s) with 0 <= min_s <= max_s, got {cooldown_range!r}")
         check_discovery_spec(discovery)
         if isinstance(discovery, (str, os.PathLike)):
             discovery = os.path.abspath(discovery)  # the driver actor's working directory may differ
@@ -185,41 +166,13 @@ class ElasticTrainer:
                 raise ValueError(f"the discovery callable must be picklable: {type(e).__name__}: {e}") from e
         self.train_fn = train_fn
         self.config = config
-        self.min_workers = min_workers
-        self.max_workers = max_workers
         self.discovery = discovery
-        self.elastic_timeout = float(elastic_timeout)
-        self.reset_limit = reset_limit
-        self.cooldown_range = (float(cooldown_range[0]), float(cooldown_range[1]))
-        self.discovery_interval = float(discovery_interval)
-        self.discovery_timeout = float(discovery_timeout)
-        self.liveness_timeout = float(liveness_timeout)
-        self.collective_timeout = float(collective_timeout)
-        self.max_failures = max_failures
-        self.checkpoint_dir = checkpoint_dir
-        self.checkpoint_every = checkpoint_every
         self.verbose = verbose
 
-    def _settings(self) -> DriverSettings:
-        return DriverSettings(
-            min_workers=self.min_workers,
-            max_workers=self.max_workers,
-            resources_per_worker=self.resources_per_worker,
-            elastic_timeout=self.elastic_timeout,
-            reset_limit=self.reset_limit,
-            cooldown_range=self.cooldown_range,
-            discovery_interval=self.discovery_interval,
-            discovery_timeout=self.discovery_timeout,
-            liveness_timeout=self.liveness_timeout,
-            max_failures=self.max_failures,
-            worker=WorkerSettings(
-                backend=self.backend,
-                rendezvous_timeout=self.elastic_timeout + self.collective_timeout,
-                collective_timeout=self.collective_timeout,
-                checkpoint_dir=self.checkpoint_dir,
-                checkpoint_every=self.checkpoint_every,
-            ),
-        )
+    @property
+    def backend(self) -> str:
+        """The backend `backend="auto"` resolved to."""
+        return self.run_config.backend
 
     def fit(self) -> Result:
         """Train until rank 0's `train_fn` returns; raise `TrainingFailedError` otherwise."""
@@ -230,44 +183,46 @@ class ElasticTrainer:
         run_id = uuid.uuid4().hex[:12]
         namespace = f"ray_elastic_{run_id}"
         kv = driver = None
-        outcome: dict[str, Any] | None = None
+        outcome: RunOutcome | None = None
         try:
             here = NodeAffinitySchedulingStrategy(_coordinator_node(), soft=False)
             kv = create_kv_actor(run_id, namespace, here)
-            driver = create_driver_actor(run_id, namespace, kv, self._payload, self.discovery, self._settings(), here)
+            driver = create_driver_actor(run_id, namespace, kv, self._payload, self.discovery, self.run_config, here)
             outcome = self._follow(driver, driver.run.remote())
         finally:
             _cleanup(driver, kv, namespace, graceful=outcome is not None)
-        if not outcome["ok"]:
-            raise TrainingFailedError(outcome["error"] or "training failed")
+        if not outcome.ok:
+            raise TrainingFailedError(outcome.error or "training failed")
         return Result(
-            return_value=outcome["value"],
-            metrics=[m for _, m in outcome["metrics"]],
-            metric_times=[t for t, _ in outcome["metrics"]],
-            events=[Event(**e) for e in outcome["events"]],
-            resets=outcome["resets"],
+            return_value=outcome.value,
+            metrics=[m for _, m in outcome.metrics],
+            metric_times=[t for t, _ in outcome.metrics],
+            events=[Event(**e) for e in outcome.events],
+            resets=outcome.resets,
             run_id=run_id,
         )
 
     def _check_cluster_can_hold_a_worker(self) -> None:
         nodes = alive_ray_nodes()
-        if self.resources_per_worker.get("GPU", 0) > 0 and not any(n.resources.get("GPU", 0) > 0 for n in nodes):
+        if self.run_config.resources_per_worker.get("GPU", 0) > 0 and not any(
+            n.resources.get("GPU", 0) > 0 for n in nodes
+        ):
             raise ValueError(
-                f"backend={self.backend!r} with resources_per_worker={self.resources_per_worker} needs GPUs, "
-                "but no node of the Ray cluster has one"
+                f"backend={self.backend!r} with resources_per_worker={self.run_config.resources_per_worker} "
+                "needs GPUs, but no node of the Ray cluster has one"
             )
-        if not any(slots_for_resources(n.resources, self.resources_per_worker) for n in nodes):
+        if not any(slots_for_resources(n.resources, self.run_config.resources_per_worker) for n in nodes):
             totals = [dict(n.resources) for n in nodes]
             raise ValueError(
-                f"resources_per_worker={self.resources_per_worker} fits on no node of the Ray cluster "
+                f"resources_per_worker={self.run_config.resources_per_worker} fits on no node of the Ray cluster "
                 f"(node resources: {totals})"
             )
 
     def _check_checkpoint_dir(self) -> None:
         """Prove the checkpoint directory usable before anything starts, and say if the run resumes."""
-        if self.checkpoint_dir is None:
+        if self.run_config.checkpoint_dir is None:
             return
-        store = CheckpointStore(self.checkpoint_dir)
+        store = CheckpointStore(self.run_config.checkpoint_dir)
         try:
             store.check_writable()
             meta = store.meta()
@@ -276,12 +231,12 @@ class ElasticTrainer:
         if meta is not None and self.verbose:
             logger.warning(
                 "resuming from the checkpoint in %s (commit %s, world size %s)",
-                self.checkpoint_dir,
+                self.run_config.checkpoint_dir,
                 meta.get("commit"),
                 meta.get("world_size"),
             )
 
-    def _follow(self, driver: Any, run_ref: Any) -> dict[str, Any]:
+    def _follow(self, driver: Any, run_ref: Any) -> RunOutcome:
         """Wait for the driver, showing progress and event lines until it ends."""
         from ray_elastic.progress import Progress
 
@@ -291,33 +246,34 @@ class ElasticTrainer:
         except ray.exceptions.RayActorError as e:
             # the driver holds the membership; without it the workers cannot be re-formed
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            return {"ok": False, "error": f"the run's driver actor died ({first}); the run cannot continue"}
+            return RunOutcome(ok=False, error=f"the run's driver actor died ({first}); the run cannot continue")
         except KeyboardInterrupt:
             logger.warning("interrupted: stopping the run and releasing its workers")
             raise
         finally:
             progress.close()
 
-    def _poll_driver(self, driver: Any, run_ref: Any, progress: Any) -> dict[str, Any]:
+    def _poll_driver(self, driver: Any, run_ref: Any, progress: Any) -> RunOutcome:
         seen_metrics = 0
         while True:
             ready, _ = ray.wait([run_ref], timeout=_POLL_S)
             if ready:
-                outcome = ray.get(run_ref)
+                outcome: RunOutcome = ray.get(run_ref)
                 progress.update(
                     {
-                        **outcome,
-                        "state": "done" if outcome["ok"] else "failed",
-                        "metrics": outcome["metrics"][seen_metrics:],
+                        "state": "done" if outcome.ok else "failed",
+                        "events": outcome.events,
+                        "resets": outcome.resets,
+                        "metrics": outcome.metrics[seen_metrics:],
                     }
                 )
                 return outcome
             try:
-                status = ray.get(driver.status.remote(seen_metrics), timeout=30)
+                status = ray.get(driver.status.remote(seen_metrics), timeout=_STATUS_TIMEOUT_S)
             except ray.exceptions.GetTimeoutError:
                 continue
-            seen_metrics = status["num_metrics"]
-            progress.update(status)
+            seen_metrics = status.num_metrics
+            progress.update(vars(status))
 
 
 def _coordinator_node() -> str:
@@ -334,14 +290,28 @@ def _cleanup(driver: Any, kv: Any, namespace: str, graceful: bool) -> None:
         if not graceful:
             try:
                 # the driver kills its workers and removes their placement groups
-                ray.get(driver.stop.remote("fit() was interrupted"), timeout=5)
+                ray.get(driver.stop.remote("fit() was interrupted"), timeout=_STOP_TIMEOUT_S)
             except Exception:  # noqa: BLE001 - a dead driver is cleaned up below
                 pass
         ray.kill(driver, no_restart=True)
     if kv is not None:
         ray.kill(kv, no_restart=True)
-    _remove_run_actors(namespace)
-    _remove_run_placement_groups(namespace)
+
+    def sweep() -> None:
+        _remove_run_actors(namespace)
+        _remove_run_placement_groups(namespace)
+
+    # the GCS answers these; a GCS that hangs must not hang fit()'s caller
+    sweeper = threading.Thread(target=sweep, name="ray-elastic-cleanup", daemon=True)
+    sweeper.start()
+    sweeper.join(_CLEANUP_TIMEOUT_S)
+    if sweeper.is_alive():
+        logger.error(
+            "could not list and remove the actors and placement groups of namespace %s within %g s; "
+            "some may be left behind",
+            namespace,
+            _CLEANUP_TIMEOUT_S,
+        )
 
 
 def _remove_run_actors(namespace: str) -> None:
@@ -393,62 +363,3 @@ def _pickle_by_value(payload: Any) -> bytes:
     finally:
         for module in loose:
             cloudpickle.unregister_pickle_by_value(module)
-
-
-def _check_int(name: str, value: Any, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-
-
-def _check_resources(resources: Mapping[str, float] | None) -> dict[str, float]:
-    if resources is None:
-        return {"CPU": 1.0}
-    if not isinstance(resources, Mapping) or not resources:
-        raise ValueError(f"resources_per_worker must be a non-empty dict like {{'CPU': 1}}, got {resources!r}")
-    out: dict[str, float] = {}
-    for name, amount in resources.items():
-        if not isinstance(name, str) or isinstance(amount, bool) or not isinstance(amount, (int, float)):
-            raise ValueError(f"resources_per_worker entries must be name -> number, got {name!r}: {amount!r}")
-        if amount < 0 or math.isnan(amount) or math.isinf(amount):
-            raise ValueError(f"resources_per_worker[{name!r}] must be a finite number >= 0, got {amount!r}")
-        out[name] = float(amount)
-    if not any(out.values()):
-        raise ValueError("resources_per_worker must ask for some resource (all amounts are 0)")
-    return out
-
-
-def _resolve_backend(backend: str, resources: Mapping[str, float]) -> str:
-    """The backend `backend` stands for, checked against what this interpreter can import.
-
-    The workers of a local cluster run in the driver's environment, so a
-    library missing here would be missing there: better said now than after
-    the workers started.
-    """
-    has_torch = importlib.util.find_spec("torch") is not None
-    has_pygloo = importlib.util.find_spec("pygloo") is not None
-    wants_gpu = resources.get("GPU", 0) > 0
-    if backend == "auto":
-        if wants_gpu:
-            backend = "nccl"
-        elif has_torch:
-            return "gloo"
-        elif has_pygloo:
-            return "pygloo"
-        else:
-            raise ValueError(
-                "backend='auto' needs torch (pip install 'ray-elastic[torch]') or, on Python <= 3.10, "
-                "pygloo (pip install 'ray-elastic[pygloo]')"
-            )
-    if backend == "nccl" and not wants_gpu:
-        raise ValueError(
-            f"backend='nccl' runs on GPU workers: ask for one GPU each, e.g. resources_per_worker="
-            f"{{'CPU': 1, 'GPU': 1}} (got {dict(resources)})"
-        )
-    if backend in ("gloo", "nccl") and not has_torch:
-        raise ValueError(f"backend={backend!r} needs torch (pip install 'ray-elastic[torch]')")
-    if backend == "pygloo" and not has_pygloo:
-        raise ValueError(
-            "backend='pygloo' needs pygloo, which has wheels for Python <= 3.10 only "
-            "(pip install 'ray-elastic[pygloo]')"
-        )
-    return backend

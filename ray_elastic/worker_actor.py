@@ -4,8 +4,9 @@
 driver reaches the worker meanwhile through a separate `control` thread
 group (`notify` pushes a host-change notice into memory, `ping` answers the
 liveness check). `run()` never raises for the expected endings: it returns an
-outcome dict, `done` (with rank 0's return value), `removed` (left out of a
-new generation) or `error` (the user's exception, with its traceback), so the
+outcome (`protocol.WorkerOutcome`): `Finished` (with rank 0's return value),
+`Removed` (left out of a new generation) or `UserError` (the user's exception,
+with its traceback), so the
 driver can tell a user error from a death, which Ray reports as an actor
 error on the pending call.
 """
@@ -21,8 +22,10 @@ from typing import Any
 import cloudpickle
 import ray
 
+from ray_elastic.config import WorkerConfig
 from ray_elastic.exceptions import CoordinatorDiedError, WorkerRemovedError
-from ray_elastic.worker_context import WorkerContext, WorkerSettings, set_current
+from ray_elastic.protocol import CoordinatorLost, Finished, Removed, UserError, WorkerOutcome
+from ray_elastic.worker_context import WorkerContext, set_current
 
 logger = logging.getLogger(__name__)
 
@@ -35,26 +38,26 @@ class WorkerActor:
         worker_id: str,
         kv: ray.actor.ActorHandle,
         driver: ray.actor.ActorHandle,
-        settings: WorkerSettings,
+        settings: WorkerConfig,
     ) -> None:
         self.worker_id = worker_id
         self.ctx = WorkerContext(worker_id, kv, driver, settings)
         set_current(self.ctx)
 
-    def run(self, payload: bytes) -> dict[str, Any]:
+    def run(self, payload: bytes) -> WorkerOutcome:
         try:
             train_fn, config = cloudpickle.loads(payload)
             value = train_fn(config)
             rank = self.ctx.slot.rank if self.ctx.slot is not None else None
             if rank == 0:
                 self.ctx.flush_checkpoint()
-            return {"kind": "done", "rank": rank, "value": value if rank == 0 else None}
+            return Finished(rank, value if rank == 0 else None)
         except WorkerRemovedError:
-            return {"kind": "removed"}
+            return Removed()
         except CoordinatorDiedError as e:
-            return {"kind": "coordinator_died", "error": str(e)}
+            return CoordinatorLost(str(e))
         except BaseException as e:  # noqa: BLE001 - every user failure is reported, with its traceback
-            return {"kind": "error", "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+            return UserError(f"{type(e).__name__}: {e}", traceback.format_exc())
         finally:
             try:
                 self.ctx.shutdown()

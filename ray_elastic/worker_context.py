@@ -19,7 +19,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -28,6 +27,7 @@ from ray_elastic import metrics
 from ray_elastic.assignment import WorkerSlot
 from ray_elastic.checkpoint import CheckpointStore, CheckpointWriter
 from ray_elastic.collective.base import CollectiveGroup
+from ray_elastic.config import WorkerConfig
 from ray_elastic.exceptions import (
     GenerationSupersededError,
     HorovodInternalError,
@@ -40,18 +40,6 @@ from ray_elastic.rendezvous import KVClient
 logger = logging.getLogger(__name__)
 
 _METRICS_FLUSH_S = 0.25
-
-
-@dataclass(frozen=True)
-class WorkerSettings:
-    """What the driver tells each worker about timeouts and the backend."""
-
-    backend: str = "gloo"
-    rendezvous_timeout: float = 600.0  # waiting for a generation (covers elastic_timeout)
-    collective_timeout: float = 300.0  # one collective, and forming one ring
-    checkpoint_dir: str | None = None  # durable checkpoints (local path or fsspec URL), written by rank 0
-    checkpoint_every: int = 10  # commits between two durable checkpoints
-    run_id: str = ""  # tags this worker's metrics
 
 
 def load_backend(backend: str) -> None:
@@ -109,7 +97,7 @@ class WorkerContext:
         worker_id: str,
         kv: ray.actor.ActorHandle,
         driver: ray.actor.ActorHandle,
-        settings: WorkerSettings,
+        settings: WorkerConfig,
     ) -> None:
         self.worker_id = worker_id
         self.kv = KVClient(kv)

@@ -1,0 +1,195 @@
+"""The trainer's options, validated once into one frozen `RunConfig`.
+
+`RunConfig.create(...)` checks every option and raises a `ValueError` that
+names the option and the bad value, before anything is spawned. The driver
+reads the `RunConfig` itself; each worker receives `RunConfig.worker(run_id)`,
+the few fields a worker needs (`WorkerConfig`). Nothing copies the options a
+second time or patches them later.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ray_elastic.checkpoint import CheckpointError, CheckpointStore, normalize_url
+
+BACKENDS = ("auto", "gloo", "pygloo", "nccl")
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """What every worker needs of the run's options."""
+
+    backend: str = "gloo"
+    rendezvous_timeout: float = 600.0  # waiting for a generation (covers elastic_timeout)
+    collective_timeout: float = 300.0  # one collective, and forming one ring
+    checkpoint_dir: str | None = None  # durable checkpoints (local path or fsspec URL), written by rank 0
+    checkpoint_every: int = 10  # commits between two durable checkpoints
+    run_id: str = ""  # tags this worker's metrics
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Every option of a run, validated (see `ElasticTrainer` for their meaning)."""
+
+    min_workers: int
+    max_workers: int
+    resources_per_worker: Mapping[str, float]
+    backend: str = "gloo"
+    elastic_timeout: float = 600.0
+    reset_limit: int | None = None
+    cooldown_range: tuple[float, float] = (10.0, 300.0)
+    discovery_interval: float = 1.0
+    discovery_timeout: float = 30.0
+    liveness_timeout: float = 30.0
+    collective_timeout: float = 300.0
+    max_failures: int = 0
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 10
+
+    @classmethod
+    def create(
+        cls,
+        min_workers: Any,
+        max_workers: Any,
+        resources_per_worker: Mapping[str, float] | None = None,
+        backend: str = "auto",
+        elastic_timeout: float = 600.0,
+        reset_limit: int | None = None,
+        cooldown_range: Any = (10.0, 300.0),
+        discovery_interval: float = 1.0,
+        discovery_timeout: float = 30.0,
+        liveness_timeout: float = 30.0,
+        collective_timeout: float = 300.0,
+        max_failures: int = 0,
+        checkpoint_dir: str | os.PathLike | None = None,
+        checkpoint_every: int = 10,
+    ) -> RunConfig:
+        """Check every option; `backend="auto"` is resolved against what this interpreter can import."""
+        _check_int("min_workers", min_workers, 1)
+        _check_int("max_workers", max_workers, 1)
+        if max_workers < min_workers:
+            raise ValueError(f"max_workers ({max_workers}) must be >= min_workers ({min_workers})")
+        resources = _check_resources(resources_per_worker)
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        for name, value in (
+            ("elastic_timeout", elastic_timeout),
+            ("discovery_interval", discovery_interval),
+            ("discovery_timeout", discovery_timeout),
+            ("liveness_timeout", liveness_timeout),
+            ("collective_timeout", collective_timeout),
+        ):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or math.isinf(value):
+                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+        if reset_limit is not None:
+            _check_int("reset_limit", reset_limit, 0)
+        _check_int("max_failures", max_failures, 0)
+        _check_int("checkpoint_every", checkpoint_every, 1)
+        url = None
+        if checkpoint_dir is not None:
+            if not isinstance(checkpoint_dir, (str, os.PathLike)) or not os.fspath(checkpoint_dir):
+                raise ValueError(f"checkpoint_dir must be a path or an fsspec URL, got {checkpoint_dir!r}")
+            url = normalize_url(checkpoint_dir)
+            try:
+                CheckpointStore(url)
+            except CheckpointError as e:
+                raise ValueError(str(e)) from e
+        if (
+            not isinstance(cooldown_range, (tuple, list))
+            or len(cooldown_range) != 2
+            or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in cooldown_range)
+            or not 0 <= cooldown_range[0] <= cooldown_range[1]
+        ):
+            raise ValueError(f"cooldown_range must be (min_s, max_s) with 0 <= min_s <= max_s, got {cooldown_range!r}")
+        return cls(
+            min_workers=min_workers,
+            max_workers=max_workers,
+            resources_per_worker=resources,
+            backend=resolve_backend(backend, resources),
+            elastic_timeout=float(elastic_timeout),
+            reset_limit=reset_limit,
+            cooldown_range=(float(cooldown_range[0]), float(cooldown_range[1])),
+            discovery_interval=float(discovery_interval),
+            discovery_timeout=float(discovery_timeout),
+            liveness_timeout=float(liveness_timeout),
+            collective_timeout=float(collective_timeout),
+            max_failures=max_failures,
+            checkpoint_dir=url,
+            checkpoint_every=checkpoint_every,
+        )
+
+    def worker(self, run_id: str) -> WorkerConfig:
+        """The worker's view: a worker waits for a generation as long as the driver may wait for workers."""
+        return WorkerConfig(
+            backend=self.backend,
+            rendezvous_timeout=self.elastic_timeout + self.collective_timeout,
+            collective_timeout=self.collective_timeout,
+            checkpoint_dir=self.checkpoint_dir,
+            checkpoint_every=self.checkpoint_every,
+            run_id=run_id,
+        )
+
+
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
+def _check_resources(resources: Mapping[str, float] | None) -> dict[str, float]:
+    if resources is None:
+        return {"CPU": 1.0}
+    if not isinstance(resources, Mapping) or not resources:
+        raise ValueError(f"resources_per_worker must be a non-empty dict like {{'CPU': 1}}, got {resources!r}")
+    out: dict[str, float] = {}
+    for name, amount in resources.items():
+        if not isinstance(name, str) or isinstance(amount, bool) or not isinstance(amount, (int, float)):
+            raise ValueError(f"resources_per_worker entries must be name -> number, got {name!r}: {amount!r}")
+        if amount < 0 or math.isnan(amount) or math.isinf(amount):
+            raise ValueError(f"resources_per_worker[{name!r}] must be a finite number >= 0, got {amount!r}")
+        out[name] = float(amount)
+    if not any(out.values()):
+        raise ValueError("resources_per_worker must ask for some resource (all amounts are 0)")
+    return out
+
+
+def resolve_backend(backend: str, resources: Mapping[str, float]) -> str:
+    """The backend `backend` stands for, checked against what this interpreter can import.
+
+    The workers of a local cluster run in the driver's environment, so a
+    library missing here would be missing there: better said now than after
+    the workers started.
+    """
+    has_torch = importlib.util.find_spec("torch") is not None
+    has_pygloo = importlib.util.find_spec("pygloo") is not None
+    wants_gpu = resources.get("GPU", 0) > 0
+    if backend == "auto":
+        if wants_gpu:
+            backend = "nccl"
+        elif has_torch:
+            return "gloo"
+        elif has_pygloo:
+            return "pygloo"
+        else:
+            raise ValueError(
+                "backend='auto' needs torch (pip install 'ray-elastic[torch]') or, on Python <= 3.10, "
+                "pygloo (pip install 'ray-elastic[pygloo]')"
+            )
+    if backend == "nccl" and not wants_gpu:
+        raise ValueError(
+            f"backend='nccl' runs on GPU workers: ask for one GPU each, e.g. resources_per_worker="
+            f"{{'CPU': 1, 'GPU': 1}} (got {dict(resources)})"
+        )
+    if backend in ("gloo", "nccl") and not has_torch:
+        raise ValueError(f"backend={backend!r} needs torch (pip install 'ray-elastic[torch]')")
+    if backend == "pygloo" and not has_pygloo:
+        raise ValueError(
+            "backend='pygloo' needs pygloo, which has wheels for Python <= 3.10 only "
+            "(pip install 'ray-elastic[pygloo]')"
+        )
+    return backend

@@ -1,0 +1,422 @@
+"""The driver actor: the asyncio shell around `DriverCore` that carries its actions out.
+
+Everything that happens reaches one queue as a typed message (a worker
+ready, exited or dead, a discovery result, a reset request, a liveness
+round, a tick). The loop takes what is queued as one batch, hands it to the
+core, and carries out the actions that come back:
+
+- placement: one placement group (one bundle of `resources_per_worker`)
+  pinned to its node, and one worker actor in it, per slot;
+- deaths: Ray fails the pending `run()` call at once; the shell asks Ray
+  once per batch whether the dead workers' nodes are still alive (deaths
+  that arrive together join one reset);
+- publishing a generation to the KV actor and notifying the old members;
+- queries that take time (the members' activity after a broken ring, the
+  durable checkpoint's existence) run as tasks that answer with a message,
+  so the loop never waits on them.
+
+Every await has a deadline: the KV actor's answers and the members' pings
+`liveness_timeout`, Ray's node table and the checkpoint lookup
+`discovery_timeout`, placement `elastic_timeout`. The one await without a
+deadline is a worker's `run()` call, which lasts as long as training; the
+liveness pings bound it instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import cloudpickle
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from ray_elastic import metrics
+from ray_elastic.checkpoint import CheckpointStore
+from ray_elastic.config import RunConfig
+from ray_elastic.discovery import DiscoveryError, DiscoveryPoller, alive_ray_nodes, make_discovery
+from ray_elastic.driver import messages as m
+from ray_elastic.driver.core import DriverCore
+from ray_elastic.driver.metrics_log import MetricsLog
+from ray_elastic.protocol import DriverStatus, RunOutcome
+from ray_elastic.worker_actor import actor_class
+
+logger = logging.getLogger(__name__)
+
+_TICK_S = 0.5
+
+
+class _Died:
+    """A worker's `run()` failed; the loop adds whether its node is alive before the core sees it."""
+
+    __slots__ = ("worker_id", "reason")
+
+    def __init__(self, worker_id: str, reason: str) -> None:
+        self.worker_id = worker_id
+        self.reason = reason
+
+
+class DriverActor:
+    """Wrapped by `ray.remote` in `create_driver_actor`; methods run on one loop."""
+
+    def __init__(self, run_id: str, namespace: str, kv: Any, payload: bytes, discovery: Any, config: RunConfig) -> None:
+        self.run_id = run_id
+        self.namespace = namespace
+        self.kv = kv
+        self.config = config
+        self.worker_config = config.worker(run_id)
+        self._payload_ref = ray.put(payload)
+        # callables arrive pickled by the trainer (their module may exist only on its side)
+        self._discovery_spec = cloudpickle.loads(discovery) if isinstance(discovery, bytes) else discovery
+        self.core = DriverCore(config, wall_offset=time.time() - time.monotonic(), started_at=time.monotonic())
+        self.metrics = MetricsLog(run_id)
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._handles: dict[str, Any] = {}
+        self._pgs: dict[str, PlacementGroup] = {}
+        self._runs: dict[str, asyncio.Task] = {}
+        self._tasks: list[asyncio.Task] = []
+        self._autoscale_requested = 0
+        self._worker_cls = actor_class()
+        self._self_handle: Any = None
+
+    # ---- the loop ----------------------------------------------------------------
+    async def run(self) -> RunOutcome:
+        """Drive the run to its end; returns the outcome the trainer turns into a Result."""
+        self._self_handle = ray.get_runtime_context().current_actor
+        try:
+            poller = DiscoveryPoller(
+                make_discovery(self._discovery_spec, self.config.resources_per_worker, self.config.discovery_timeout),
+                give_up_after=self.config.elastic_timeout,
+                timeout=self.config.discovery_timeout,
+            )
+            try:
+                first = [m.HostsDiscovered(await self._poll(poller))]
+            except DiscoveryError as e:
+                first = [m.DiscoveryFailed(str(e))]
+            await self._carry_out(self.core.handle(first, time.monotonic()))
+            if not self.core.state.is_final:
+                self._tasks.append(asyncio.create_task(self._discovery_loop(poller)))
+                self._tasks.append(asyncio.create_task(self._liveness_loop()))
+                self._tasks.append(asyncio.create_task(self._watch_kv()))
+            last_tick = time.monotonic()
+            while not self.core.state.is_final:
+                batch = await self._next_batch()
+                now = time.monotonic()
+                if now - last_tick >= _TICK_S:
+                    batch.append(m.Tick())
+                    last_tick = now
+                await self._carry_out(self.core.handle(batch, now))
+        except Exception as e:  # noqa: BLE001 - a driver bug must still end the run with its reason
+            logger.exception("driver failed")
+            self.core.fail(f"internal error in the driver: {type(e).__name__}: {e}")
+        finally:
+            for task in self._tasks:
+                task.cancel()
+            self._cleanup()
+        return RunOutcome(
+            ok=self.core.failure is None,
+            error=self.core.failure,
+            value=self.core.return_value,
+            metrics=self.metrics.all(),
+            events=[e.to_dict() for e in self.core.events],
+            resets=self.core.resets,
+        )
+
+    async def _next_batch(self) -> list[m.Message]:
+        """What is queued now (waiting up to a tick for the first), with deaths completed by their node's fate."""
+        try:
+            raw = [await asyncio.wait_for(self._queue.get(), _TICK_S)]
+        except asyncio.TimeoutError:
+            return []
+        raw.extend(self._drain())
+        if not any(isinstance(x, _Died) for x in raw):
+            return raw
+        # one query of Ray's node table for every death of this batch; deaths queued meanwhile
+        # (a node's workers die together) join the batch
+        alive = await self._alive_nodes()
+        raw.extend(self._drain())
+        return [
+            m.WorkerDied(x.worker_id, x.reason, alive is None or self._host_of(x.worker_id) in alive)
+            if isinstance(x, _Died)
+            else x
+            for x in raw
+        ]
+
+    def _drain(self) -> list[Any]:
+        items = []
+        while not self._queue.empty():
+            items.append(self._queue.get_nowait())
+        return items
+
+    def _host_of(self, worker_id: str) -> str | None:
+        rec = self.core.workers.get(worker_id)
+        return rec.host if rec is not None else None
+
+    async def _alive_nodes(self) -> set[str] | None:
+        """The alive nodes' ids, or None if Ray's node table cannot be read (then every node counts as alive)."""
+        loop = asyncio.get_running_loop()
+        try:
+            nodes = await asyncio.wait_for(loop.run_in_executor(None, alive_ray_nodes), self.config.discovery_timeout)
+        except Exception as e:  # noqa: BLE001 - unknown: the hosts cool down as if their nodes were alive
+            logger.warning("could not read Ray's node table within %g s: %s", self.config.discovery_timeout, e)
+            return None
+        return {n.node_id for n in nodes}
+
+    # ---- carrying out actions --------------------------------------------------------
+    async def _carry_out(self, actions: list[m.Action]) -> None:
+        for action in actions:
+            if isinstance(action, m.Spawn):
+                self._spawn(action)
+            elif isinstance(action, m.Kill):
+                self._kill(action)
+            elif isinstance(action, m.Release):
+                self._release(action.worker_id)
+            elif isinstance(action, m.Publish):
+                await self._publish(action)
+            elif isinstance(action, m.QueryActivity):
+                self._tasks.append(asyncio.create_task(self._query_activity(action)))
+            elif isinstance(action, m.LookForCheckpoint):
+                self._tasks.append(asyncio.create_task(self._look_for_checkpoint()))
+            elif isinstance(action, m.RequestResources):
+                self._request_resources(action.count)
+            elif isinstance(action, m.RecordMetric):
+                _RECORDERS[action.name](self.run_id, action.value)
+            else:
+                raise TypeError(f"the driver shell got an unknown action {action!r}")
+
+    def _spawn(self, action: m.Spawn) -> None:
+        self._pgs[action.worker_id] = placement_group(
+            [dict(self.config.resources_per_worker)],
+            strategy="STRICT_PACK",
+            name=f"{self.namespace}-{action.worker_id}",
+            bundle_label_selector=[{"ray.io/node-id": action.host}],
+        )
+        self._runs[action.worker_id] = asyncio.create_task(self._run_worker(action.worker_id))
+
+    async def _run_worker(self, worker_id: str) -> None:
+        pg = self._pgs[worker_id]
+        try:
+            await asyncio.wait_for(pg.ready(), self.config.elastic_timeout)
+        except asyncio.TimeoutError:
+            self._queue.put_nowait(_Died(worker_id, "its placement group was not placed in time"))
+            return
+        res = dict(self.config.resources_per_worker)
+        handle = self._worker_cls.options(
+            name=worker_id,
+            namespace=self.namespace,
+            num_cpus=res.pop("CPU", 0),
+            num_gpus=res.pop("GPU", 0),
+            memory=res.pop("memory", None),
+            resources=res or None,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
+        ).remote(worker_id, self.kv, self._self_handle, self.worker_config)
+        self._handles[worker_id] = handle
+        try:
+            # no deadline: this call lasts as long as training; the liveness pings bound a hang
+            outcome = await handle.run.remote(self._payload_ref)
+        except Exception as e:  # noqa: BLE001 - ActorDiedError and kin: the worker is gone
+            self._queue.put_nowait(_Died(worker_id, f"{type(e).__name__}: {_first_line(e)}"))
+        else:
+            self._queue.put_nowait(m.WorkerExited(worker_id, outcome))
+
+    def _kill(self, action: m.Kill) -> None:
+        handle = self._handles.get(action.worker_id)
+        if handle is not None:
+            ray.kill(handle, no_restart=True)
+            if action.failed:
+                return  # its run() call fails and reports the death
+        task = self._runs.get(action.worker_id)
+        if task is not None and not task.done():
+            task.cancel()
+        if action.failed:
+            # not started yet: nothing else will report it, so report its death here
+            self._queue.put_nowait(_Died(action.worker_id, "killed before it started"))
+            return
+        self._release(action.worker_id)
+
+    def _release(self, worker_id: str) -> None:
+        pg = self._pgs.pop(worker_id, None)
+        if pg is not None:
+            try:
+                remove_placement_group(pg)
+            except Exception:  # noqa: BLE001 - already removed
+                pass
+
+    async def _publish(self, action: m.Publish) -> None:
+        try:
+            await asyncio.wait_for(
+                self.kv.publish.remote(action.generation, dict(action.plan)), self.config.liveness_timeout
+            )
+        except Exception as e:  # noqa: BLE001 - a timeout or a dead KV actor: the run cannot form rings
+            reason = (
+                f"no answer within {self.config.liveness_timeout:g} s"
+                if isinstance(e, asyncio.TimeoutError)
+                else _first_line(e)
+            )
+            self._queue.put_nowait(m.PublishFailed(action.generation, reason))
+            return
+        for worker_id in action.notify:
+            handle = self._handles.get(worker_id)
+            if handle is not None:
+                handle.notify.remote(action.generation)
+
+    async def _query_activity(self, action: m.QueryActivity) -> None:
+        """One query per member: its answer proves it alive and tells whether it is inside a collective."""
+        ids = [w for w in action.worker_ids if w in self._handles]
+        results = await asyncio.gather(
+            *[asyncio.wait_for(self._handles[w].activity.remote(), self.config.liveness_timeout) for w in ids],
+            return_exceptions=True,
+        )
+        activity: dict[str, Any] = {}
+        for worker_id, result in zip(ids, results, strict=True):
+            if isinstance(result, asyncio.TimeoutError):
+                activity[worker_id] = m.ACTIVITY_TIMEOUT
+            elif isinstance(result, BaseException):
+                activity[worker_id] = m.ACTIVITY_ERROR
+            else:
+                activity[worker_id] = result
+        self._queue.put_nowait(m.ActivityReport(action.generation, action.requester, action.reason, activity))
+
+    async def _look_for_checkpoint(self) -> None:
+        url = self.config.checkpoint_dir
+        loop = asyncio.get_running_loop()
+        try:
+            exists = await asyncio.wait_for(
+                loop.run_in_executor(None, lambda: CheckpointStore(url).exists()), self.config.discovery_timeout
+            )
+        except Exception as e:  # noqa: BLE001 - unreachable storage is the same as no checkpoint here
+            logger.warning("cannot look for a checkpoint in %s: %s", url, e)
+            exists = False
+        self._queue.put_nowait(m.CheckpointFound(exists))
+
+    def _request_resources(self, count: int) -> None:
+        """Ask Ray's autoscaler for `count` worker bundles (a cluster without one simply does not grow)."""
+        try:
+            from ray.autoscaler.sdk import request_resources  # noqa: PLC0415 - only where an autoscaler is asked
+
+            request_resources(bundles=[dict(self.config.resources_per_worker)] * count)
+        except Exception as e:  # noqa: BLE001
+            logger.debug("autoscaler request failed: %s", e)
+        self._autoscale_requested = count
+
+    # ---- background sources of messages -----------------------------------------------
+    async def _poll(self, poller: DiscoveryPoller) -> dict[str, int] | None:
+        # the poller bounds each call by discovery_timeout and applies the retry policy
+        return await asyncio.get_running_loop().run_in_executor(None, poller.poll)
+
+    async def _discovery_loop(self, poller: DiscoveryPoller) -> None:
+        while True:
+            await asyncio.sleep(self.config.discovery_interval)
+            try:
+                hosts = await self._poll(poller)
+            except DiscoveryError as e:
+                self._queue.put_nowait(m.DiscoveryFailed(str(e)))
+                return
+            if hosts is not None:
+                self._queue.put_nowait(m.HostsDiscovered(hosts))
+
+    async def _liveness_loop(self) -> None:
+        interval = max(0.2, self.config.liveness_timeout / 3)
+        while True:
+            await asyncio.sleep(interval)
+            ids = [w for w in self.core.alive_ids() if w in self._handles]
+            pings = [asyncio.wait_for(self._handles[w].ping.remote(), self.config.liveness_timeout) for w in ids]
+            results = await asyncio.gather(*pings, return_exceptions=True)
+            self._queue.put_nowait(
+                m.PingResults(
+                    answered=frozenset(
+                        w for w, r in zip(ids, results, strict=True) if not isinstance(r, BaseException)
+                    ),
+                    timed_out=frozenset(
+                        w for w, r in zip(ids, results, strict=True) if isinstance(r, asyncio.TimeoutError)
+                    ),
+                )
+            )
+
+    async def _watch_kv(self) -> None:
+        """The KV actor cannot be replaced mid-run (the rings' keys live there): its death ends the run."""
+        try:
+            await self.kv.hold.remote()  # no deadline: it answers only when the actor dies
+        except Exception as e:  # noqa: BLE001 - ActorDiedError and kin
+            self._queue.put_nowait(m.KVLost(_first_line(e)))
+
+    # ---- called by workers and the trainer --------------------------------------------
+    async def worker_ready(self, worker_id: str) -> None:
+        self._queue.put_nowait(m.WorkerReady(worker_id))
+
+    async def worker_synced(self, worker_id: str, generation: int, at: float) -> None:
+        self._queue.put_nowait(m.WorkerSynced(worker_id, generation, at))
+
+    async def worker_resumed(self, worker_id: str, meta: dict[str, Any]) -> None:
+        """Rank 0 loaded the durable checkpoint before its first sync."""
+        self._queue.put_nowait(m.WorkerResumed(worker_id, meta))
+
+    async def request_reset(self, worker_id: str, generation: int, reason: str) -> None:
+        self._queue.put_nowait(m.ResetRequested(worker_id, generation, reason))
+
+    async def add_metrics(self, worker_id: str, batch: list[tuple[float, dict]]) -> None:
+        self.metrics.add(batch)
+
+    async def stop(self, reason: str = "stopped by the user") -> None:
+        """Ask the loop to end (e.g. the user interrupted `fit()`)."""
+        self._queue.put_nowait(m.Stop(reason))
+
+    async def status(self, metrics_since: int = 0) -> DriverStatus:
+        """A snapshot for progress display: state, world size, new metrics and events."""
+        return DriverStatus(
+            state=self.core.state,
+            generation=self.core.generation,
+            world_size=len(self.core.plan),
+            resets=self.core.resets,
+            metrics=self.metrics.since(metrics_since),
+            num_metrics=len(self.metrics),
+            events=[e.to_dict() for e in self.core.events],
+        )
+
+    # ---- the end -----------------------------------------------------------------------
+    def _cleanup(self) -> None:
+        """Kill every worker still running, free every placement group, withdraw the autoscaler request."""
+        for worker_id, handle in self._handles.items():
+            try:
+                ray.kill(handle, no_restart=True)
+            except Exception:  # noqa: BLE001 - already dead
+                pass
+            self._release(worker_id)
+        for worker_id in list(self._pgs):
+            self._release(worker_id)
+        for task in self._runs.values():
+            task.cancel()
+        if self._autoscale_requested:
+            self._request_resources(0)
+
+
+_RECORDERS: dict[str, Callable[[str, float], None]] = {
+    "world_size": lambda run_id, value: metrics.world_size(run_id, int(value)),
+    "reset": lambda run_id, value: metrics.reset(run_id),
+    "recovery": metrics.recovery,
+}
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def create_driver_actor(
+    run_id: str,
+    namespace: str,
+    kv: Any,
+    payload: bytes,
+    discovery: Callable | str | None,
+    config: RunConfig,
+    scheduling_strategy: Any = None,
+) -> Any:
+    """Start the run's driver actor, named `driver` in the run's namespace."""
+    cls = ray.remote(num_cpus=0, max_restarts=0)(DriverActor)
+    return cls.options(
+        name="driver", namespace=namespace, max_concurrency=1000, scheduling_strategy=scheduling_strategy
+    ).remote(run_id, namespace, kv, payload, discovery, config)

@@ -1,0 +1,493 @@
+"""The driver's pure core: the run's membership as data, messages in, actions out.
+
+`DriverCore.handle(messages, now)` applies a batch of messages (see
+`messages.py`) and returns the actions the shell must carry out: spawn or
+kill workers, publish a generation, query the members' activity, look for a
+durable checkpoint, ask the autoscaler for resources. It never waits and
+never calls Ray, so every path (a death during a reset, deaths together, a
+newcomer dying before admission, `max_failures`, a deadlock, each deadline)
+is tested by replaying message scripts in milliseconds (`tests/test_driver_core.py`).
+
+What the core stores is what cannot be derived: the workers and their
+status, the hosts, the current plan, the events, the cool-downs. The state
+(`DriverState`), the number of resets and whether training is finishing are
+derived from those. A batch's messages are applied in order and the ring is
+re-planned once at the end, so deaths that arrive together join one reset.
+The judgement calls are the pure functions of `policies.py`; who goes where
+is `assignment.py`'s.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ray_elastic.assignment import Cooldown, LiveWorker, WorkerSlot, assign_ranks, plan_scaling
+from ray_elastic.config import RunConfig
+from ray_elastic.driver import messages as m
+from ray_elastic.driver.policies import PublishVerdict, Ring, decide_publish, decide_user_error, judge_ring_failure
+from ray_elastic.events import Event
+from ray_elastic.protocol import CoordinatorLost, DriverState, EventKind, Finished, UserError
+
+logger = logging.getLogger(__name__)
+
+
+class WorkerStatus(enum.Enum):
+    STARTING = "starting"  # placement group, actor start, train_fn set-up
+    READY = "ready"  # entered the run loop, waits to be admitted
+    MEMBER = "member"  # part of the current generation
+    LEAVING = "leaving"  # left out of the next generation, exits at its next check
+    FINISHED = "finished"  # train_fn returned
+    GONE = "gone"  # died, removed or killed
+
+
+ALIVE = frozenset({WorkerStatus.STARTING, WorkerStatus.READY, WorkerStatus.MEMBER, WorkerStatus.LEAVING})
+
+
+@dataclass
+class WorkerRecord:
+    worker_id: str
+    host: str
+    seq: int  # spawn order: smaller is older
+    status: WorkerStatus
+    started_at: float  # monotonic
+    answered: bool = False  # has answered a ping or said it is ready: its process is up
+
+
+class DriverCore:
+    """The membership of one run. Not thread-safe: one loop drives it."""
+
+    def __init__(self, config: RunConfig, wall_offset: float = 0.0, started_at: float = 0.0) -> None:
+        """`wall_offset` turns the shell's monotonic `now` into wall-clock event times; `started_at` is monotonic."""
+        self.config = config
+        self.wall_offset = wall_offset
+        self.started_at = started_at
+        self.generation = 0
+        self.plan: dict[str, WorkerSlot] = {}
+        self.workers: dict[str, WorkerRecord] = {}
+        self.hosts: dict[str, int] = {}
+        self.host_first_seen: dict[str, float] = {}
+        self.cooldown = Cooldown(*config.cooldown_range)
+        self.events: list[Event] = []
+        self.failure: str | None = None
+        self.return_value: Any = None
+        self._final: DriverState | None = None
+        self._waiting_since: float | None = started_at
+        self._unbound: list[Event] = []  # changes not yet absorbed by a generation
+        self._syncing: set[str] = set()  # members of the newest generation still syncing
+        self._seq = 0
+        self._user_failures = 0
+        self._last_timeout_reset: float | None = None  # when a ring last broke with everyone alive
+        self._querying: int | None = None  # the generation whose members' activity is being asked
+        self._checkpoint_lookup = False  # a LookForCheckpoint is out
+        self._force = False  # re-form the ring at the end of this batch even with the same members
+        self._autoscale_requested = 0
+        self._actions: list[m.Action] = []
+
+    # ---- derived state -------------------------------------------------------
+    @property
+    def state(self) -> DriverState:
+        if self._final is not None:
+            return self._final
+        if self._waiting_since is not None:
+            return DriverState.WAITING
+        if self.generation > 1 and self._syncing:
+            return DriverState.RESETTING
+        return DriverState.RUNNING
+
+    @property
+    def resets(self) -> int:
+        return max(0, self.generation - 1)
+
+    @property
+    def finishing(self) -> bool:
+        """A worker's train_fn returned: the run ends once the other members end too."""
+        return any(r.status is WorkerStatus.FINISHED for r in self.workers.values())
+
+    def live(self, *statuses: WorkerStatus) -> list[WorkerRecord]:
+        return [r for r in self.workers.values() if r.status in statuses]
+
+    def alive_ids(self) -> list[str]:
+        return [r.worker_id for r in self.workers.values() if r.status in ALIVE]
+
+    # ---- the one entry point -------------------------------------------------
+    def handle(self, messages: Iterable[m.Message], now: float) -> list[m.Action]:
+        """Apply `messages` in order, re-plan once, and return the actions to carry out."""
+        for message in messages:
+            if self._final is not None:
+                break
+            self._apply(message, now)
+        if self._final is None:
+            self._reconcile(now)
+            self._maybe_publish(now)
+        actions, self._actions = self._actions, []
+        return actions
+
+    def _apply(self, msg: m.Message, now: float) -> None:
+        if isinstance(msg, m.HostsDiscovered):
+            for host in msg.hosts:
+                self.host_first_seen.setdefault(host, now)
+            self.hosts = dict(msg.hosts)
+        elif isinstance(msg, m.WorkerReady):
+            rec = self.workers.get(msg.worker_id)
+            if rec is not None and rec.status is WorkerStatus.STARTING:
+                rec.status = WorkerStatus.READY
+                rec.answered = True  # its process is up: from now on the liveness check applies
+        elif isinstance(msg, m.WorkerExited):
+            self._on_exit(msg, now)
+        elif isinstance(msg, m.WorkerDied):
+            self._on_died(msg.worker_id, msg.reason, msg.node_alive, now)
+        elif isinstance(msg, m.WorkerSynced):
+            self._on_synced(msg)
+        elif isinstance(msg, m.WorkerResumed):
+            self._on_resumed(msg, now)
+        elif isinstance(msg, m.ResetRequested):
+            self._on_reset_requested(msg)
+        elif isinstance(msg, m.ActivityReport):
+            self._on_activity(msg, now)
+        elif isinstance(msg, m.PingResults):
+            self._on_pings(msg)
+        elif isinstance(msg, m.CheckpointFound):
+            self._on_checkpoint_found(msg, now)
+        elif isinstance(msg, m.Tick):
+            self._check_deadlines(now)
+        elif isinstance(msg, m.PublishFailed):
+            self.fail(f"the rendezvous (KV) actor did not take generation {msg.generation}: {msg.reason}")
+        elif isinstance(msg, m.KVLost):
+            self.fail(f"the run's rendezvous (KV) actor died ({msg.reason}); workers cannot form rings")
+        elif isinstance(msg, (m.DiscoveryFailed, m.Stop)):
+            self.fail(msg.reason)
+        else:
+            raise TypeError(f"the driver core got an unknown message {msg!r}")
+
+    def fail(self, reason: str) -> None:
+        if self._final is None:
+            logger.error("run failed: %s", reason)
+            self.failure = reason
+            self._final = DriverState.FAILED
+
+    def _done(self) -> None:
+        if self._final is None:
+            self._final = DriverState.DONE
+
+    # ---- scaling -------------------------------------------------------------
+    def _reconcile(self, now: float) -> None:
+        """Bring the workers in line with the hosts: start newcomers, let leavers go."""
+        if self.finishing:
+            return
+        staying = self.live(WorkerStatus.STARTING, WorkerStatus.READY, WorkerStatus.MEMBER)
+        decision = plan_scaling(
+            [LiveWorker(r.worker_id, r.host, r.seq) for r in staying],
+            self.hosts,
+            self.host_first_seen,
+            self.cooldown.cooling(now),
+            self.config.max_workers,
+        )
+        leaving = []
+        for worker_id in decision.remove:
+            rec = self.workers[worker_id]
+            if rec.status is WorkerStatus.MEMBER:
+                rec.status = WorkerStatus.LEAVING
+                leaving.append(f"{worker_id} on node {rec.host[:8]}")
+            else:
+                self._kill(rec)
+        if leaving:
+            self._unbound.append(
+                self._event(EventKind.HOSTS_REMOVED, f"hosts withdrawn: {', '.join(leaving)} leave", now)
+            )
+        added = 0
+        for host, count in decision.add.items():
+            for _ in range(count):
+                self._spawn(host, now)
+                added += 1
+        if added and self.generation > 0:
+            self._unbound.append(self._event(EventKind.HOSTS_ADDED, f"{added} new worker(s)", now))
+        self._request_autoscale()
+
+    def _request_autoscale(self) -> None:
+        """Ask Ray's autoscaler for the slots still missing up to max_workers."""
+        wanted = self.config.max_workers if sum(self.hosts.values()) < self.config.max_workers else 0
+        if wanted != self._autoscale_requested:
+            self._autoscale_requested = wanted
+            self._actions.append(m.RequestResources(wanted))
+
+    def _spawn(self, host: str, now: float) -> None:
+        self._seq += 1
+        worker_id = f"w{self._seq}"
+        self.workers[worker_id] = WorkerRecord(worker_id, host, self._seq, WorkerStatus.STARTING, now)
+        self._actions.append(m.Spawn(worker_id, host))
+        logger.info("starting worker %s on node %s", worker_id, host[:8])
+
+    def _kill(self, rec: WorkerRecord, failed: bool = False) -> None:
+        """Stop a worker. With `failed`, its death comes back as `WorkerDied` and takes the failure path."""
+        self._actions.append(m.Kill(rec.worker_id, failed))
+        if not failed:
+            rec.status = WorkerStatus.GONE
+
+    def _check_deadlines(self, now: float) -> None:
+        timeout = self.config.elastic_timeout
+        if self._waiting_since is not None and now - self._waiting_since > timeout:
+            ready = len(self.live(WorkerStatus.READY, WorkerStatus.MEMBER))
+            self.fail(
+                f"min_workers={self.config.min_workers} not reached within elastic_timeout={timeout:g} s "
+                f"(ready workers: {ready}; slots offered: {sum(self.hosts.values())}; "
+                f"hosts cooling down: {len(self.cooldown.cooling(now))})"
+            )
+            return
+        for rec in self.live(WorkerStatus.STARTING):
+            if now - rec.started_at > timeout:
+                logger.warning("worker %s did not become ready within %g s; killing it", rec.worker_id, timeout)
+                self._kill(rec, failed=True)
+
+    # ---- workers ending ----------------------------------------------------------
+    def _on_exit(self, msg: m.WorkerExited, now: float) -> None:
+        rec = self.workers.get(msg.worker_id)
+        if rec is None:
+            return
+        outcome = msg.outcome
+        if isinstance(outcome, CoordinatorLost):
+            self.fail(outcome.error)
+            return
+        if isinstance(outcome, UserError):
+            slot = self.plan.get(rec.worker_id)
+            where = f"rank {slot.rank} " if slot is not None else ""
+            text = f"train_fn raised in worker {rec.worker_id} ({where}on node {rec.host[:8]}): {outcome.error}"
+            retry, reason = decide_user_error(self._user_failures, self.config.max_failures)
+            if not retry:
+                self.fail(f"{text}\n{outcome.traceback}")
+                return
+            # the user asked for retries (flaky hardware): handle it as this worker's failure
+            self._user_failures += 1
+            logger.warning("%s (%s)\n%s", text, reason, outcome.traceback)
+            self._actions.append(m.Kill(rec.worker_id))
+            self._on_died(
+                rec.worker_id, f"{outcome.error} ({reason})", True, now, what=f"raised {outcome.error} ({reason})"
+            )
+            return
+        finished = isinstance(outcome, Finished)
+        rec.status = WorkerStatus.FINISHED if finished else WorkerStatus.GONE
+        self._actions.append(m.Kill(rec.worker_id))
+        if finished:
+            if outcome.rank == 0:
+                self.return_value = outcome.value
+            for other in self.live(WorkerStatus.STARTING, WorkerStatus.READY):
+                self._kill(other)
+        if self.finishing and not self.live(WorkerStatus.MEMBER, WorkerStatus.LEAVING):
+            self._done()
+
+    def _on_died(self, worker_id: str, reason: str, node_alive: bool, now: float, what: str = "died") -> None:
+        rec = self.workers.get(worker_id)
+        if rec is None or rec.status not in ALIVE:
+            return
+        was_member = rec.status in (WorkerStatus.MEMBER, WorkerStatus.LEAVING)
+        rec.status = WorkerStatus.GONE
+        self._actions.append(m.Release(worker_id))
+        if node_alive:
+            note = f"; node cooling down for {self.cooldown.record_failure(rec.host, now):g} s"
+        else:
+            self.hosts.pop(rec.host, None)
+            note = "; its node is gone"
+        slot = self.plan.get(worker_id)
+        where = f"rank {slot.rank}" if slot is not None else "newcomer"
+        logger.warning("worker %s (%s) on node %s died: %s%s", worker_id, where, rec.host[:8], reason, note)
+        if was_member:
+            detail = f"worker {worker_id} ({where}) on node {rec.host[:8]} {what}{note}"
+            self._unbound.append(self._event(EventKind.WORKER_FAILED, detail, now))
+        else:
+            # a newcomer lost before it joined: a fault, but nobody trained with it, so no reset
+            detail = f"worker {worker_id} on node {rec.host[:8]} {what} before joining{note}"
+            ev = self._event(EventKind.NEWCOMER_FAILED, detail, now)
+            ev.reset_duration = 0.0
+            self.events.append(ev)
+        if self.finishing and not self.live(WorkerStatus.MEMBER, WorkerStatus.LEAVING):
+            self._done()
+
+    # ---- liveness and broken rings -----------------------------------------------
+    def _on_pings(self, msg: m.PingResults) -> None:
+        for worker_id in msg.answered:
+            rec = self.workers.get(worker_id)
+            if rec is not None:
+                rec.answered = True
+        for worker_id in sorted(msg.timed_out):
+            rec = self.workers.get(worker_id)
+            # a process still starting (runtime env, imports) is bounded by the boot deadline instead
+            if rec is not None and rec.status in ALIVE and rec.answered:
+                logger.warning(
+                    "worker %s on node %s did not answer within liveness_timeout=%g s; killing it",
+                    worker_id,
+                    rec.host[:8],
+                    self.config.liveness_timeout,
+                )
+                self._kill(rec, failed=True)
+
+    def _on_reset_requested(self, msg: m.ResetRequested) -> None:
+        """A rank's ring broke. Usually a death explains it; else ask every member what it is doing."""
+        if msg.generation != self.generation or self._querying == msg.generation:
+            return
+        if any(self.workers[w].status not in ALIVE for w in self.plan):
+            return  # a death explains it, and its message re-forms the ring
+        self._querying = msg.generation
+        self._actions.append(m.QueryActivity(msg.generation, tuple(self.plan), msg.worker_id, msg.reason))
+
+    def _on_activity(self, msg: m.ActivityReport, now: float) -> None:
+        if self._querying == msg.generation:
+            self._querying = None
+        if msg.generation != self.generation:
+            return  # the ring was re-formed meanwhile
+        verdict = judge_ring_failure(
+            msg.activity,
+            collective_timeout=self.config.collective_timeout,
+            liveness_timeout=self.config.liveness_timeout,
+            last_timeout_reset=self._last_timeout_reset,
+            now=now,
+        )
+        if verdict.verdict is Ring.KILL:
+            logger.warning("ring of generation %d broke: %s; killing them", msg.generation, verdict.reason)
+            for worker_id in verdict.kill:
+                rec = self.workers[worker_id]
+                if rec.status in ALIVE:
+                    self._kill(rec, failed=True)
+        elif verdict.verdict is Ring.FAIL:
+            self.fail(
+                f"{verdict.reason} (generations {self.generation - 1} and {self.generation}; last error, "
+                f"worker {msg.worker_id}: {msg.reason})"
+            )
+        elif verdict.verdict is Ring.REFORM:
+            self._last_timeout_reset = now
+            self._unbound.append(self._event(EventKind.RESET_REQUESTED, f"worker {msg.worker_id}: {msg.reason}", now))
+            self._force = True
+
+    # ---- generations ---------------------------------------------------------------
+    def _maybe_publish(self, now: float) -> None:
+        """Publish the next generation if membership changed and it may form now."""
+        force, self._force = self._force, False
+        if self.finishing:
+            return  # a member finished: the others finish the same generation
+        ready = [r.worker_id for r in self.live(WorkerStatus.READY, WorkerStatus.MEMBER)]
+        verdict, reason = self._publish_verdict(ready, force)
+        if verdict is PublishVerdict.ALL_LOST:
+            self._all_lost()
+        elif verdict is PublishVerdict.BELOW_MIN:
+            if self._waiting_since is None:
+                logger.info("driver: waiting (%s)", reason)
+                self._waiting_since = now
+        elif verdict is PublishVerdict.NOW:
+            logger.info("driver: publishing generation %d (%s)", self.generation + 1, reason)
+            self._publish(ready, now)
+
+    def _publish_verdict(self, ready: Sequence[str], force: bool) -> tuple[PublishVerdict, str]:
+        return decide_publish(
+            current=self.plan,
+            ready=ready,
+            alive=set(self.alive_ids()),
+            leaving=[r.worker_id for r in self.live(WorkerStatus.LEAVING)],
+            starting=len(self.live(WorkerStatus.STARTING)),
+            min_workers=self.config.min_workers,
+            force=force,
+        )
+
+    def _all_lost(self) -> None:
+        """Nobody holds the trained state: go on only from a durable checkpoint (`CheckpointFound` answers)."""
+        if self.config.checkpoint_dir is None:
+            self._fail_all_lost("configure checkpoint_dir to resume from a durable checkpoint")
+        elif not self._checkpoint_lookup:
+            self._checkpoint_lookup = True
+            self._actions.append(m.LookForCheckpoint())
+
+    def _on_checkpoint_found(self, msg: m.CheckpointFound, now: float) -> None:
+        self._checkpoint_lookup = False
+        lost = len(self.plan)
+        if not msg.exists:
+            self._fail_all_lost("no durable checkpoint was written yet")
+            return
+        self._unbound.append(
+            self._event(
+                EventKind.RESTARTED,
+                f"all {lost} workers of generation {self.generation} were lost; fresh workers resume "
+                f"from the durable checkpoint in {self.config.checkpoint_dir}",
+                now,
+            )
+        )
+        self.plan = {}
+        if self._waiting_since is None:
+            self._waiting_since = now
+
+    def _fail_all_lost(self, why: str) -> None:
+        self.fail(
+            f"all {len(self.plan)} workers of generation {self.generation} failed; no survivor holds the training "
+            f"state, so the run cannot continue ({why})"
+        )
+
+    def _publish(self, ready: Sequence[str], now: float) -> None:
+        previous = list(self.plan)
+        old_size = len(previous)
+        self.generation += 1
+        self.plan = assign_ranks([LiveWorker(w, self.workers[w].host, self.workers[w].seq) for w in ready])
+        for worker_id in ready:
+            self.workers[worker_id].status = WorkerStatus.MEMBER
+        notify = tuple(w for w in previous if self.workers[w].status in (WorkerStatus.MEMBER, WorkerStatus.LEAVING))
+        # the plan and who must sync are recorded before the shell publishes: a sync that
+        # arrives right after the publish finds them
+        self._syncing = set(self.plan)
+        self._waiting_since = None
+        self._actions.append(m.Publish(self.generation, self.plan, notify))
+        size = len(self.plan)
+        self._actions.append(m.RecordMetric("world_size", size))
+        wall = now + self.wall_offset
+        if self.generation == 1:
+            start = self._event(EventKind.START, f"{size} workers", now)
+            start.time = self.started_at + self.wall_offset
+            self._unbound.append(start)
+        else:
+            self._actions.append(m.RecordMetric("reset"))
+            logger.info("generation %d: world size %d -> %d", self.generation, old_size, size)
+        for ev in self._unbound:
+            if ev.kind is EventKind.HOSTS_ADDED:
+                # the others' pause starts now; the boot before it cost them nothing
+                ev.detail += f", admitted after booting {wall - ev.time:.1f} s"
+                ev.time = wall
+        if any(ev.kind is not EventKind.RESET_REQUESTED for ev in self._unbound):
+            self._last_timeout_reset = None  # the membership changed: a later timeout is a new story
+        for ev in self._unbound:
+            ev.generation = self.generation
+            ev.previous_world_size = old_size
+            ev.world_size = size
+            self.events.append(ev)
+        self._unbound = []
+        limit = self.config.reset_limit
+        if limit is not None and self.resets > limit:
+            self.fail(f"reset_limit={limit} reached: {self.resets} resets")
+
+    def _on_synced(self, msg: m.WorkerSynced) -> None:
+        if msg.generation != self.generation or msg.worker_id not in self._syncing:
+            return
+        self._syncing.discard(msg.worker_id)
+        if self._syncing:
+            return
+        for ev in self.events:
+            if ev.generation == msg.generation and ev.reset_duration is None:
+                ev.reset_duration = max(0.0, msg.at - ev.time)
+                if ev.kind is not EventKind.START:
+                    self._actions.append(m.RecordMetric("recovery", ev.reset_duration))
+                    logger.info("%s; recovered in %.2f s, world size %d", ev.detail, ev.reset_duration, ev.world_size)
+
+    def _on_resumed(self, msg: m.WorkerResumed, now: float) -> None:
+        meta: Mapping[str, Any] = msg.meta
+        wall = now + self.wall_offset
+        age = wall - meta.get("written_at", wall)
+        ev = self._event(
+            EventKind.RESUMED,
+            f"worker {msg.worker_id} (rank 0) loaded the durable checkpoint of commit {meta.get('commit')} "
+            f"(written {age:.1f} s ago at world size {meta.get('world_size')})",
+            now,
+        )
+        ev.reset_duration = 0.0
+        self.events.append(ev)
+
+    def _event(self, kind: EventKind, detail: str, now: float) -> Event:
+        return Event(
+            time=now + self.wall_offset, kind=kind, world_size=len(self.plan), generation=self.generation, detail=detail
+        )

@@ -1,0 +1,199 @@
+"""What reaches the driver's core (messages) and what it asks its shell to do (actions).
+
+The core is pure: each message carries the facts it needs (the shell looks
+them up first, under a deadline, e.g. whether a dead worker's node is still
+alive), and each decision comes back as an action value. Times are the
+shell's `time.monotonic()`; the core turns them into wall-clock times for
+events with the offset it was given.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+from ray_elastic.assignment import WorkerSlot
+from ray_elastic.protocol import WorkerOutcome
+
+
+# ---- messages in ---------------------------------------------------------
+@dataclass(frozen=True)
+class HostsDiscovered:
+    hosts: Mapping[str, int]
+
+
+@dataclass(frozen=True)
+class DiscoveryFailed:
+    reason: str
+
+
+@dataclass(frozen=True)
+class WorkerReady:
+    worker_id: str
+
+
+@dataclass(frozen=True)
+class WorkerExited:
+    """A worker's `run()` returned."""
+
+    worker_id: str
+    outcome: WorkerOutcome
+
+
+@dataclass(frozen=True)
+class WorkerDied:
+    """A worker's `run()` failed (actor died, node lost, placement failed)."""
+
+    worker_id: str
+    reason: str
+    node_alive: bool  # False: its node is gone too, so no cool-down (the node is not coming back as it was)
+
+
+@dataclass(frozen=True)
+class WorkerSynced:
+    worker_id: str
+    generation: int
+    at: float  # the worker's wall clock when its sync ended
+
+
+@dataclass(frozen=True)
+class WorkerResumed:
+    """Rank 0 loaded the durable checkpoint; `meta` is the checkpoint's own."""
+
+    worker_id: str
+    meta: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class ResetRequested:
+    """A rank's ring broke; the core decides whether a death explains it."""
+
+    worker_id: str
+    generation: int
+    reason: str
+
+
+ACTIVITY_TIMEOUT = "timeout"  # the member did not answer the activity query in time
+ACTIVITY_ERROR = "error"  # the query failed: the member is dead (its death message follows)
+
+
+@dataclass(frozen=True)
+class ActivityReport:
+    """The members' answers to `QueryActivity`: `{"idle_s", "in_collective"}`, or one of the two markers."""
+
+    generation: int
+    worker_id: str
+    reason: str
+    activity: Mapping[str, Mapping[str, Any] | str]
+
+
+@dataclass(frozen=True)
+class PingResults:
+    """One liveness round: who answered, who did not answer within `liveness_timeout`."""
+
+    answered: frozenset[str]
+    timed_out: frozenset[str]
+
+
+@dataclass(frozen=True)
+class CheckpointFound:
+    exists: bool
+
+
+@dataclass(frozen=True)
+class PublishFailed:
+    generation: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class KVLost:
+    reason: str
+
+
+@dataclass(frozen=True)
+class Tick:
+    """Periodic: deadlines, cool-downs ending."""
+
+
+@dataclass(frozen=True)
+class Stop:
+    reason: str
+
+
+Message = (
+    HostsDiscovered
+    | DiscoveryFailed
+    | WorkerReady
+    | WorkerExited
+    | WorkerDied
+    | WorkerSynced
+    | WorkerResumed
+    | ResetRequested
+    | ActivityReport
+    | PingResults
+    | CheckpointFound
+    | PublishFailed
+    | KVLost
+    | Tick
+    | Stop
+)
+
+
+# ---- actions out -----------------------------------------------------------
+class Spawn(NamedTuple):
+    """Place a placement group on `host` and start worker `worker_id` in it."""
+
+    worker_id: str
+    host: str
+
+
+class Kill(NamedTuple):
+    """Stop a worker now. `failed`: leave it to the failure path (its `run()` fails, a `WorkerDied` follows)."""
+
+    worker_id: str
+    failed: bool = False
+
+
+class Release(NamedTuple):
+    """Free what a worker that is gone still holds (its placement group)."""
+
+    worker_id: str
+
+
+class Publish(NamedTuple):
+    """Put generation `generation` into the KV actor, then notify the previous members still alive."""
+
+    generation: int
+    plan: Mapping[str, WorkerSlot]
+    notify: tuple[str, ...]
+
+
+class QueryActivity(NamedTuple):
+    """Ask each member whether it is inside a collective, with `liveness_timeout`; answer with `ActivityReport`."""
+
+    generation: int
+    worker_ids: tuple[str, ...]
+    requester: str
+    reason: str
+
+
+class LookForCheckpoint(NamedTuple):
+    """Does the durable checkpoint exist? Answer with `CheckpointFound`."""
+
+
+class RequestResources(NamedTuple):
+    """Ask Ray's autoscaler for `count` worker bundles in all (0 withdraws the request)."""
+
+    count: int
+
+
+class RecordMetric(NamedTuple):
+    """One of `metrics.py`'s gauges or counters: world_size, reset, recovery."""
+
+    name: str
+    value: float = 0.0
+
+
+Action = Spawn | Kill | Release | Publish | QueryActivity | LookForCheckpoint | RequestResources | RecordMetric

@@ -1,0 +1,126 @@
+"""The driver's judgement calls, as pure functions that return a decision and its reason.
+
+- `decide_publish`: whether the membership changed so that a new generation
+  must form now, must wait (newcomers still booting, too few workers), or
+  cannot form because every holder of the trained state is gone.
+- `decide_user_error`: whether an exception raised by `train_fn` is retried
+  as that worker's failure (`max_failures`) or ends the run.
+- `judge_ring_failure`: a ring broke while no death explains it; from the
+  members' activity, tell a hung member, a member stuck in user code (a
+  deadlock), a repeated mismatch, and a one-off timeout apart.
+
+The reason is the text the driver logs, puts in the event and, for a
+failure, raises: one string, so the three always agree.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Collection, Mapping
+from typing import Any, NamedTuple
+
+from ray_elastic.driver.messages import ACTIVITY_ERROR, ACTIVITY_TIMEOUT
+
+
+class PublishVerdict(enum.Enum):
+    UNCHANGED = "unchanged"  # the members are the current generation: nothing to do
+    ALL_LOST = "all_lost"  # no member of the current generation is alive: only a durable checkpoint helps
+    WAIT_FOR_BOOT = "wait_for_boot"  # newcomers still start: admit them together once they are ready
+    BELOW_MIN = "below_min"  # fewer than min_workers ready: wait for more
+    NOW = "now"  # publish the next generation
+
+
+def decide_publish(
+    *,
+    current: Collection[str],
+    ready: Collection[str],
+    alive: Collection[str],
+    leaving: Collection[str],
+    starting: int,
+    min_workers: int,
+    force: bool = False,
+) -> tuple[PublishVerdict, str]:
+    """Whether to publish a new generation.
+
+    `current` are the current generation's members, `ready` the workers that
+    would form the next one (members still alive and ready newcomers),
+    `alive` every worker whose process may still run, `leaving` the members
+    discovery withdrew, `starting` the number of newcomers still booting;
+    `force` re-forms the ring even with the same members (it broke).
+    """
+    if not force and set(ready) == set(current):
+        return PublishVerdict.UNCHANGED, "the membership is unchanged"
+    if current and not any(w in alive for w in current):
+        return PublishVerdict.ALL_LOST, f"all {len(current)} workers of the current generation were lost"
+    lost = any(w not in alive for w in current)
+    if starting and not (lost or force or any(w in leaving for w in current)):
+        return PublishVerdict.WAIT_FOR_BOOT, f"{starting} newcomer(s) still booting; they are admitted together"
+    if len(ready) < min_workers:
+        return PublishVerdict.BELOW_MIN, f"{len(ready)} ready worker(s), fewer than min_workers={min_workers}"
+    what = "the ring broke" if force and set(ready) == set(current) else "the membership changed"
+    return PublishVerdict.NOW, f"{what}: {len(ready)} worker(s) form the next generation"
+
+
+def decide_user_error(failures_so_far: int, max_failures: int) -> tuple[bool, str]:
+    """Retry a `train_fn` exception as the worker's failure while `max_failures` allows it."""
+    if failures_so_far < max_failures:
+        return True, f"retry {failures_so_far + 1} of max_failures={max_failures}"
+    if max_failures:
+        return False, f"max_failures={max_failures} retries used up"
+    return False, "max_failures=0: a train_fn exception ends the run"
+
+
+class Ring(enum.Enum):
+    IGNORE = "ignore"  # a death explains it: its own message re-forms the ring
+    KILL = "kill"  # kill these members (hung, or stuck outside collectives): their deaths re-form the ring
+    REFORM = "reform"  # everyone alive and inside collectives: re-form the ring once
+    FAIL = "fail"  # it broke again the same way: a mismatch that re-forming would repeat forever
+
+
+class RingVerdict(NamedTuple):
+    verdict: Ring
+    reason: str
+    kill: tuple[str, ...] = ()
+
+
+def judge_ring_failure(
+    activity: Mapping[str, Mapping[str, Any] | str],
+    *,
+    collective_timeout: float,
+    liveness_timeout: float,
+    last_timeout_reset: float | None,
+    now: float,
+) -> RingVerdict:
+    """Decide what a broken ring with every member alive means.
+
+    A member that did not answer within `liveness_timeout` is hung: kill it.
+    A member that answers but has not touched a collective for half the
+    collective timeout while the others timed out is stuck in user code
+    (a deadlock): kill it. Otherwise re-form the ring, unless it already
+    broke the same way within three collective timeouts: the ranks'
+    collectives do not match, and re-forming would loop forever.
+    """
+    hung = tuple(w for w, a in activity.items() if a == ACTIVITY_TIMEOUT)
+    if hung:
+        return RingVerdict(
+            Ring.KILL, f"{', '.join(hung)} did not answer within liveness_timeout={liveness_timeout:g} s", hung
+        )
+    if any(a == ACTIVITY_ERROR for a in activity.values()):
+        return RingVerdict(Ring.IGNORE, "a member died: its death re-forms the ring")
+    limit = collective_timeout / 2
+    stuck = tuple(
+        w for w, a in activity.items() if isinstance(a, Mapping) and not a["in_collective"] and a["idle_s"] > limit
+    )
+    if stuck:
+        return RingVerdict(
+            Ring.KILL,
+            f"{', '.join(stuck)} made no collective call for over {limit:g} s while the others timed out",
+            stuck,
+        )
+    if last_timeout_reset is not None and now - last_timeout_reset < 3 * collective_timeout:
+        return RingVerdict(
+            Ring.FAIL,
+            "the ring timed out twice in a row with every worker alive and inside a collective: the ranks' "
+            "collectives do not match, most likely a deadlock in train_fn",
+        )
+    return RingVerdict(Ring.REFORM, "every member is alive and inside a collective: the ring is re-formed")

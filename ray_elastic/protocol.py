@@ -1,0 +1,108 @@
+"""The words the trainer, the driver and the workers exchange, as types.
+
+Everything that crosses an actor boundary or names a kind of thing is defined
+here once, so no module compares loose strings with another's:
+
+- `EventKind`: the kinds of membership event in `Result.events`;
+- `DriverState`: where the driver's run is (waiting, running, ...);
+- `WorkerOutcome`: how a worker's `run()` ended (`Finished`, `Removed`,
+  `CoordinatorLost`, `UserError`);
+- `RunOutcome` and `DriverStatus`: what the driver hands the trainer at the
+  end and while it follows the run.
+
+The enums are `str` enums: a user comparing `event.kind == "worker_failed"`
+keeps working, and they print as their value.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class _StrEnum(str, enum.Enum):
+    """A str enum that prints and formats as its value on every Python we support (3.10+)."""
+
+    __str__ = str.__str__
+    __format__ = str.__format__
+
+
+class EventKind(_StrEnum):
+    START = "start"  # generation 1 formed
+    WORKER_FAILED = "worker_failed"  # a member died (process, actor or node), was killed as hung, or its ring broke
+    NEWCOMER_FAILED = "newcomer_failed"  # a worker died before it was admitted: no reset
+    HOSTS_ADDED = "hosts_added"  # newcomers admitted after booting
+    HOSTS_REMOVED = "hosts_removed"  # discovery withdrew hosts: their workers left gracefully
+    RESET_REQUESTED = "reset_requested"  # a ring broke with every member alive: re-formed
+    RESTARTED = "restarted"  # every member was lost: fresh workers resume from the durable checkpoint
+    RESUMED = "resumed"  # rank 0 loaded the durable checkpoint
+
+
+class DriverState(_StrEnum):
+    WAITING = "waiting"  # fewer than min_workers ready
+    RUNNING = "running"  # a generation trains
+    RESETTING = "resetting"  # a new generation is published and some of its ranks still sync
+    DONE = "done"
+    FAILED = "failed"
+
+    @property
+    def is_final(self) -> bool:
+        return self in (DriverState.DONE, DriverState.FAILED)
+
+
+# ---- how a worker's run() ends (never by raising, for the expected endings) ----
+@dataclass(frozen=True)
+class Finished:
+    """`train_fn` returned; rank 0 ships its value."""
+
+    rank: int | None
+    value: Any = None
+
+
+@dataclass(frozen=True)
+class Removed:
+    """Left out of a new generation: exited cleanly at its next check."""
+
+
+@dataclass(frozen=True)
+class CoordinatorLost:
+    """The run's KV or driver actor is gone: the worker cannot go on."""
+
+    error: str
+
+
+@dataclass(frozen=True)
+class UserError:
+    """`train_fn` raised: the user's exception with its traceback."""
+
+    error: str
+    traceback: str
+
+
+WorkerOutcome = Finished | Removed | CoordinatorLost | UserError
+
+
+@dataclass
+class DriverStatus:
+    """A snapshot for the trainer's progress display."""
+
+    state: DriverState
+    generation: int
+    world_size: int
+    resets: int
+    metrics: list[tuple[float, dict[str, Any]]]
+    num_metrics: int
+    events: list[dict[str, Any]]
+
+
+@dataclass
+class RunOutcome:
+    """How the run ended, as the driver hands it to `fit()`."""
+
+    ok: bool
+    error: str | None = None
+    value: Any = None
+    metrics: list[tuple[float, dict[str, Any]]] = field(default_factory=list)
+    events: list[dict[str, Any]] = field(default_factory=list)
+    resets: int = 0

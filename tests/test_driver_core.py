@@ -1,0 +1,362 @@
+"""The driver's core replayed from message scripts: no Ray, milliseconds per test.
+
+Each test drives `DriverCore` as the shell would (batches of messages with
+a monotonic `now`) and asserts what a user would see: which generation forms
+with whom, which workers are started or killed, which events `Result.events`
+gets, and why a run fails.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from ray_elastic.config import RunConfig
+from ray_elastic.driver import messages as m
+from ray_elastic.driver.core import DriverCore, WorkerStatus
+from ray_elastic.protocol import DriverState, EventKind, Finished, Removed, UserError
+
+
+def config(**overrides) -> RunConfig:
+    values = {
+        "min_workers": 2,
+        "max_workers": 4,
+        "resources_per_worker": {"CPU": 1.0},
+        "elastic_timeout": 60.0,
+        "cooldown_range": (10.0, 300.0),
+        "liveness_timeout": 5.0,
+        "collective_timeout": 20.0,
+    }
+    values.update(overrides)
+    return RunConfig(**values)
+
+
+class Script:
+    """A core and a clock: `send` delivers one batch at the current time and keeps the actions."""
+
+    def __init__(self, **overrides) -> None:
+        self.now = 100.0
+        self.core = DriverCore(config(**overrides), wall_offset=1000.0, started_at=self.now)
+        self.actions: list = []
+
+    def send(self, *messages, after: float = 0.01) -> list:
+        self.now += after
+        self.actions = self.core.handle(list(messages), self.now)
+        return self.actions
+
+    def of(self, kind) -> list:
+        return [a for a in self.actions if isinstance(a, kind)]
+
+    def start(self, hosts: dict[str, int]) -> m.Publish:
+        """Discover `hosts`, let every worker boot, and return generation 1's publish."""
+        self.send(m.HostsDiscovered(hosts))
+        spawned = [a.worker_id for a in self.of(m.Spawn)]
+        self.send(*[m.WorkerReady(w) for w in spawned])
+        [publish] = self.of(m.Publish)
+        self.sync(publish)
+        return publish
+
+    def sync(self, publish: m.Publish) -> None:
+        self.send(*[m.WorkerSynced(w, publish.generation, self.now + 1000.0) for w in publish.plan])
+
+    def kinds(self) -> list[tuple[str, int]]:
+        return [(e.kind, e.generation) for e in self.core.events]
+
+
+def test_generation_one_waits_for_every_newcomer_then_forms_oldest_host_first():
+    s = Script()
+    s.send(m.HostsDiscovered({"A": 2, "B": 2}))
+    assert [(a.worker_id, a.host) for a in s.of(m.Spawn)] == [("w1", "A"), ("w2", "A"), ("w3", "B"), ("w4", "B")]
+    assert s.core.state is DriverState.WAITING
+    s.send(m.WorkerReady("w1"), m.WorkerReady("w2"), m.WorkerReady("w3"))
+    assert s.of(m.Publish) == []  # w4 still boots: newcomers are admitted together
+    s.send(m.WorkerReady("w4"))
+    [publish] = s.of(m.Publish)
+    assert publish.generation == 1 and publish.notify == ()
+    assert [publish.plan[w].rank for w in ("w1", "w2", "w3", "w4")] == [0, 1, 2, 3]
+    assert s.core.state is DriverState.RUNNING and s.core.resets == 0
+    assert s.kinds() == [(EventKind.START, 1)]
+    assert s.core.events[0].time == 1100.0  # the run's start, on the wall clock
+
+
+def test_deaths_arriving_together_join_one_reset():
+    s = Script()
+    s.start({"A": 2, "B": 2})
+    s.send(m.WorkerDied("w1", "node lost", node_alive=False), m.WorkerDied("w2", "node lost", node_alive=False))
+    [publish] = s.of(m.Publish)
+    assert publish.generation == 2 and set(publish.plan) == {"w3", "w4"}
+    assert publish.notify == ("w3", "w4")
+    assert [r.worker_id for r in s.of(m.Release)] == ["w1", "w2"]
+    assert s.kinds()[1:] == [(EventKind.WORKER_FAILED, 2), (EventKind.WORKER_FAILED, 2)]
+    assert "A" not in s.core.hosts and not s.core.cooldown.cooling(s.now)  # a lost node is not cooled, it is gone
+    assert s.core.state is DriverState.RESETTING
+    s.sync(publish)
+    assert s.core.state is DriverState.RUNNING
+    assert all(e.reset_duration is not None for e in s.core.events)
+    assert [a.name for a in s.of(m.RecordMetric)] == ["recovery", "recovery"]
+
+
+def test_a_death_during_a_reset_supersedes_it_and_late_syncs_are_ignored():
+    s = Script(min_workers=1)
+    s.start({"A": 1, "B": 1, "C": 1})
+    s.send(m.WorkerDied("w1", "killed", node_alive=True))
+    [gen2] = s.of(m.Publish)
+    s.send(m.WorkerSynced("w2", 2, s.now + 1000))  # w3 has not synced yet when it dies too
+    s.send(m.WorkerDied("w3", "killed", node_alive=True))
+    [gen3] = s.of(m.Publish)
+    assert gen3.generation == 3 and list(gen3.plan) == ["w2"] and gen3.plan["w2"].rank == 0
+    s.send(m.WorkerSynced("w3", 2, s.now + 1000))  # a sync of the superseded generation changes nothing
+    assert s.core.state is DriverState.RESETTING
+    s.sync(gen3)
+    assert s.core.state is DriverState.RUNNING
+    gen2_event, gen3_event = [e for e in s.core.events if e.kind is EventKind.WORKER_FAILED]
+    assert gen2_event.reset_duration is None and gen3_event.reset_duration is not None
+    assert s.core.cooldown.cooling(s.now) == {"A", "C"}
+
+
+def test_a_sync_arriving_right_after_the_publish_is_counted():
+    """Found by reading: the shell awaited the KV before recording who must sync, and dropped early syncs."""
+    s = Script()
+    s.start({"A": 1, "B": 1, "C": 1})
+    s.send(m.WorkerDied("w3", "killed", node_alive=True))
+    [publish] = s.of(m.Publish)
+    # the core records who must sync when it decides, before the shell carries the publish out
+    s.send(m.WorkerSynced("w1", 2, s.now + 1000), m.WorkerSynced("w2", 2, s.now + 1000))
+    assert s.core.state is DriverState.RUNNING
+    assert [a.name for a in s.of(m.RecordMetric)] == ["recovery"]
+
+
+def test_a_newcomer_dying_before_admission_costs_no_reset_and_its_host_cools_down():
+    s = Script(max_workers=3)
+    s.start({"A": 1, "B": 1})
+    s.send(m.HostsDiscovered({"A": 1, "B": 1, "C": 1}))
+    [spawn] = s.of(m.Spawn)
+    assert spawn == m.Spawn("w3", "C")
+    s.send(m.WorkerDied("w3", "ActorDiedError", node_alive=True))
+    assert s.of(m.Publish) == [] and s.core.generation == 1
+    newcomer = s.core.events[-1]
+    assert newcomer.kind is EventKind.NEWCOMER_FAILED and newcomer.reset_duration == 0.0
+    assert "cooling down for 10 s" in newcomer.detail
+    s.send(m.Tick(), after=5.0)
+    assert s.of(m.Spawn) == []  # still cooling
+    s.send(m.Tick(), after=6.0)
+    assert s.of(m.Spawn) == [m.Spawn("w4", "C")]
+
+
+def test_hosts_added_boot_while_the_others_train_and_join_in_one_reset():
+    s = Script()
+    s.start({"A": 1, "B": 1})
+    s.send(m.HostsDiscovered({"A": 1, "B": 1, "C": 2}))
+    assert [a.worker_id for a in s.of(m.Spawn)] == ["w3", "w4"]
+    s.send(m.WorkerReady("w3"), after=4.0)
+    assert s.of(m.Publish) == []
+    s.send(m.WorkerReady("w4"), after=1.0)
+    [publish] = s.of(m.Publish)
+    assert publish.notify == ("w1", "w2") and len(publish.plan) == 4
+    [added] = [e for e in s.core.events if e.kind is EventKind.HOSTS_ADDED]
+    assert added.world_size == 4 and added.previous_world_size == 2
+    assert "admitted after booting 5.0 s" in added.detail and added.time == s.now + 1000.0
+
+
+def test_hosts_withdrawn_by_discovery_leave_gracefully():
+    s = Script(min_workers=1)
+    s.start({"A": 1, "B": 1})
+    s.send(m.HostsDiscovered({"A": 1}))
+    [publish] = s.of(m.Publish)
+    assert list(publish.plan) == ["w1"] and publish.notify == ("w1", "w2")
+    assert s.core.workers["w2"].status is WorkerStatus.LEAVING
+    assert s.kinds()[-1] == (EventKind.HOSTS_REMOVED, 2)
+    s.send(m.WorkerExited("w2", Removed()))
+    assert s.of(m.Kill) == [m.Kill("w2")] and s.core.workers["w2"].status is WorkerStatus.GONE
+    assert s.of(m.Publish) == []
+
+
+def test_a_user_error_ends_the_run_with_its_traceback_by_default():
+    s = Script()
+    s.start({"A": 1, "B": 1})
+    s.send(m.WorkerExited("w2", UserError("ValueError: boom", "Traceback ...\nValueError: boom")))
+    assert s.core.state is DriverState.FAILED
+    assert s.core.failure.startswith("train_fn raised in worker w2 (rank 1 on node B): ValueError: boom")
+    assert "Traceback" in s.core.failure
+
+
+def test_max_failures_retries_user_errors_as_worker_failures_then_fails():
+    s = Script(max_failures=1, min_workers=1)
+    s.start({"A": 1, "B": 1})
+    s.send(m.WorkerExited("w2", UserError("OSError: flaky", "tb")))
+    assert s.core.state is DriverState.RESETTING
+    assert m.Kill("w2") in s.actions and m.Release("w2") in s.actions
+    failed = s.core.events[-1]
+    assert failed.kind is EventKind.WORKER_FAILED and "retry 1 of max_failures=1" in failed.detail
+    s.send(m.WorkerExited("w1", UserError("OSError: flaky", "tb")))
+    assert s.core.state is DriverState.FAILED and "OSError: flaky" in s.core.failure
+
+
+def test_a_broken_ring_with_every_member_alive_asks_once_and_kills_the_member_stuck_in_user_code():
+    s = Script()
+    s.start({"A": 1, "B": 1, "C": 1})
+    s.send(m.ResetRequested("w1", 1, "timeout"), m.ResetRequested("w2", 1, "timeout"))
+    [query] = s.of(m.QueryActivity)
+    assert query.worker_ids == ("w1", "w2", "w3") and query.requester == "w1"
+    busy, idle = {"idle_s": 0.1, "in_collective": True}, {"idle_s": 15.0, "in_collective": False}
+    s.send(m.ActivityReport(1, "w1", "timeout", {"w1": busy, "w2": busy, "w3": idle}))
+    assert s.of(m.Kill) == [m.Kill("w3", failed=True)]
+    assert s.core.generation == 1  # its death re-forms the ring
+    s.send(m.WorkerDied("w3", "killed", node_alive=True))
+    assert s.of(m.Publish)[0].generation == 2
+
+
+def test_a_hung_member_is_killed_and_a_death_explains_a_broken_ring():
+    s = Script()
+    s.start({"A": 1, "B": 1})
+    s.send(m.ResetRequested("w1", 1, "timeout"))
+    s.send(m.ActivityReport(1, "w1", "timeout", {"w1": {"idle_s": 0, "in_collective": True}, "w2": m.ACTIVITY_TIMEOUT}))
+    assert s.of(m.Kill) == [m.Kill("w2", failed=True)]
+    s.send(m.WorkerDied("w2", "killed", node_alive=True), m.ResetRequested("w1", 1, "closed"))
+    assert s.of(m.QueryActivity) == []  # a dead member explains the broken ring
+
+
+def test_a_ring_timing_out_twice_with_everyone_busy_is_a_mismatch_not_a_loop():
+    s = Script()
+    s.start({"A": 1, "B": 1})
+    busy = {"w1": {"idle_s": 0.0, "in_collective": True}, "w2": {"idle_s": 0.0, "in_collective": True}}
+    s.send(m.ResetRequested("w1", 1, "timeout"))
+    s.send(m.ActivityReport(1, "w1", "timeout", busy))
+    [publish] = s.of(m.Publish)
+    assert publish.generation == 2 and set(publish.plan) == {"w1", "w2"}
+    assert s.kinds()[-1] == (EventKind.RESET_REQUESTED, 2)
+    s.sync(publish)
+    s.send(m.ResetRequested("w2", 2, "timeout"), after=20.0)
+    s.send(m.ActivityReport(2, "w2", "timeout", busy))
+    assert s.core.state is DriverState.FAILED
+    assert "collectives do not match" in s.core.failure and "generations 1 and 2" in s.core.failure
+
+
+def test_an_activity_report_for_a_superseded_generation_is_ignored():
+    s = Script(min_workers=1)
+    s.start({"A": 1, "B": 1})
+    s.send(m.ResetRequested("w1", 1, "timeout"))
+    s.send(m.WorkerDied("w2", "killed", node_alive=True))
+    assert s.core.generation == 2
+    s.send(m.ActivityReport(1, "w1", "timeout", {"w1": m.ACTIVITY_TIMEOUT}))
+    assert s.of(m.Kill) == [] and s.core.state is not DriverState.FAILED
+
+
+def test_liveness_kills_only_workers_whose_process_answered_before():
+    s = Script(max_workers=3)
+    s.start({"A": 1, "B": 1})
+    s.send(m.HostsDiscovered({"A": 1, "B": 1, "C": 1}))
+    s.send(m.PingResults(answered=frozenset({"w1"}), timed_out=frozenset({"w2", "w3"})))
+    # w2 said it was ready (its process is up): hung; w3 never answered: still booting, its boot deadline applies
+    assert s.of(m.Kill) == [m.Kill("w2", failed=True)]
+
+
+def test_a_worker_not_ready_within_elastic_timeout_is_killed_as_failed():
+    s = Script(max_workers=3)
+    s.start({"A": 1, "B": 1})
+    s.send(m.HostsDiscovered({"A": 1, "B": 1, "C": 1}))
+    s.send(m.Tick(), after=59.0)
+    assert s.of(m.Kill) == []
+    s.send(m.Tick(), after=2.0)
+    assert s.of(m.Kill) == [m.Kill("w3", failed=True)]
+
+
+def test_min_workers_not_reached_fails_after_elastic_timeout_naming_what_it_saw():
+    s = Script(min_workers=3)
+    s.send(m.HostsDiscovered({"A": 2}))
+    s.send(m.WorkerReady("w1"), m.WorkerReady("w2"))
+    s.send(m.Tick(), after=59.0)
+    assert s.core.state is DriverState.WAITING
+    s.send(m.Tick(), after=2.0)
+    assert s.core.state is DriverState.FAILED
+    assert s.core.failure == (
+        "min_workers=3 not reached within elastic_timeout=60 s (ready workers: 2; slots offered: 2; "
+        "hosts cooling down: 0)"
+    )
+
+
+def test_losing_every_member_without_a_checkpoint_fails_clearly():
+    s = Script()
+    s.start({"A": 1, "B": 1})
+    s.send(m.WorkerDied("w1", "x", node_alive=True), m.WorkerDied("w2", "x", node_alive=True))
+    assert s.core.state is DriverState.FAILED
+    assert s.core.failure.startswith("all 2 workers of generation 1 failed; no survivor holds the training state")
+    assert "configure checkpoint_dir" in s.core.failure
+
+
+def test_losing_every_member_with_a_checkpoint_restarts_fresh_workers_from_it():
+    s = Script(checkpoint_dir="file:///tmp/ckpt", cooldown_range=(1.0, 1.0))
+    s.start({"A": 1, "B": 1})
+    s.send(m.WorkerDied("w1", "x", node_alive=True), m.WorkerDied("w2", "x", node_alive=True))
+    assert s.of(m.LookForCheckpoint) == [m.LookForCheckpoint()]
+    s.send(m.Tick())
+    assert s.of(m.LookForCheckpoint) == []  # one lookup at a time
+    s.send(m.CheckpointFound(True))
+    assert s.core.state is DriverState.WAITING
+    s.send(m.Tick(), after=1.5)
+    fresh = [a.worker_id for a in s.of(m.Spawn)]
+    assert fresh == ["w3", "w4"]
+    s.send(*[m.WorkerReady(w) for w in fresh])
+    [publish] = s.of(m.Publish)
+    assert publish.generation == 2 and publish.notify == ()
+    assert [kind for kind, generation in s.kinds() if generation == 2] == [
+        EventKind.WORKER_FAILED,
+        EventKind.WORKER_FAILED,
+        EventKind.RESTARTED,
+        EventKind.HOSTS_ADDED,
+    ]
+
+
+def test_no_checkpoint_found_after_losing_everyone_fails():
+    s = Script(checkpoint_dir="file:///tmp/ckpt")
+    s.start({"A": 1, "B": 1})
+    s.send(m.WorkerDied("w1", "x", node_alive=True), m.WorkerDied("w2", "x", node_alive=True))
+    s.send(m.CheckpointFound(False))
+    assert s.core.state is DriverState.FAILED and "no durable checkpoint was written yet" in s.core.failure
+
+
+def test_rank0_finishing_ends_the_run_with_its_value_and_stops_newcomers():
+    s = Script(max_workers=3)
+    s.start({"A": 1, "B": 1})
+    s.send(m.HostsDiscovered({"A": 1, "B": 1, "C": 1}))
+    s.send(m.WorkerExited("w1", Finished(0, {"loss": 0.1})))
+    assert m.Kill("w3") in s.actions and s.of(m.Publish) == []  # no reset while the run finishes
+    assert s.core.state is DriverState.RUNNING
+    s.send(m.WorkerExited("w2", Finished(1)))
+    assert s.core.state is DriverState.DONE and s.core.return_value == {"loss": 0.1}
+
+
+def test_reset_limit_fails_the_run_at_the_reset_past_it():
+    s = Script(reset_limit=1, min_workers=1)
+    s.start({"A": 1, "B": 1, "C": 1})
+    s.send(m.WorkerDied("w1", "x", node_alive=False))
+    assert s.core.state is DriverState.RESETTING
+    s.send(m.WorkerDied("w2", "x", node_alive=False))
+    assert s.core.state is DriverState.FAILED and s.core.failure == "reset_limit=1 reached: 2 resets"
+
+
+def test_discovery_failure_kv_loss_and_stop_end_the_run_with_their_reason():
+    for message, text in (
+        (m.DiscoveryFailed("script exited with 7"), "script exited with 7"),
+        (m.KVLost("ActorDiedError"), "rendezvous (KV) actor died (ActorDiedError)"),
+        (m.PublishFailed(2, "no answer within 5 s"), "did not take generation 2: no answer within 5 s"),
+        (m.Stop("fit() was interrupted"), "fit() was interrupted"),
+    ):
+        s = Script()
+        s.start({"A": 1, "B": 1})
+        s.send(message)
+        assert s.core.state is DriverState.FAILED and text in s.core.failure
+
+
+def test_the_autoscaler_is_asked_for_missing_slots_once_and_released_when_offered():
+    s = Script()
+    s.send(m.HostsDiscovered({"A": 2}))
+    assert s.of(m.RequestResources) == [m.RequestResources(4)]
+    s.send(m.Tick())
+    assert s.of(m.RequestResources) == []
+    s.send(m.HostsDiscovered({"A": 2, "B": 2}))
+    assert s.of(m.RequestResources) == [m.RequestResources(0)]
+
+
+def test_an_unknown_message_is_a_driver_bug_not_a_silent_drop():
+    with pytest.raises(TypeError, match="unknown message"):
+        Script().send(object())
