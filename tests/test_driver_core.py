@@ -157,9 +157,11 @@ def test_hosts_added_boot_while_the_others_train_and_join_in_one_reset():
     assert "admitted after booting 5.0 s" in added.detail and added.time == s.now + 1000.0
 
 
-def test_hosts_withdrawn_by_discovery_leave_gracefully():
+def test_hosts_withdrawn_by_discovery_leave_gracefully_once_a_second_poll_confirms_it():
     s = Script(min_workers=1)
     s.start({"A": 1, "B": 1})
+    s.send(m.HostsDiscovered({"A": 1}))
+    assert s.of(m.Publish) == [] and s.core.workers["w2"].status is WorkerStatus.MEMBER
     s.send(m.HostsDiscovered({"A": 1}))
     [publish] = s.of(m.Publish)
     assert list(publish.plan) == ["w1"] and publish.notify == ("w1", "w2")
@@ -168,6 +170,53 @@ def test_hosts_withdrawn_by_discovery_leave_gracefully():
     s.send(m.WorkerExited("w2", Removed()))
     assert s.of(m.Kill) == [m.Kill("w2")] and s.core.workers["w2"].status is WorkerStatus.GONE
     assert s.of(m.Publish) == []
+
+
+def test_a_one_poll_blip_of_no_hosts_costs_nothing():
+    """Found trying it: a blip returning {} restarted training from scratch with untrained newcomers."""
+    s = Script()
+    s.start({"A": 2, "B": 2})
+    s.send(m.HostsDiscovered({}))
+    s.send(m.HostsDiscovered({"A": 2, "B": 2}))
+    assert s.of(m.Spawn) == [] and s.of(m.Publish) == [] and s.of(m.Kill) == []
+    assert s.core.generation == 1 and s.core.state is DriverState.RUNNING
+
+
+def test_a_longer_withdrawal_of_every_host_keeps_the_oldest_member_until_it_is_offered_again():
+    s = Script()
+    s.start({"A": 2, "B": 2})
+    s.send(m.HostsDiscovered({}))
+    s.send(m.HostsDiscovered({}))
+    # three leave, the oldest stays; alone it is below min_workers, so nothing is published yet
+    assert [w for w, r in s.core.workers.items() if r.status is WorkerStatus.LEAVING] == ["w2", "w3", "w4"]
+    assert s.core.workers["w1"].status is WorkerStatus.MEMBER
+    assert s.of(m.Publish) == [] and s.core.state is DriverState.WAITING
+    s.send(m.HostsDiscovered({"A": 2, "B": 2}))
+    # offered again before anyone left: everyone stays, no newcomer, no reset
+    assert all(r.status is WorkerStatus.MEMBER for r in s.core.workers.values())
+    assert s.of(m.Spawn) == [] and s.of(m.Publish) == [] and s.core.state is DriverState.RUNNING
+
+
+def test_a_replaced_pool_hands_the_state_over_before_the_old_members_leave():
+    s = Script(min_workers=1, max_workers=2)
+    s.start({"A": 1, "B": 1})
+    s.send(m.HostsDiscovered({"C": 1, "D": 1}))
+    s.send(m.HostsDiscovered({"C": 1, "D": 1}))
+    # w1, the oldest, holds the state over: it counts toward max_workers, so one newcomer starts
+    assert s.core.workers["w1"].status is WorkerStatus.MEMBER
+    assert s.of(m.Spawn) == [m.Spawn("w3", "C")]
+    [gen2] = s.of(m.Publish)
+    assert list(gen2.plan) == ["w1"]  # w2 leaves gracefully
+    s.sync(gen2)
+    s.send(m.WorkerReady("w3"))
+    [gen3] = s.of(m.Publish)
+    assert gen3.plan["w1"].rank == 0 and gen3.plan["w3"].rank == 1  # the holder is rank 0: sync hands its state
+    assert s.of(m.Spawn) == []
+    s.sync(gen3)
+    # as soon as w3 holds the state, w1 leaves, and its slot goes to a newcomer on D
+    [gen4] = s.of(m.Publish)
+    assert list(gen4.plan) == ["w3"] and s.of(m.Spawn) == [m.Spawn("w4", "D")]
+    assert s.core.workers["w1"].status is WorkerStatus.LEAVING
 
 
 def test_a_user_error_ends_the_run_with_its_traceback_by_default():

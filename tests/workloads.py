@@ -120,6 +120,9 @@ def counting_train_fn(config: dict) -> dict:
             if state.step >= config.get("steps", 10**9):
                 break
             at_goal = "until_world" in config and elastic.size() == config["until_world"]
+            if at_goal and "until_rank0_not_in" in config:  # and rank 0 is none of these workers
+                rank0 = elastic.broadcast_object(current().worker_id)
+                at_goal = rank0 not in config["until_rank0_not_in"]
             if at_goal and state.step >= config.get("min_steps", 0):
                 if state.reached_at is None:
                     state.reached_at = state.step
@@ -162,6 +165,21 @@ class FileDiscovery:
     def __call__(self) -> dict:
         with open(self.path) as f:
             return json.load(f)
+
+
+class BlipDiscovery(FileDiscovery):
+    """`FileDiscovery` that answers `{}` once each time the test creates `blip_file` (a one-poll blip)."""
+
+    def __init__(self, path: str, blip_file: str) -> None:
+        super().__init__(path)
+        self.blip_file = blip_file
+
+    def __call__(self) -> dict:
+        try:
+            os.unlink(self.blip_file)
+        except FileNotFoundError:
+            return super().__call__()
+        return {}
 
 
 class FaultHook:

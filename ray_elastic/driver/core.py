@@ -69,6 +69,8 @@ class DriverCore:
         self.plan: dict[str, WorkerSlot] = {}
         self.workers: dict[str, WorkerRecord] = {}
         self.hosts: dict[str, int] = {}
+        self._missing_once: set[str] = set()  # hosts the last poll did not offer, kept for one more poll
+        self._holding: str | None = None  # the withdrawn member kept to hand the trained state over
         self.host_first_seen: dict[str, float] = {}
         self.cooldown = Cooldown(*config.cooldown_range)
         self.events: list[Event] = []
@@ -128,9 +130,7 @@ class DriverCore:
 
     def _apply(self, msg: m.Message, now: float) -> None:
         if isinstance(msg, m.HostsDiscovered):
-            for host in msg.hosts:
-                self.host_first_seen.setdefault(host, now)
-            self.hosts = dict(msg.hosts)
+            self._update_hosts(msg.hosts, now)
         elif isinstance(msg, m.WorkerReady):
             rec = self.workers.get(msg.worker_id)
             if rec is not None and rec.status is WorkerStatus.STARTING:
@@ -163,6 +163,16 @@ class DriverCore:
         else:
             raise TypeError(f"the driver core got an unknown message {msg!r}")
 
+    def _update_hosts(self, offered: Mapping[str, int], now: float) -> None:
+        """Take discovery's view; a host missing from one poll only is kept until the next (a blip is absorbed)."""
+        for host in offered:
+            self.host_first_seen.setdefault(host, now)
+        missing = {h: n for h, n in self.hosts.items() if h not in offered and h not in self._missing_once}
+        if missing:
+            logger.info("discovery no longer offers %s; kept until the next poll confirms it", sorted(missing))
+        self._missing_once = set(missing)
+        self.hosts = {**missing, **offered}
+
     def fail(self, reason: str) -> None:
         if self._final is None:
             logger.error("run failed: %s", reason)
@@ -178,7 +188,7 @@ class DriverCore:
         """Bring the workers in line with the hosts: start newcomers, let leavers go."""
         if self.finishing:
             return
-        staying = self.live(WorkerStatus.STARTING, WorkerStatus.READY, WorkerStatus.MEMBER)
+        staying = self.live(WorkerStatus.STARTING, WorkerStatus.READY, WorkerStatus.MEMBER) + self._pending_leavers()
         decision = plan_scaling(
             [LiveWorker(r.worker_id, r.host, r.seq) for r in staying],
             self.hosts,
@@ -186,26 +196,64 @@ class DriverCore:
             self.cooldown.cooling(now),
             self.config.max_workers,
         )
-        leaving = []
-        for worker_id in decision.remove:
-            rec = self.workers[worker_id]
-            if rec.status is WorkerStatus.MEMBER:
-                rec.status = WorkerStatus.LEAVING
-                leaving.append(f"{worker_id} on node {rec.host[:8]}")
-            else:
-                self._kill(rec)
-        if leaving:
-            self._unbound.append(
-                self._event(EventKind.HOSTS_REMOVED, f"hosts withdrawn: {', '.join(leaving)} leave", now)
-            )
+        remove = set(decision.remove)
+        held = self._hold_over(remove)
+        for rec in staying:
+            if rec.worker_id in remove:
+                if rec.status in (WorkerStatus.MEMBER, WorkerStatus.LEAVING):
+                    rec.status = WorkerStatus.LEAVING  # leaves gracefully with the next generation
+                else:
+                    self._kill(rec)
+            elif rec.status is WorkerStatus.LEAVING:
+                logger.info("worker %s stays: its host is offered again before it left", rec.worker_id)
+                rec.status = WorkerStatus.MEMBER
+        add = dict(decision.add)
+        if held is not None:
+            # the held-over worker counts toward max_workers: one newcomer fewer
+            world = len(staying) - len(remove) + sum(add.values())
+            for host in reversed(list(add)):
+                while world > self.config.max_workers and add[host]:
+                    add[host] -= 1
+                    world -= 1
         added = 0
-        for host, count in decision.add.items():
+        for host, count in add.items():
             for _ in range(count):
                 self._spawn(host, now)
                 added += 1
         if added and self.generation > 0:
             self._unbound.append(self._event(EventKind.HOSTS_ADDED, f"{added} new worker(s)", now))
         self._request_autoscale()
+
+    def _pending_leavers(self) -> list[WorkerRecord]:
+        """Members withdrawn by discovery whose leaving no generation has carried out yet."""
+        return [self.workers[w] for w in self.plan if self.workers[w].status is WorkerStatus.LEAVING]
+
+    def _hold_over(self, remove: set[str]) -> str | None:
+        """Keep one state holder among the members `remove` would take away, if no staying member holds the state.
+
+        A member holds the trained state once it synced in the current
+        generation. When discovery withdraws every holder at once (a blip, a
+        whole pool replaced), the oldest of them stays until a generation
+        with others has synced, so the state is handed over, never dropped.
+        """
+        members = [
+            self.workers[w] for w in self.plan if self.workers[w].status in (WorkerStatus.MEMBER, WorkerStatus.LEAVING)
+        ]
+        removed = [r for r in members if r.worker_id in remove]
+        if not removed or any(r.worker_id not in remove and r.worker_id not in self._syncing for r in members):
+            return None
+        keep = min(removed, key=lambda r: r.seq)
+        remove.discard(keep.worker_id)
+        if self._holding == keep.worker_id:
+            return keep.worker_id
+        self._holding = keep.worker_id
+        logger.warning(
+            "discovery withdrew every worker holding the trained state; worker %s on node %s stays until "
+            "the others received it",
+            keep.worker_id,
+            keep.host[:8],
+        )
+        return keep.worker_id
 
     def _request_autoscale(self) -> None:
         """Ask Ray's autoscaler for the slots still missing up to max_workers."""
@@ -368,7 +416,11 @@ class DriverCore:
             return  # a member finished: the others finish the same generation
         ready = [r.worker_id for r in self.live(WorkerStatus.READY, WorkerStatus.MEMBER)]
         verdict, reason = self._publish_verdict(ready, force)
-        if verdict is PublishVerdict.ALL_LOST:
+        if verdict is PublishVerdict.UNCHANGED:
+            if self._waiting_since is not None and self.plan:
+                logger.info("driver: the current generation is whole again; no longer waiting")
+                self._waiting_since = None
+        elif verdict is PublishVerdict.ALL_LOST:
             self._all_lost()
         elif verdict is PublishVerdict.BELOW_MIN:
             if self._waiting_since is None:
@@ -422,6 +474,10 @@ class DriverCore:
         )
 
     def _publish(self, ready: Sequence[str], now: float) -> None:
+        leavers = self._pending_leavers()
+        if leavers:
+            names = ", ".join(f"{r.worker_id} on node {r.host[:8]}" for r in leavers)
+            self._unbound.append(self._event(EventKind.HOSTS_REMOVED, f"hosts withdrawn: {names} leave", now))
         previous = list(self.plan)
         old_size = len(previous)
         self.generation += 1
