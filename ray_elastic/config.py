@@ -155,6 +155,12 @@ def _check_resources(resources: Mapping[str, float] | None) -> dict[str, float]:
         out[name] = float(amount)
     if not any(out.values()):
         raise ValueError("resources_per_worker must ask for some resource (all amounts are 0)")
+    if "object_store_memory" in out:
+        # Ray refuses it as an actor resource; only a node's start options set the object store's size
+        raise ValueError(
+            "resources_per_worker cannot ask for 'object_store_memory' (Ray sets the object store per node, "
+            "not per actor); use 'memory' for a worker's heap"
+        )
     return out
 
 

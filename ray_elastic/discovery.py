@@ -21,6 +21,7 @@ import logging
 import math
 import os
 import signal
+import socket
 import subprocess
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -101,12 +102,18 @@ def validate_host_slots(value: object, source: str) -> HostSlots:
     return out
 
 
-def resolve_hosts(raw: Mapping[str, int], nodes: Sequence[NodeInfo], per_worker: Mapping[str, float]) -> HostSlots:
-    """Map user host keys (node IDs or unique IPs) to node IDs.
+def resolve_hosts(
+    raw: Mapping[str, int],
+    nodes: Sequence[NodeInfo],
+    per_worker: Mapping[str, float],
+    unknown: list[str] | None = None,
+) -> HostSlots:
+    """Map user host keys (node IDs, unique IPs, or hostnames resolving to one) to node IDs.
 
     Slots are capped at what the node's resources hold, so a script cannot
     ask for placement groups that never fit. Hosts unknown to Ray are skipped
-    (they may be about to join); an IP shared by several nodes is an error.
+    (they may be about to join) and appended to `unknown`; an IP shared by
+    several nodes is an error.
     """
     by_id = {n.node_id: n for n in nodes}
     by_ip: dict[str, list[NodeInfo]] = {}
@@ -116,18 +123,47 @@ def resolve_hosts(raw: Mapping[str, int], nodes: Sequence[NodeInfo], per_worker:
     for host, slots in raw.items():
         node = by_id.get(host)
         if node is None:
-            matches = by_ip.get(host, [])
+            matches = by_ip.get(host) or by_ip.get(_address_of(host), [])
             if len(matches) > 1:
                 raise DiscoveryError(
                     f"host {host!r} is the IP of {len(matches)} Ray nodes; name them by node ID instead"
                 )
             if not matches:
-                logger.debug("discovered host %s is not an alive Ray node; skipping it", host)
+                if unknown is not None:
+                    unknown.append(host)
                 continue
             node = matches[0]
         capacity = slots_for_resources(node.resources, per_worker)
         out[node.node_id] = min(capacity, out.get(node.node_id, 0) + slots)
     return out
+
+
+def _address_of(host: str) -> str | None:
+    """The IPv4 address a hostname resolves to (Horovod scripts print hostnames), or None."""
+    try:
+        return socket.gethostbyname(host)
+    except (OSError, UnicodeError):
+        return None
+
+
+class _UnknownHosts:
+    """What a user source named that is not an alive Ray node, warned about once per change."""
+
+    def __init__(self) -> None:
+        self.last: tuple[str, ...] = ()
+
+    def update(self, hosts: list[str], source: object, nodes: Sequence[NodeInfo]) -> None:
+        current = tuple(sorted(hosts))
+        if current and current != self.last:
+            known = ", ".join(f"{n.node_id[:8]} ({n.ip})" for n in nodes) or "none"
+            logger.warning(
+                "discovery from %r named hosts that are not alive Ray nodes, skipped until they join: %s "
+                "(alive nodes: %s; name hosts by Ray node ID, IP or a hostname resolving to a node's IP)",
+                source,
+                ", ".join(current),
+                known,
+            )
+        self.last = current
 
 
 def alive_ray_nodes() -> list[NodeInfo]:
@@ -168,10 +204,11 @@ class CallableDiscovery:
         self.fn = fn
         self.per_worker = dict(per_worker)
         self._nodes = nodes
+        self.unknown = _UnknownHosts()
 
     def __call__(self) -> HostSlots:
         raw = validate_host_slots(self.fn(), f"discovery callable {self!r}")
-        return resolve_hosts(raw, self._nodes(), self.per_worker)
+        return _resolve(raw, self._nodes(), self.per_worker, self.unknown, self)
 
     def __repr__(self) -> str:
         return getattr(self.fn, "__qualname__", repr(self.fn))
@@ -194,6 +231,7 @@ class ScriptDiscovery:
         self.default_slots = default_slots
         self.timeout = timeout
         self._nodes = nodes
+        self.unknown = _UnknownHosts()
 
     def __call__(self) -> HostSlots:
         try:
@@ -214,10 +252,23 @@ class ScriptDiscovery:
                 f"discovery script {self.path} exited with {proc.returncode}: {stderr.strip()[-2000:]}"
             )
         raw = parse_host_lines(stdout, self.default_slots)
-        return resolve_hosts(raw, self._nodes(), self.per_worker)
+        return _resolve(raw, self._nodes(), self.per_worker, self.unknown, self)
 
     def __repr__(self) -> str:
         return f"script {self.path}"
+
+
+def _resolve(
+    raw: Mapping[str, int],
+    nodes: Sequence[NodeInfo],
+    per_worker: Mapping[str, float],
+    seen: _UnknownHosts,
+    source: object,
+) -> HostSlots:
+    unknown: list[str] = []
+    hosts = resolve_hosts(raw, nodes, per_worker, unknown)
+    seen.update(unknown, source, nodes)
+    return hosts
 
 
 def make_discovery(spec: object, per_worker: Mapping[str, float], timeout: float = 30.0) -> Callable[[], HostSlots]:

@@ -51,4 +51,12 @@ class CoordinatorDiedError(RuntimeError):
 
 
 class TrainingFailedError(RuntimeError):
-    """`fit()` could not finish; the message carries the real reason."""
+    """`fit()` could not finish; the message carries the real reason.
+
+    `return_value` is what rank 0's `train_fn` returned if it did return
+    before the run failed (e.g. the other ranks could not finish), else None.
+    """
+
+    def __init__(self, message: str, return_value: object = None) -> None:
+        super().__init__(message)
+        self.return_value = return_value

@@ -192,7 +192,7 @@ class ElasticTrainer:
         finally:
             _cleanup(driver, kv, namespace, graceful=outcome is not None)
         if not outcome.ok:
-            raise TrainingFailedError(outcome.error or "training failed")
+            raise TrainingFailedError(outcome.error or "training failed", outcome.value)
         return Result(
             return_value=outcome.value,
             metrics=[m for _, m in outcome.metrics],

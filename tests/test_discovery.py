@@ -209,6 +209,25 @@ def test_resolve_hosts_skips_hosts_ray_does_not_know():
     assert resolve_hosts({"10.9.9.9": 4, "node-zzz": 1, "node-a": 1}, NODES, CPU1) == {"node-a": 1}
 
 
+def test_resolve_hosts_maps_a_hostname_to_the_node_with_its_address():
+    """Horovod discovery scripts print hostnames; one resolving to a node's IP names that node."""
+    nodes = [NodeInfo(node_id="node-local", ip="127.0.0.1", resources={"CPU": 2.0})]
+    unknown: list[str] = []
+    assert resolve_hosts({"localhost": 2, "no-such-host.invalid": 1}, nodes, CPU1, unknown) == {"node-local": 2}
+    assert unknown == ["no-such-host.invalid"]
+
+
+def test_hosts_that_are_not_ray_nodes_are_named_in_a_warning_at_once_and_once(caplog):
+    nodes = [NodeInfo(node_id="node-a", ip="10.0.0.1", resources={"CPU": 2.0})]
+    source = CallableDiscovery(lambda: {"worker-7.invalid": 2, "node-a": 2}, CPU1, nodes=lambda: nodes)
+    with caplog.at_level("WARNING", logger="ray_elastic.discovery"):
+        assert source() == {"node-a": 2}
+        assert source() == {"node-a": 2}
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1
+    assert "worker-7.invalid" in warnings[0] and "node-a" in warnings[0] and "10.0.0.1" in warnings[0]
+
+
 def test_resolve_hosts_caps_slots_at_node_capacity():
     assert resolve_hosts({"node-a": 100, "10.0.0.2": 5}, NODES, CPU1) == {"node-a": 4, "node-b": 2}
     assert resolve_hosts({"node-b": 5}, NODES, {"CPU": 1, "GPU": 1}) == {"node-b": 1}

@@ -374,6 +374,19 @@ def test_rank0_finishing_ends_the_run_with_its_value_and_stops_newcomers():
     assert s.core.state is DriverState.DONE and s.core.return_value == {"loss": 0.1}
 
 
+def test_ranks_finishing_at_different_steps_fail_at_once_keeping_rank0s_value():
+    """Found trying it: uneven shards waited 900 s and ended in an unreadable RendezvousTimeoutError."""
+    s = Script()
+    s.start({"A": 1, "B": 1, "C": 1})
+    s.send(m.WorkerExited("w1", Finished(0, "rank 0's model")))
+    s.send(m.ResetRequested("w2", 1, "Connection closed by peer"))
+    assert s.core.state is DriverState.FAILED and s.core.return_value == "rank 0's model"
+    assert s.core.failure.startswith(
+        "rank 0 (w1) returned from train_fn while rank 1 (w2), rank 2 (w3) still ran collectives with it"
+    )
+    assert "same step" in s.core.failure
+
+
 def test_reset_limit_fails_the_run_at_the_reset_past_it():
     s = Script(reset_limit=1, min_workers=1)
     s.start({"A": 1, "B": 1, "C": 1})
@@ -404,6 +417,14 @@ def test_the_autoscaler_is_asked_for_missing_slots_once_and_released_when_offere
     assert s.of(m.RequestResources) == []
     s.send(m.HostsDiscovered({"A": 2, "B": 2}))
     assert s.of(m.RequestResources) == [m.RequestResources(0)]
+
+
+def test_ray_refusing_to_start_a_worker_fails_the_run_at_once_with_rays_message():
+    s = Script()
+    s.send(m.HostsDiscovered({"A": 2}))
+    s.send(m.WorkerStartFailed("w1", "ValueError: bad resources"))
+    assert s.core.state is DriverState.FAILED
+    assert s.core.failure == "Ray could not start worker w1 on node A: ValueError: bad resources"
 
 
 def test_an_unknown_message_is_a_driver_bug_not_a_silent_drop():

@@ -7,11 +7,14 @@ says success"): it failed before the fix.
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 from conftest import wait_until
 from test_integration import assert_same_state, sizes, start_and_reach_step
-from workloads import BlipDiscovery, FileDiscovery
+from workloads import BlipDiscovery, FileDiscovery, counting_train_fn
+
+from ray_elastic import ElasticTrainer, TrainingFailedError
 
 pytestmark = pytest.mark.integration
 
@@ -57,3 +60,15 @@ def test_a_replaced_host_pool_hands_the_trained_state_over(cluster, no_leaks, tm
     assert {e.kind for e in result.events} >= {"hosts_removed", "hosts_added"}
     assert not [e for e in result.events if e.kind in ("worker_failed", "restarted")]
     assert_same_state(result)
+
+
+def test_ranks_finishing_at_different_steps_fail_at_once_with_rank0s_value(cluster, no_leaks):
+    """Found trying it: uneven shards waited 900 s and ended in RayTaskError(RendezvousTimeoutError)."""
+    started = time.monotonic()
+    with pytest.raises(TrainingFailedError) as info:
+        ElasticTrainer(counting_train_fn, 2, 3, config={"steps": 10**6, "rank0_returns_at": 15}, verbose=0).fit()
+    assert time.monotonic() - started < 60
+    message = str(info.value)
+    assert message.startswith("rank 0 (w1) returned from train_fn while rank 1 (w2), rank 2 (w3) still ran")
+    assert "same step" in message
+    assert info.value.return_value == {"steps": 15, "rank0": "w1"}

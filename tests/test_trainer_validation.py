@@ -29,6 +29,7 @@ def make(**overrides):
         ({"resources_per_worker": {"CPU": -1}}, r"resources_per_worker\['CPU'\] must be a finite number >= 0"),
         ({"resources_per_worker": {"CPU": "one"}}, "must be name -> number"),
         ({"resources_per_worker": {"CPU": 0}}, "all amounts are 0"),
+        ({"resources_per_worker": {"CPU": 1, "object_store_memory": 1e8}}, "cannot ask for 'object_store_memory'"),
         ({"backend": "mpi"}, "backend must be one of"),
         ({"elastic_timeout": 0}, "elastic_timeout must be a positive number"),
         ({"discovery_interval": -1}, "discovery_interval must be a positive number"),

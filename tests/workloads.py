@@ -138,6 +138,8 @@ def counting_train_fn(config: dict) -> dict:
             if config.get("signal_file") and state.step == config.get("signal_step") and elastic.rank() == 0:
                 Path(config["signal_file"]).touch()
             _fire_faults(config, state.step)
+            if state.step == config.get("rank0_returns_at") and elastic.rank() == 0:
+                return {"steps": state.step, "rank0": current().worker_id}  # the others go on: uneven shards
             time.sleep(config.get("step_time", 0.005))  # stands for the compute of a real step
             if state.step % config.get("commit_every", 5) == 0:
                 state.commit()

@@ -205,15 +205,19 @@ class DriverActor:
             self._queue.put_nowait(_Died(worker_id, "its placement group was not placed in time"))
             return
         res = dict(self.config.resources_per_worker)
-        handle = self._worker_cls.options(
-            name=worker_id,
-            namespace=self.namespace,
-            num_cpus=res.pop("CPU", 0),
-            num_gpus=res.pop("GPU", 0),
-            memory=res.pop("memory", None),
-            resources=res or None,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
-        ).remote(worker_id, self.kv, self._self_handle, self.worker_config)
+        try:
+            handle = self._worker_cls.options(
+                name=worker_id,
+                namespace=self.namespace,
+                num_cpus=res.pop("CPU", 0),
+                num_gpus=res.pop("GPU", 0),
+                memory=res.pop("memory", None),
+                resources=res or None,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
+            ).remote(worker_id, self.kv, self._self_handle, self.worker_config)
+        except Exception as e:  # noqa: BLE001 - Ray refused the actor's options: say so now, not after a timeout
+            self._queue.put_nowait(m.WorkerStartFailed(worker_id, f"{type(e).__name__}: {_first_line(e)}"))
+            return
         self._handles[worker_id] = handle
         try:
             # no deadline: this call lasts as long as training; the liveness pings bound a hang

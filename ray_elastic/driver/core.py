@@ -140,6 +140,10 @@ class DriverCore:
             self._on_exit(msg, now)
         elif isinstance(msg, m.WorkerDied):
             self._on_died(msg.worker_id, msg.reason, msg.node_alive, now)
+        elif isinstance(msg, m.WorkerStartFailed):
+            rec = self.workers.get(msg.worker_id)
+            where = f" on node {rec.host[:8]}" if rec is not None else ""
+            self.fail(f"Ray could not start worker {msg.worker_id}{where}: {msg.reason}")
         elif isinstance(msg, m.WorkerSynced):
             self._on_synced(msg)
         elif isinstance(msg, m.WorkerResumed):
@@ -373,12 +377,29 @@ class DriverCore:
 
     def _on_reset_requested(self, msg: m.ResetRequested) -> None:
         """A rank's ring broke. Usually a death explains it; else ask every member what it is doing."""
+        if self.finishing:
+            self._fail_uneven_finish(msg)
+            return
         if msg.generation != self.generation or self._querying == msg.generation:
             return
         if any(self.workers[w].status not in ALIVE for w in self.plan):
             return  # a death explains it, and its message re-forms the ring
         self._querying = msg.generation
         self._actions.append(m.QueryActivity(msg.generation, tuple(self.plan), msg.worker_id, msg.reason))
+
+    def _fail_uneven_finish(self, msg: m.ResetRequested) -> None:
+        """A rank's ring broke after another rank returned from train_fn: the ranks did not finish together."""
+        done = [f"rank {self.plan[w].rank} ({w})" for w in self.plan if self.workers[w].status is WorkerStatus.FINISHED]
+        running = [
+            f"rank {self.plan[w].rank} ({w})"
+            for w in self.plan
+            if self.workers[w].status in (WorkerStatus.MEMBER, WorkerStatus.LEAVING)
+        ]
+        self.fail(
+            f"{', '.join(done)} returned from train_fn while {', '.join(running) or 'others'} still ran collectives "
+            f"with it (worker {msg.worker_id}: {msg.reason}). Every rank must leave train_fn at the same step: "
+            "give every rank the same number of batches (ElasticSampler pads the epoch to an even split)"
+        )
 
     def _on_activity(self, msg: m.ActivityReport, now: float) -> None:
         if self._querying == msg.generation:

@@ -51,6 +51,14 @@ class WorkerDied:
 
 
 @dataclass(frozen=True)
+class WorkerStartFailed:
+    """Ray refused to start a worker (its options): deterministic, so retrying cannot help."""
+
+    worker_id: str
+    reason: str
+
+
+@dataclass(frozen=True)
 class WorkerSynced:
     worker_id: str
     generation: int
@@ -128,6 +136,7 @@ Message = (
     | WorkerReady
     | WorkerExited
     | WorkerDied
+    | WorkerStartFailed
     | WorkerSynced
     | WorkerResumed
     | ResetRequested
