@@ -12,22 +12,24 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import cloudpickle
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from ray_elastic import autoscale
 from ray_elastic.checkpoint import CheckpointError, CheckpointStore
 from ray_elastic.config import RunConfig
 from ray_elastic.discovery import alive_ray_nodes, check_discovery_spec, slots_for_resources
 from ray_elastic.driver.actor import create_driver_actor
 from ray_elastic.events import Event
 from ray_elastic.exceptions import TrainingFailedError
+from ray_elastic.payload import pack
 from ray_elastic.protocol import RunOutcome
 from ray_elastic.rendezvous import create_kv_actor
 
@@ -37,6 +39,7 @@ _POLL_S = 0.5
 _STATUS_TIMEOUT_S = 30.0  # a driver that does not answer a status query for this long is retried
 _STOP_TIMEOUT_S = 5.0  # delivering the stop request to the driver of an interrupted fit()
 _CLEANUP_TIMEOUT_S = 30.0  # listing and removing the run's actors and placement groups in Ray's GCS
+_INIT_LOCK = threading.Lock()
 
 
 @dataclass
@@ -151,7 +154,7 @@ class ElasticTrainer:
         )
         config = dict(config or {})
         try:
-            self._payload = _pickle_by_value((train_fn, config))
+            self._payload = pack((train_fn, config))
         except Exception as e:
             raise ValueError(
                 f"train_fn and config must be picklable to reach the workers: {type(e).__name__}: {e}"
@@ -161,7 +164,7 @@ class ElasticTrainer:
             discovery = os.path.abspath(discovery)  # the driver actor's working directory may differ
         elif discovery is not None:
             try:
-                discovery = _pickle_by_value(discovery)
+                discovery = pack(discovery)
             except Exception as e:
                 raise ValueError(f"the discovery callable must be picklable: {type(e).__name__}: {e}") from e
         self.train_fn = train_fn
@@ -176,8 +179,9 @@ class ElasticTrainer:
 
     def fit(self) -> Result:
         """Train until rank 0's `train_fn` returns; raise `TrainingFailedError` otherwise."""
-        if not ray.is_initialized():
-            ray.init(address=os.environ.get("RAY_ADDRESS"), logging_level=logging.WARNING)
+        with _INIT_LOCK:  # two threads' first fit() must not start two Ray instances
+            if not ray.is_initialized():
+                ray.init(address=os.environ.get("RAY_ADDRESS"), logging_level=logging.WARNING)
         self._check_cluster_can_hold_a_worker()
         self._check_checkpoint_dir()
         run_id = uuid.uuid4().hex[:12]
@@ -190,7 +194,7 @@ class ElasticTrainer:
             driver = create_driver_actor(run_id, namespace, kv, self._payload, self.discovery, self.run_config, here)
             outcome = self._follow(driver, driver.run.remote())
         finally:
-            _cleanup(driver, kv, namespace, graceful=outcome is not None)
+            _cleanup(driver, kv, run_id, namespace, graceful=outcome is not None)
         if not outcome.ok:
             raise TrainingFailedError(outcome.error or "training failed", outcome.value)
         return Result(
@@ -284,34 +288,60 @@ def _coordinator_node() -> str:
     return ray.get_runtime_context().get_node_id()
 
 
-def _cleanup(driver: Any, kv: Any, namespace: str, graceful: bool) -> None:
-    """Leave no actor and no placement group of this run behind."""
-    if driver is not None:
-        if not graceful:
-            try:
-                # the driver kills its workers and removes their placement groups
-                ray.get(driver.stop.remote("fit() was interrupted"), timeout=_STOP_TIMEOUT_S)
-            except Exception:  # noqa: BLE001 - a dead driver is cleaned up below
-                pass
-        ray.kill(driver, no_restart=True)
-    if kv is not None:
-        ray.kill(kv, no_restart=True)
+def _cleanup(driver: Any, kv: Any, run_id: str, namespace: str, graceful: bool) -> None:
+    """Leave no actor, no placement group and no autoscaler share of this run behind.
 
-    def sweep() -> None:
+    The work runs in a thread of its own and this waits for it, bounded by
+    `_STOP_TIMEOUT_S + _CLEANUP_TIMEOUT_S`, through further Ctrl-Cs: an
+    impatient second Ctrl-C must not leave placement groups that block the
+    next `fit()`.
+    """
+
+    finished = threading.Event()
+
+    def work() -> None:
+        try:
+            release()
+        finally:
+            finished.set()
+
+    def release() -> None:
+        if driver is not None:
+            if not graceful:
+                try:
+                    # the driver kills its workers and removes their placement groups
+                    ray.get(driver.stop.remote("fit() was interrupted"), timeout=_STOP_TIMEOUT_S)
+                except Exception:  # noqa: BLE001 - a dead driver is cleaned up below
+                    pass
+            ray.kill(driver, no_restart=True)
+        if kv is not None:
+            ray.kill(kv, no_restart=True)
         _remove_run_actors(namespace)
         _remove_run_placement_groups(namespace)
+        autoscale.withdraw(run_id)
 
-    # the GCS answers these; a GCS that hangs must not hang fit()'s caller
-    sweeper = threading.Thread(target=sweep, name="ray-elastic-cleanup", daemon=True)
-    sweeper.start()
-    sweeper.join(_CLEANUP_TIMEOUT_S)
-    if sweeper.is_alive():
+    cleaner = threading.Thread(target=work, name="ray-elastic-cleanup", daemon=True)
+    cleaner.start()
+    deadline = time.monotonic() + _STOP_TIMEOUT_S + _CLEANUP_TIMEOUT_S
+    interrupted = False
+    # an Event, not join(): a join interrupted by Ctrl-C leaves is_alive() False on Python 3.10-3.11
+    while not finished.is_set() and time.monotonic() < deadline:
+        try:
+            finished.wait(max(0.0, deadline - time.monotonic()))
+        except KeyboardInterrupt:
+            interrupted = True
+            logger.warning(
+                "still releasing the run's workers and placement groups (at most %.0f s)", _CLEANUP_TIMEOUT_S
+            )
+    if not finished.is_set():
+        # the GCS answers these; a GCS that hangs must not hang fit()'s caller
         logger.error(
-            "could not list and remove the actors and placement groups of namespace %s within %g s; "
-            "some may be left behind",
+            "could not remove the actors and placement groups of namespace %s within %g s; some may be left behind",
             namespace,
-            _CLEANUP_TIMEOUT_S,
+            _STOP_TIMEOUT_S + _CLEANUP_TIMEOUT_S,
         )
+    if interrupted:
+        raise KeyboardInterrupt
 
 
 def _remove_run_actors(namespace: str) -> None:
@@ -333,33 +363,3 @@ def _remove_run_placement_groups(namespace: str) -> None:
                 remove_placement_group(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(pg_id))))
             except Exception:  # noqa: BLE001 - removed concurrently
                 pass
-
-
-def _pickle_by_value(payload: Any) -> bytes:
-    """Pickle `payload`, taking modules of loose files by value.
-
-    A function or class defined in a file that is not an installed package
-    (an example script, a test helper) cannot be imported by name in the
-    actors, so its module travels with it. Installed packages and the
-    standard library are still pickled by reference.
-    """
-    import sys
-    import sysconfig
-
-    paths = sysconfig.get_paths()
-    installed = tuple({os.path.abspath(paths[k]) for k in ("purelib", "platlib", "stdlib", "platstdlib")})
-    loose = [
-        module
-        for name, module in list(sys.modules.items())
-        if name != "__main__"
-        and not name.startswith("ray_elastic")
-        and isinstance(getattr(module, "__file__", None), str)
-        and not os.path.abspath(module.__file__).startswith(installed)
-    ]
-    for module in loose:
-        cloudpickle.register_pickle_by_value(module)
-    try:
-        return cloudpickle.dumps(payload)
-    finally:
-        for module in loose:
-            cloudpickle.unregister_pickle_by_value(module)

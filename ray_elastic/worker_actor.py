@@ -19,11 +19,11 @@ import time
 import traceback
 from typing import Any
 
-import cloudpickle
 import ray
 
 from ray_elastic.config import WorkerConfig
 from ray_elastic.exceptions import CoordinatorDiedError, WorkerRemovedError
+from ray_elastic.payload import unpack
 from ray_elastic.protocol import CoordinatorLost, Finished, Removed, UserError, WorkerOutcome
 from ray_elastic.worker_context import WorkerContext, set_current
 
@@ -46,7 +46,7 @@ class WorkerActor:
 
     def run(self, payload: bytes) -> WorkerOutcome:
         try:
-            train_fn, config = cloudpickle.loads(payload)
+            train_fn, config = unpack(payload)
             value = train_fn(config)
             rank = self.ctx.slot.rank if self.ctx.slot is not None else None
             if rank == 0:

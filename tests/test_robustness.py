@@ -7,11 +7,20 @@ says success"): it failed before the fix.
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
 import time
+from pathlib import Path
 
 import pytest
-from conftest import wait_until
-from test_integration import assert_same_state, sizes, start_and_reach_step
+import ray
+from conftest import run_placement_groups_alive, wait_until
+from test_integration import assert_same_state, fit_in_thread, sizes, start_and_reach_step
 from workloads import BlipDiscovery, FileDiscovery, counting_train_fn
 
 from ray_elastic import ElasticTrainer, TrainingFailedError
@@ -72,3 +81,114 @@ def test_ranks_finishing_at_different_steps_fail_at_once_with_rank0s_value(clust
     assert message.startswith("rank 0 (w1) returned from train_fn while rank 1 (w2), rank 2 (w3) still ran")
     assert "same step" in message
     assert info.value.return_value == {"steps": 15, "rank0": "w1"}
+
+
+def autoscaler_request() -> list:
+    from ray._private.ray_constants import AUTOSCALER_RESOURCE_REQUEST_CHANNEL
+    from ray.experimental.internal_kv import _internal_kv_get
+
+    raw = _internal_kv_get(AUTOSCALER_RESOURCE_REQUEST_CHANNEL)
+    return json.loads(raw) if raw else []
+
+
+def test_concurrent_runs_autoscaler_requests_add_up_and_are_withdrawn(cluster, no_leaks):
+    """Found trying it: two runs overwrote each other's request; Ctrl-C left it set cluster-wide."""
+    first = fit_in_thread(ElasticTrainer(counting_train_fn, 1, 6, config={"steps": 600}, verbose=0))
+    second = fit_in_thread(
+        ElasticTrainer(counting_train_fn, 1, 10, config={"steps": 30}, resources_per_worker={"CPU": 0.5}, verbose=0)
+    )
+    # 4 CPUs exist (4 slots of 1 CPU, 8 of 0.5): each run asks for room for its max_workers, and the requests add up
+    wait_until(
+        lambda: (
+            sorted(map(json.dumps, autoscaler_request()))
+            == sorted([json.dumps({"CPU": 1.0})] * 6 + [json.dumps({"CPU": 0.5})] * 10)
+        ),
+        60,
+        "both runs' bundles in the autoscaler request",
+    )
+    first.result(timeout=180)
+    second.result(timeout=180)
+    assert autoscaler_request() == [], "each run withdraws its share when it ends"
+
+
+@ray.remote(num_cpus=0)
+class SlowToStopDriver:
+    """Stands in for a driver whose stop() takes a while, so a second Ctrl-C lands during the clean-up."""
+
+    def stop(self, reason: str) -> None:
+        time.sleep(3)
+
+
+def test_a_second_ctrl_c_during_cleanup_still_frees_everything(cluster, no_leaks):
+    from ray.util.placement_group import placement_group
+
+    from ray_elastic.trainer import _cleanup
+
+    namespace = "ray_elastic_ctrlc_test"
+    driver = SlowToStopDriver.options(name="driver", namespace=namespace).remote()
+    pgs = [placement_group([{"CPU": 0.01}], name=f"{namespace}-w{i}") for i in range(3)]
+    ray.get([pg.ready() for pg in pgs], timeout=30)
+    ray.get(driver.__ray_ready__.remote(), timeout=30)
+    timer = threading.Timer(0.5, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT))
+    timer.start()
+    with pytest.raises(KeyboardInterrupt):
+        _cleanup(driver, None, "ctrlc-test", namespace, graceful=False)
+    # the interrupt reached the caller only once the clean-up was done: the placement groups are gone already
+    assert not [name for name in run_placement_groups_alive() if name.startswith(namespace)]
+
+
+def test_two_threads_calling_fit_in_a_fresh_process_both_train(tmp_path):
+    """Found trying it: two threads' first fit() started two Ray instances and crashed the process."""
+    script = tmp_path / "two_threads.py"
+    script.write_text(
+        "import sys, threading\n"
+        f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+        "from workloads import counting_train_fn\n"
+        "from ray_elastic import ElasticTrainer\n"
+        "results = []\n"
+        "def fit():\n"
+        "    results.append(ElasticTrainer(counting_train_fn, 1, 1, config={'steps': 10}, verbose=0).fit())\n"
+        "threads = [threading.Thread(target=fit) for _ in range(2)]\n"
+        "[t.start() for t in threads]\n"
+        "[t.join(240) for t in threads]\n"
+        "print('steps', sorted(r.return_value['steps'] for r in results))\n"
+    )
+    # a Ray of its own: no address, and its own temp dir so it neither finds nor collides with the test cluster
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    ray_tmp = tempfile.mkdtemp(prefix="re-")  # short: Ray's socket paths must fit 107 characters
+    env["RAY_TMPDIR"] = ray_tmp
+    try:
+        done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env)
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "steps [10, 10]" in done.stdout, done.stdout + done.stderr[-2000:]
+
+
+def test_a_users_own_importable_class_reaches_the_workers_as_itself(cluster, no_leaks, tmp_path):
+    """Found trying it: a class from the user's module arrived as a copy (isinstance False, torch.save failed)."""
+    (tmp_path / "usermodel.py").write_text(
+        "import ray_elastic as elastic\n"
+        "class Config:\n"
+        "    def __init__(self, steps):\n"
+        "        self.steps = steps\n"
+        "def train_fn(config):\n"
+        "    import usermodel\n"
+        "    @elastic.run\n"
+        "    def train(state):\n"
+        "        return isinstance(config['cfg'], usermodel.Config), usermodel.Config(config['cfg'].steps)\n"
+        "    return train(elastic.ObjectState(step=0))\n"
+    )
+    (tmp_path / "main.py").write_text(
+        "import usermodel\n"
+        "from ray_elastic import ElasticTrainer\n"
+        "result = ElasticTrainer(usermodel.train_fn, 2, 2, config={'cfg': usermodel.Config(7)}, verbose=0).fit()\n"
+        "same_in_worker, back = result.return_value\n"
+        "print('worker isinstance', same_in_worker, 'back isinstance', isinstance(back, usermodel.Config))\n"
+    )
+    env = {**os.environ, "RAY_ADDRESS": cluster.address}
+    done = subprocess.run(
+        [sys.executable, "main.py"], cwd=tmp_path, capture_output=True, text=True, timeout=240, env=env
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "worker isinstance True back isinstance True" in done.stdout, done.stdout + done.stderr[-2000:]

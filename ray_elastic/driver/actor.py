@@ -30,18 +30,18 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import cloudpickle
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from ray_elastic import metrics
+from ray_elastic import autoscale, metrics
 from ray_elastic.checkpoint import CheckpointStore
 from ray_elastic.config import RunConfig
 from ray_elastic.discovery import DiscoveryError, DiscoveryPoller, alive_ray_nodes, make_discovery
 from ray_elastic.driver import messages as m
 from ray_elastic.driver.core import DriverCore
 from ray_elastic.driver.metrics_log import MetricsLog
+from ray_elastic.payload import unpack
 from ray_elastic.protocol import DriverStatus, RunOutcome
 from ray_elastic.worker_actor import actor_class
 
@@ -71,7 +71,7 @@ class DriverActor:
         self.worker_config = config.worker(run_id)
         self._payload_ref = ray.put(payload)
         # callables arrive pickled by the trainer (their module may exist only on its side)
-        self._discovery_spec = cloudpickle.loads(discovery) if isinstance(discovery, bytes) else discovery
+        self._discovery_spec = unpack(discovery) if isinstance(discovery, bytes) else discovery
         self.core = DriverCore(config, wall_offset=time.time() - time.monotonic(), started_at=time.monotonic())
         self.metrics = MetricsLog(run_id)
         self._queue: asyncio.Queue = asyncio.Queue()
@@ -102,6 +102,7 @@ class DriverActor:
                 self._tasks.append(asyncio.create_task(self._discovery_loop(poller)))
                 self._tasks.append(asyncio.create_task(self._liveness_loop()))
                 self._tasks.append(asyncio.create_task(self._watch_kv()))
+                self._tasks.append(asyncio.create_task(self._renew_autoscale_share()))
             last_tick = time.monotonic()
             while not self.core.state.is_final:
                 batch = await self._next_batch()
@@ -182,7 +183,7 @@ class DriverActor:
             elif isinstance(action, m.LookForCheckpoint):
                 self._tasks.append(asyncio.create_task(self._look_for_checkpoint()))
             elif isinstance(action, m.RequestResources):
-                self._request_resources(action.count)
+                await self._request_resources(action.count)
             elif isinstance(action, m.RecordMetric):
                 _RECORDERS[action.name](self.run_id, action.value)
             else:
@@ -297,15 +298,26 @@ class DriverActor:
             exists = False
         self._queue.put_nowait(m.CheckpointFound(exists))
 
-    def _request_resources(self, count: int) -> None:
-        """Ask Ray's autoscaler for `count` worker bundles (a cluster without one simply does not grow)."""
-        try:
-            from ray.autoscaler.sdk import request_resources  # noqa: PLC0415 - only where an autoscaler is asked
-
-            request_resources(bundles=[dict(self.config.resources_per_worker)] * count)
-        except Exception as e:  # noqa: BLE001
-            logger.debug("autoscaler request failed: %s", e)
+    async def _request_resources(self, count: int) -> None:
+        """Set this run's share of the autoscaler request (a cluster without an autoscaler simply does not grow)."""
         self._autoscale_requested = count
+        loop = asyncio.get_running_loop()
+        try:
+            await asyncio.wait_for(
+                loop.run_in_executor(
+                    None, autoscale.set_share, self.run_id, dict(self.config.resources_per_worker), count
+                ),
+                self.config.discovery_timeout,
+            )
+        except Exception as e:  # noqa: BLE001
+            logger.warning("could not update the autoscaler request within %g s: %s", self.config.discovery_timeout, e)
+
+    async def _renew_autoscale_share(self) -> None:
+        """Keep this run's autoscaler share from expiring while it is wanted."""
+        while True:
+            await asyncio.sleep(autoscale.SHARE_TTL_S / 4)
+            if self._autoscale_requested:
+                await self._request_resources(self._autoscale_requested)
 
     # ---- background sources of messages -----------------------------------------------
     async def _poll(self, poller: DiscoveryPoller) -> dict[str, int] | None:
@@ -395,7 +407,7 @@ class DriverActor:
         for task in self._runs.values():
             task.cancel()
         if self._autoscale_requested:
-            self._request_resources(0)
+            autoscale.withdraw(self.run_id)
 
 
 _RECORDERS: dict[str, Callable[[str, float], None]] = {
