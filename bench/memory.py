@@ -74,7 +74,7 @@ class DriverHost:
         actions = core.handle([m.WorkerReady(a.worker_id) for a in spawned if isinstance(a, m.Spawn)], time.monotonic())
         [publish] = [a for a in actions if isinstance(a, m.Publish)]
         after_publish = rss_mb()
-        log = MetricsLog(f"bench-mem-{uuid.uuid4().hex[:8]}")
+        log = MetricsLog(f"bench-mem-{uuid.uuid4().hex[:8]}", capacity=max(metric_steps, 1))
         for step in range(metric_steps):
             log.add([(time.time(), {"step": step, "loss": 0.5, "world_size": ranks})])
         after_metrics = rss_mb()
@@ -88,6 +88,35 @@ class DriverHost:
             "generation": publish.generation,
             "plan_size": len(publish.plan),
         }
+
+
+@ray.remote(num_cpus=0)
+class LongRunHost:
+    """A fresh process that takes N reports the way a long run does, bounded as ray-elastic holds them, or all."""
+
+    def measure(self, reports: int, bounded: bool) -> dict:
+        from ray_elastic.driver.metrics_log import MetricsLog
+        from ray_elastic.trainer import _Reports
+
+        base = rss_mb()
+        log = MetricsLog("bench-long-run")
+        caller = _Reports(keep=100_000 if bounded else None)
+        held: list = []  # the unbounded way: every report kept by the driver and by the caller
+        batch_size, fetch_every = 25, 2_000  # rank 0 ships ~4 batches/s; fit() polls twice a second
+        for start in range(0, reports, batch_size):
+            batch = [
+                (float(i), {"step": i, "loss": 0.5, "epoch": i // 10_000}) for i in range(start, start + batch_size)
+            ]
+            if bounded:
+                log.add(batch)
+                if start % fetch_every == 0:
+                    caller.take(*log.fetch(caller.seen))
+            else:
+                held.extend(batch)
+                caller.take(start, batch)
+        if bounded:
+            caller.take(*log.fetch(caller.seen))
+        return {"reports": reports, "bounded": bounded, "rss_growth_mb": rss_mb() - base, "kept": len(caller.kept)}
 
 
 @ray.remote(num_cpus=1)
@@ -138,6 +167,7 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=1024)
     parser.add_argument("--metric-steps", type=int, default=10_000, help="reported metrics the driver holds")
     parser.add_argument("--reps", type=int, default=2, help="repetitions of the worker overhead measurement")
+    parser.add_argument("--long-run-reports", type=int, default=2_000_000, help="reports of the long-run check")
     args = parser.parse_args()
     import ray_elastic as elastic
 
@@ -150,6 +180,20 @@ def main() -> None:
         f"{driver['driver_rss_mb']:.0f} MB with {driver['ranks']} worker records and a published generation "
         f"(+{driver['driver_state_mb']:.1f} MB), {driver['rss_with_metrics_mb']:.0f} MB with "
         f"{driver['metric_steps']} reported metrics",
+        flush=True,
+    )
+    long_run = {}
+    for bounded in (True, False):
+        host = LongRunHost.remote()
+        long_run["bounded" if bounded else "unbounded"] = ray.get(
+            host.measure.remote(args.long_run_reports, bounded), timeout=600
+        )
+        ray.kill(host)
+    print(
+        f"long run, {args.long_run_reports} reports through driver and caller: "
+        f"{long_run['bounded']['rss_growth_mb']:.0f} MB bounded as ray-elastic holds them "
+        f"(driver: unfetched only; fit(): newest {long_run['bounded']['kept']}), "
+        f"{long_run['unbounded']['rss_growth_mb']:.0f} MB keeping every report (before this change)",
         flush=True,
     )
     rows = []
@@ -171,7 +215,7 @@ def main() -> None:
     summary["elastic_over_bare_mb"] = summary["elastic_worker_mb"] - summary["bare_torch_mb"]
     summary["elastic_over_ray_actor_mb"] = summary["elastic_worker_mb"] - summary["ray_actor_torch_mb"]
     print("median: " + json.dumps({k: round(v, 1) for k, v in summary.items()}))
-    write_results("memory", rows, driver=driver, worker_summary=summary, steps=STEPS)
+    write_results("memory", rows, driver=driver, worker_summary=summary, steps=STEPS, long_run=long_run)
 
 
 if __name__ == "__main__":

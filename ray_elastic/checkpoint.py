@@ -16,7 +16,9 @@ is a copy, the single final PUT is what makes it atomic).
 Writes happen on a background thread from a copy of the commit, so training
 goes on while the bytes reach storage; a write still in flight when the next
 one is due makes that one wait, and the last write is flushed before a worker
-returns.
+returns. A failed write is retried with back-off and then skipped with a
+warning: a storage blip never fails training, and the end of the run says
+whether its last checkpoint is durable.
 """
 
 from __future__ import annotations
@@ -115,17 +117,33 @@ class CheckpointStore:
 
 
 class CheckpointWriter:
-    """Rank 0's background writer: one write in flight at a time."""
+    """Rank 0's background writer: one write in flight at a time, retried, never fatal to training.
 
-    def __init__(self, store: CheckpointStore) -> None:
+    Storage blips are common (a throttled bucket, a full disk for a moment):
+    a failed write is retried `attempts` times with a doubling back-off from
+    `backoff_s`, then given up with a warning while training goes on; the
+    previous checkpoint stays the latest. `flush` says, at the end, whether
+    the last checkpoint is durable.
+    """
+
+    def __init__(self, store: CheckpointStore, attempts: int = 3, backoff_s: float = 1.0) -> None:
         self.store = store
+        self.attempts = attempts
+        self.backoff_s = backoff_s
         self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
+        self.last_error: str | None = None  # why the newest checkpoint handed over is not durable
+        self.last_written: dict[str, Any] | None = None  # the meta of the newest durable checkpoint
         self.written = 0
 
     def submit(self, state: Any, meta: dict[str, Any], timeout: float) -> None:
-        """Hand a snapshot (already a copy) to the writer; waits for the previous write first."""
-        self.flush(timeout)
+        """Hand a snapshot (already a copy) to the writer, once the previous write ended (up to `timeout` s).
+
+        If the previous write is still running then, this snapshot is skipped with a warning.
+        """
+        if not self._wait(timeout):
+            self.last_error = f"a write to {self.store.url!r} was still running after {timeout:g} s"
+            logger.warning("skipping the checkpoint of %s: %s", meta, self.last_error)
+            return
         self._thread = threading.Thread(
             target=self._write, args=(state, meta), name="ray-elastic-checkpoint", daemon=True
         )
@@ -133,26 +151,52 @@ class CheckpointWriter:
 
     def _write(self, state: Any, meta: dict[str, Any]) -> None:
         started = time.perf_counter()
-        try:
-            self.store.write(state, meta)
+        delay = self.backoff_s
+        for attempt in range(1, self.attempts + 1):
+            try:
+                self.store.write(state, meta)
+            except Exception as e:  # noqa: BLE001 - any storage error: retried, then reported
+                error = f"{type(e).__name__}: {e}"
+                if attempt < self.attempts:
+                    logger.warning(
+                        "writing the checkpoint %s to %s failed (attempt %d of %d: %s); retrying in %g s",
+                        meta,
+                        self.store.url,
+                        attempt,
+                        self.attempts,
+                        error,
+                        delay,
+                    )
+                    time.sleep(delay)
+                    delay *= 2
+                    continue
+                self.last_error = (
+                    f"writing the checkpoint {meta} to {self.store.url!r} failed {self.attempts} times: {error}"
+                )
+                logger.warning(
+                    "%s; training goes on, the latest durable checkpoint is %s", self.last_error, self.last_written
+                )
+                return
             self.written += 1
+            self.last_written = meta
+            self.last_error = None
             logger.info("checkpoint %s written in %.3f s", meta, time.perf_counter() - started)
-        except BaseException as e:  # noqa: BLE001 - surfaced at the next submit or flush
-            self._error = e
+            return
 
-    def flush(self, timeout: float) -> None:
-        """Wait for the write in flight; raise `CheckpointError` if it failed or took too long."""
+    def _wait(self, timeout: float) -> bool:
         thread = self._thread
         if thread is not None:
             thread.join(timeout)
             if thread.is_alive():
-                raise CheckpointError(f"writing the checkpoint to {self.store.url!r} took over {timeout:g} s")
+                return False
             self._thread = None
-        if self._error is not None:
-            error, self._error = self._error, None
-            raise CheckpointError(
-                f"writing the checkpoint to {self.store.url!r} failed: {type(error).__name__}: {error}"
-            ) from error
+        return True
+
+    def flush(self, timeout: float) -> str | None:
+        """Wait up to `timeout` s for the write in flight; None if the newest checkpoint is durable, else why not."""
+        if not self._wait(timeout):
+            return f"the last checkpoint write to {self.store.url!r} did not finish within {timeout:g} s"
+        return self.last_error
 
 
 def normalize_url(url: str | os.PathLike) -> str:

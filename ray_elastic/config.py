@@ -51,6 +51,7 @@ class RunConfig:
     max_failures: int = 0
     checkpoint_dir: str | None = None
     checkpoint_every: int = 10
+    keep_metrics: int | None = 100_000
 
     @classmethod
     def create(
@@ -69,6 +70,7 @@ class RunConfig:
         max_failures: int = 0,
         checkpoint_dir: str | os.PathLike | None = None,
         checkpoint_every: int = 10,
+        keep_metrics: int | None = 100_000,
     ) -> RunConfig:
         """Check every option; `backend="auto"` is resolved against what this interpreter can import."""
         _check_int("min_workers", min_workers, 1)
@@ -91,6 +93,8 @@ class RunConfig:
             _check_int("reset_limit", reset_limit, 0)
         _check_int("max_failures", max_failures, 0)
         _check_int("checkpoint_every", checkpoint_every, 1)
+        if keep_metrics is not None:
+            _check_int("keep_metrics", keep_metrics, 0)
         url = None
         if checkpoint_dir is not None:
             if not isinstance(checkpoint_dir, (str, os.PathLike)) or not os.fspath(checkpoint_dir):
@@ -122,6 +126,7 @@ class RunConfig:
             max_failures=max_failures,
             checkpoint_dir=url,
             checkpoint_every=checkpoint_every,
+            keep_metrics=keep_metrics,
         )
 
     def worker(self, run_id: str) -> WorkerConfig:

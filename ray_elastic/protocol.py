@@ -91,7 +91,8 @@ class DriverStatus:
     generation: int
     world_size: int
     resets: int
-    metrics: list[tuple[float, dict[str, Any]]]
+    metrics: list[tuple[float, dict[str, Any]]]  # the reports from run-wide index `metrics_from` on
+    metrics_from: int
     num_metrics: int
     events: list[dict[str, Any]]
 
@@ -103,6 +104,7 @@ class RunOutcome:
     ok: bool
     error: str | None = None
     value: Any = None
-    metrics: list[tuple[float, dict[str, Any]]] = field(default_factory=list)
+    metrics: list[tuple[float, dict[str, Any]]] = field(default_factory=list)  # not yet fetched by fit()
+    metrics_from: int = 0  # the run-wide index of metrics[0]
     events: list[dict[str, Any]] = field(default_factory=list)
     resets: int = 0

@@ -14,6 +14,7 @@ import os
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,6 +53,8 @@ class Result:
     - `events`: membership events (`Event`: time, kind, world size, reset duration).
     - `resets`: how many times the ring was re-formed.
     - `run_id`: the run's id, the `run_id` tag of its Ray metrics.
+    - `metrics_dropped`: reports not kept (older than the newest
+      `keep_metrics`); `metrics` holds the newest ones.
     """
 
     return_value: Any
@@ -60,6 +63,7 @@ class Result:
     events: list[Event] = field(default_factory=list)
     resets: int = 0
     run_id: str = ""
+    metrics_dropped: int = 0
 
     def plot_timeline(self, path: str | os.PathLike) -> Path:
         """Save a PNG of world size and steps/s over time with the events marked; returns its path."""
@@ -108,6 +112,10 @@ class ElasticTrainer:
             a `fit()` that finds a checkpoint there resumes from it, and a run
             that loses every worker at once resumes from it with fresh workers.
         checkpoint_every: commits between two durable checkpoints (default 10).
+        keep_metrics: how many of rank 0's newest reports `Result.metrics`
+            keeps (default 100,000; None keeps all); older ones are counted
+            in `Result.metrics_dropped`. The driver holds only the reports
+            `fit()` has not fetched yet, so its memory stays bounded either way.
         verbose: 0 silences progress and event lines; 1 shows them.
     """
 
@@ -130,6 +138,7 @@ class ElasticTrainer:
         max_failures: int = 0,
         checkpoint_dir: str | os.PathLike | None = None,
         checkpoint_every: int = 10,
+        keep_metrics: int | None = 100_000,
         verbose: int = 1,
     ) -> None:
         if not callable(train_fn):
@@ -151,6 +160,7 @@ class ElasticTrainer:
             max_failures=max_failures,
             checkpoint_dir=checkpoint_dir,
             checkpoint_every=checkpoint_every,
+            keep_metrics=keep_metrics,
         )
         config = dict(config or {})
         try:
@@ -188,22 +198,24 @@ class ElasticTrainer:
         namespace = f"ray_elastic_{run_id}"
         kv = driver = None
         outcome: RunOutcome | None = None
+        reports = _Reports(self.run_config.keep_metrics)
         try:
             here = NodeAffinitySchedulingStrategy(_coordinator_node(), soft=False)
             kv = create_kv_actor(run_id, namespace, here)
             driver = create_driver_actor(run_id, namespace, kv, self._payload, self.discovery, self.run_config, here)
-            outcome = self._follow(driver, driver.run.remote())
+            outcome = self._follow(driver, driver.run.remote(), reports)
         finally:
             _cleanup(driver, kv, run_id, namespace, graceful=outcome is not None)
         if not outcome.ok:
             raise TrainingFailedError(outcome.error or "training failed", outcome.value)
         return Result(
             return_value=outcome.value,
-            metrics=[m for _, m in outcome.metrics],
-            metric_times=[t for t, _ in outcome.metrics],
+            metrics=[m for _, m in reports.kept],
+            metric_times=[t for t, _ in reports.kept],
             events=[Event(**e) for e in outcome.events],
             resets=outcome.resets,
             run_id=run_id,
+            metrics_dropped=reports.dropped,
         )
 
     def _check_cluster_can_hold_a_worker(self) -> None:
@@ -240,13 +252,13 @@ class ElasticTrainer:
                 meta.get("world_size"),
             )
 
-    def _follow(self, driver: Any, run_ref: Any) -> RunOutcome:
-        """Wait for the driver, showing progress and event lines until it ends."""
+    def _follow(self, driver: Any, run_ref: Any, reports: _Reports) -> RunOutcome:
+        """Wait for the driver, collecting its reports and showing progress and event lines until it ends."""
         from ray_elastic.progress import Progress
 
         progress = Progress(enabled=self.verbose > 0)
         try:
-            return self._poll_driver(driver, run_ref, progress)
+            return self._poll_driver(driver, run_ref, progress, reports)
         except ray.exceptions.RayActorError as e:
             # the driver holds the membership; without it the workers cannot be re-formed
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
@@ -257,8 +269,7 @@ class ElasticTrainer:
         finally:
             progress.close()
 
-    def _poll_driver(self, driver: Any, run_ref: Any, progress: Any) -> RunOutcome:
-        seen_metrics = 0
+    def _poll_driver(self, driver: Any, run_ref: Any, progress: Any, reports: _Reports) -> RunOutcome:
         while True:
             ready, _ = ray.wait([run_ref], timeout=_POLL_S)
             if ready:
@@ -268,16 +279,34 @@ class ElasticTrainer:
                         "state": "done" if outcome.ok else "failed",
                         "events": outcome.events,
                         "resets": outcome.resets,
-                        "metrics": outcome.metrics[seen_metrics:],
+                        "metrics": reports.take(outcome.metrics_from, outcome.metrics),
                     }
                 )
                 return outcome
             try:
-                status = ray.get(driver.status.remote(seen_metrics), timeout=_STATUS_TIMEOUT_S)
+                status = ray.get(driver.status.remote(reports.seen), timeout=_STATUS_TIMEOUT_S)
             except ray.exceptions.GetTimeoutError:
                 continue
-            seen_metrics = status.num_metrics
-            progress.update(vars(status))
+            progress.update({**vars(status), "metrics": reports.take(status.metrics_from, status.metrics)})
+
+
+class _Reports:
+    """Rank 0's reports as `fit()` fetches them: the newest `keep` kept, the others counted."""
+
+    def __init__(self, keep: int | None) -> None:
+        self.kept: deque[tuple[float, dict[str, Any]]] = deque(maxlen=keep)
+        self.seen = 0  # run-wide index of the next report to fetch
+
+    def take(self, first: int, batch: list[tuple[float, dict[str, Any]]]) -> list[tuple[float, dict[str, Any]]]:
+        """Keep the reports of `batch` (starting at run-wide index `first`) not seen yet; return them."""
+        new = batch[max(0, self.seen - first) :]
+        self.kept.extend(new)
+        self.seen = max(self.seen, first + len(batch))
+        return new
+
+    @property
+    def dropped(self) -> int:
+        return self.seen - len(self.kept)
 
 
 def _coordinator_node() -> str:

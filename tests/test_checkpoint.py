@@ -27,7 +27,7 @@ from workloads import counting_train_fn
 
 import ray_elastic as elastic
 from ray_elastic import ElasticTrainer, TrainingFailedError
-from ray_elastic.checkpoint import CHECKPOINT_FILE, META_FILE, CheckpointError, CheckpointStore, CheckpointWriter
+from ray_elastic.checkpoint import CHECKPOINT_FILE, META_FILE, CheckpointStore, CheckpointWriter
 from ray_elastic.torch.sampler import ElasticSampler
 
 HERE = Path(__file__).parent
@@ -62,14 +62,51 @@ def test_fsspec_urls_work(tmp_path):
     assert CheckpointStore(str(tmp_path / "remote")).read()[0] == [1.5]
 
 
-def test_writer_surfaces_a_failed_write_at_the_next_flush(tmp_path):
+class FlakyStore(CheckpointStore):
+    """A real local store whose first `failures` writes fail, as a throttled bucket's would."""
+
+    def __init__(self, url: str, failures: int) -> None:
+        super().__init__(url)
+        self.failures = failures
+
+    def write(self, state, meta) -> None:
+        if self.failures:
+            self.failures -= 1
+            raise OSError("503 Slow Down")
+        super().write(state, meta)
+
+
+def test_a_write_that_fails_once_is_retried_and_lands(tmp_path):
+    """Found trying it: one failed write failed the run at the next commit."""
+    store = FlakyStore(str(tmp_path / "ckpt"), failures=1)
+    writer = CheckpointWriter(store, attempts=3, backoff_s=0.01)
+    writer.submit({"x": 1}, {"commit": 1}, timeout=10)
+    assert writer.flush(timeout=10) is None
+    assert writer.written == 1 and CheckpointStore(str(tmp_path / "ckpt")).read()[0] == {"x": 1}
+
+
+def test_a_write_that_keeps_failing_is_skipped_training_goes_on_and_the_end_says_so(tmp_path):
+    store = FlakyStore(str(tmp_path / "ckpt"), failures=3)
+    writer = CheckpointWriter(store, attempts=3, backoff_s=0.01)
+    writer.submit({"x": 1}, {"commit": 1}, timeout=10)
+    writer.submit({"x": 2}, {"commit": 2}, timeout=10)  # no raise: the next commit goes on
+    assert writer.flush(timeout=10) is None  # the second write landed: the newest checkpoint is durable
+    assert store.read()[0] == {"x": 2}
+    store.failures = 3
+    writer.submit({"x": 3}, {"commit": 3}, timeout=10)
+    note = writer.flush(timeout=10)
+    assert (
+        note.startswith("writing the checkpoint {'commit': 3} to") and "failed 3 times: OSError: 503 Slow Down" in note
+    )
+    assert store.read()[0] == {"x": 2}, "the previous checkpoint stays the latest"
+
+
+def test_an_unwritable_directory_is_reported_at_flush_not_raised(tmp_path):
     blocker = tmp_path / "not_a_dir"
     blocker.write_text("a file where the directory should be")
-    writer = CheckpointWriter(CheckpointStore(str(blocker / "sub")))
+    writer = CheckpointWriter(CheckpointStore(str(blocker / "sub")), attempts=2, backoff_s=0.01)
     writer.submit({"x": 1}, {"commit": 1}, timeout=10)
-    with pytest.raises(CheckpointError, match="writing the checkpoint to .* failed"):
-        writer.flush(timeout=10)
-    writer.flush(timeout=10)  # reported once
+    assert "failed 2 times" in writer.flush(timeout=10)
 
 
 # ---- states -----------------------------------------------------------------

@@ -118,11 +118,13 @@ class DriverActor:
             for task in self._tasks:
                 task.cancel()
             self._cleanup()
+        first, unfetched = self.metrics.fetch(0)
         return RunOutcome(
             ok=self.core.failure is None,
             error=self.core.failure,
             value=self.core.return_value,
-            metrics=self.metrics.all(),
+            metrics=unfetched,
+            metrics_from=first,
             events=[e.to_dict() for e in self.core.events],
             resets=self.core.resets,
         )
@@ -382,13 +384,18 @@ class DriverActor:
         self._queue.put_nowait(m.Stop(reason))
 
     async def status(self, metrics_since: int = 0) -> DriverStatus:
-        """A snapshot for progress display: state, world size, new metrics and events."""
+        """A snapshot for progress display: state, world size, events, and the reports from `metrics_since` on.
+
+        The reports before `metrics_since` were fetched by the caller: the driver lets them go.
+        """
+        first, reports = self.metrics.fetch(metrics_since)
         return DriverStatus(
             state=self.core.state,
             generation=self.core.generation,
             world_size=len(self.core.plan),
             resets=self.core.resets,
-            metrics=self.metrics.since(metrics_since),
+            metrics=reports,
+            metrics_from=first,
             num_metrics=len(self.metrics),
             events=[e.to_dict() for e in self.core.events],
         )
