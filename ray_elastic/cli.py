@@ -186,6 +186,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--checkpoint-every", type=int, default=10, metavar="K", help="commits between durable checkpoints (10)"
     )
 
+    results = run.add_argument_group("results")
+    results.add_argument(
+        "--keep-metrics",
+        type=int,
+        default=100_000,
+        metavar="N",
+        help="rank 0's newest N reports kept for the summary; older ones are only counted (100000)",
+    )
+
     ray_group = run.add_argument_group("Ray")
     ray_group.add_argument(
         "--address",
@@ -264,6 +273,7 @@ def make_trainer(args: argparse.Namespace) -> Any:
         max_failures=args.max_failures,
         checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every,
+        keep_metrics=args.keep_metrics,
         verbose=args.verbose,
     )
 

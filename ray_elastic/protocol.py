@@ -34,6 +34,7 @@ class EventKind(_StrEnum):
     NEWCOMER_FAILED = "newcomer_failed"  # a worker died before it was admitted: no reset
     HOSTS_ADDED = "hosts_added"  # newcomers admitted after booting
     HOSTS_REMOVED = "hosts_removed"  # discovery withdrew hosts: their workers left gracefully
+    PREEMPTED = "preempted"  # a node was drained (a preemption notice): its workers left gracefully
     RESET_REQUESTED = "reset_requested"  # a ring broke with every member alive: re-formed
     RESTARTED = "restarted"  # every member was lost: fresh workers resume from the durable checkpoint
     RESUMED = "resumed"  # rank 0 loaded the durable checkpoint

@@ -219,6 +219,32 @@ def test_a_replaced_pool_hands_the_state_over_before_the_old_members_leave():
     assert s.core.workers["w1"].status is WorkerStatus.LEAVING
 
 
+def test_a_draining_node_is_a_graceful_removal_named_preempted_and_gets_no_new_worker():
+    s = Script(min_workers=1)
+    s.start({"A": 2, "B": 2})
+    s.send(m.NodesDraining({"B": 1000.0 + s.now + 30}))  # a deadline 30 s from now on the wall clock
+    [publish] = s.of(m.Publish)
+    assert set(publish.plan) == {"w1", "w2"} and publish.notify == ("w1", "w2", "w3", "w4")
+    preempted = s.core.events[-1]
+    assert preempted.kind is EventKind.PREEMPTED and preempted.generation == 2
+    assert preempted.detail == "preempted: node B is draining (deadline in 30 s); w3, w4 leave"
+    s.send(m.WorkerExited("w3", Removed()), m.WorkerExited("w4", Removed()))
+    s.send(m.Tick(), after=20.0)
+    assert s.of(m.Spawn) == [], "no worker is placed on a draining node"
+    # once the node is gone and a new one offered, the slots are filled again, never on the gone node
+    s.send(m.NodesDraining({}), m.HostsDiscovered({"A": 2, "C": 2}))
+    assert [a.host for a in s.of(m.Spawn)] == ["C", "C"]
+    s.send(m.HostsDiscovered({"A": 2, "C": 2}))
+    assert s.of(m.Spawn) == []
+
+
+def test_a_drain_without_deadline_says_so():
+    s = Script(min_workers=1)
+    s.start({"A": 1, "B": 1})
+    s.send(m.NodesDraining({"B": 0.0}))
+    assert "no deadline" in s.core.events[-1].detail
+
+
 def test_a_user_error_ends_the_run_with_its_traceback_by_default():
     s = Script()
     s.start({"A": 1, "B": 1})

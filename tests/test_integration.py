@@ -208,10 +208,20 @@ def test_all_workers_failing_is_a_clear_error(cluster, no_leaks, tmp_path):
     assert time.monotonic() - started < 60
 
 
-def test_min_workers_never_reached_fails_within_elastic_timeout(cluster, no_leaks):
+@pytest.mark.parametrize("discovery_interval", [1.0, 0.1])
+def test_min_workers_never_reached_fails_within_elastic_timeout(cluster, no_leaks, discovery_interval):
+    """At 0.1 s, discovery keeps the driver's queue busy: the deadline must hold whatever the message rate."""
     started = time.monotonic()
     with pytest.raises(TrainingFailedError, match=r"min_workers=5 not reached within elastic_timeout=5 s"):
-        ElasticTrainer(counting_train_fn, 5, 5, config={"steps": 10}, elastic_timeout=5, verbose=0).fit()
+        ElasticTrainer(
+            counting_train_fn,
+            5,
+            5,
+            config={"steps": 10},
+            elastic_timeout=5,
+            discovery_interval=discovery_interval,
+            verbose=0,
+        ).fit()
     assert time.monotonic() - started < 5 + 30
 
 

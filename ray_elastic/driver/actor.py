@@ -103,6 +103,7 @@ class DriverActor:
                 self._tasks.append(asyncio.create_task(self._liveness_loop()))
                 self._tasks.append(asyncio.create_task(self._watch_kv()))
                 self._tasks.append(asyncio.create_task(self._renew_autoscale_share()))
+                self._tasks.append(asyncio.create_task(self._drain_loop()))
             last_tick = time.monotonic()
             while not self.core.state.is_final:
                 batch = await self._next_batch()
@@ -336,6 +337,25 @@ class DriverActor:
                 return
             if hosts is not None:
                 self._queue.put_nowait(m.HostsDiscovered(hosts))
+
+    async def _drain_loop(self) -> None:
+        """Ray's draining nodes (a preemption notice, `ray drain-node`), polled as often as discovery."""
+        loop = asyncio.get_running_loop()
+        last: dict[str, float] | None = None
+        while True:
+            try:
+                raw = await asyncio.wait_for(
+                    loop.run_in_executor(None, ray._private.state.state.get_draining_nodes),
+                    self.config.discovery_timeout,
+                )
+            except Exception as e:  # noqa: BLE001 - a GCS hiccup: the next poll tries again
+                logger.warning("could not read Ray's draining nodes: %s", e)
+            else:
+                draining = {node: deadline_ms / 1000 for node, deadline_ms in raw.items()}
+                if draining != last:
+                    self._queue.put_nowait(m.NodesDraining(draining))
+                    last = draining
+            await asyncio.sleep(self.config.discovery_interval)
 
     async def _liveness_loop(self) -> None:
         interval = max(0.2, self.config.liveness_timeout / 3)

@@ -69,6 +69,7 @@ class DriverCore:
         self.plan: dict[str, WorkerSlot] = {}
         self.workers: dict[str, WorkerRecord] = {}
         self.hosts: dict[str, int] = {}
+        self.draining: dict[str, float] = {}  # node -> wall-clock deadline (0: none); no worker may stay or start there
         self._missing_once: set[str] = set()  # hosts the last poll did not offer, kept for one more poll
         self._holding: str | None = None  # the withdrawn member kept to hand the trained state over
         self.host_first_seen: dict[str, float] = {}
@@ -131,6 +132,12 @@ class DriverCore:
     def _apply(self, msg: m.Message, now: float) -> None:
         if isinstance(msg, m.HostsDiscovered):
             self._update_hosts(msg.hosts, now)
+        elif isinstance(msg, m.NodesDraining):
+            for node in set(msg.deadlines) - set(self.draining):
+                deadline = msg.deadlines[node]
+                left = f"{deadline - (now + self.wall_offset):.0f} s" if deadline else "no deadline"
+                logger.warning("node %s is draining (%s): its workers leave at their next check", node[:8], left)
+            self.draining = dict(msg.deadlines)
         elif isinstance(msg, m.WorkerReady):
             rec = self.workers.get(msg.worker_id)
             if rec is not None and rec.status is WorkerStatus.STARTING:
@@ -195,7 +202,7 @@ class DriverCore:
         staying = self.live(WorkerStatus.STARTING, WorkerStatus.READY, WorkerStatus.MEMBER) + self._pending_leavers()
         decision = plan_scaling(
             [LiveWorker(r.worker_id, r.host, r.seq) for r in staying],
-            self.hosts,
+            self._usable_hosts(staying),
             self.host_first_seen,
             self.cooldown.cooling(now),
             self.config.max_workers,
@@ -227,6 +234,17 @@ class DriverCore:
         if added and self.generation > 0:
             self._unbound.append(self._event(EventKind.HOSTS_ADDED, f"{added} new worker(s)", now))
         self._request_autoscale()
+
+    def _usable_hosts(self, staying: list[WorkerRecord]) -> dict[str, int]:
+        """Slots to plan with: none on a draining node; on a host kept for the blip grace, only its workers'."""
+        usable = {}
+        for host, slots in self.hosts.items():
+            if host in self.draining:
+                continue
+            if host in self._missing_once:  # it may be gone for good: keep its workers, start none there
+                slots = min(slots, sum(r.host == host for r in staying))
+            usable[host] = slots
+        return usable
 
     def _pending_leavers(self) -> list[WorkerRecord]:
         """Members withdrawn by discovery whose leaving no generation has carried out yet."""
@@ -496,8 +514,16 @@ class DriverCore:
 
     def _publish(self, ready: Sequence[str], now: float) -> None:
         leavers = self._pending_leavers()
-        if leavers:
-            names = ", ".join(f"{r.worker_id} on node {r.host[:8]}" for r in leavers)
+        preempted = [r for r in leavers if r.host in self.draining]
+        withdrawn = [r for r in leavers if r.host not in self.draining]
+        for host in sorted({r.host for r in preempted}):
+            names = ", ".join(r.worker_id for r in preempted if r.host == host)
+            deadline = self.draining[host]
+            left = f"deadline in {deadline - (now + self.wall_offset):.0f} s" if deadline else "no deadline"
+            detail = f"preempted: node {host[:8]} is draining ({left}); {names} leave"
+            self._unbound.append(self._event(EventKind.PREEMPTED, detail, now))
+        if withdrawn:
+            names = ", ".join(f"{r.worker_id} on node {r.host[:8]}" for r in withdrawn)
             self._unbound.append(self._event(EventKind.HOSTS_REMOVED, f"hosts withdrawn: {names} leave", now))
         previous = list(self.plan)
         old_size = len(previous)

@@ -24,6 +24,16 @@ class HostsDiscovered:
 
 
 @dataclass(frozen=True)
+class NodesDraining:
+    """Ray's draining nodes (`ray drain-node`, a cloud's preemption notice) and their deadlines.
+
+    `deadlines` maps a node ID to the wall-clock time (s) it will be killed, or 0 for none.
+    """
+
+    deadlines: Mapping[str, float]
+
+
+@dataclass(frozen=True)
 class DiscoveryFailed:
     reason: str
 
@@ -132,6 +142,7 @@ class Stop:
 
 Message = (
     HostsDiscovered
+    | NodesDraining
     | DiscoveryFailed
     | WorkerReady
     | WorkerExited
