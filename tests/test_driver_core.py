@@ -413,6 +413,34 @@ def test_ranks_finishing_at_different_steps_fail_at_once_keeping_rank0s_value():
     assert "same step" in s.core.failure
 
 
+def crash_and_resume(s: Script, victim: str, commits: int) -> str:
+    """`victim` dies, the others resume from `commits` commits, its replacement joins; returns the replacement."""
+    s.send(m.WorkerDied(victim, "ActorDiedError: exit code 134 (SIGABRT)", node_alive=True))
+    [publish] = s.of(m.Publish)
+    [spawn] = s.of(m.Spawn)  # no cool-down in this script: the slot is refilled at once
+    s.send(*[m.WorkerSynced(w, publish.generation, s.now + 1000, commits) for w in publish.plan])
+    if s.core.state is DriverState.FAILED:
+        return spawn.worker_id
+    s.send(m.WorkerReady(spawn.worker_id))
+    [publish] = s.of(m.Publish)
+    s.send(*[m.WorkerSynced(w, publish.generation, s.now + 1000, commits) for w in publish.plan])
+    return spawn.worker_id
+
+
+def test_a_failure_repeating_at_the_same_commit_ends_the_run_instead_of_looping():
+    """Found trying it: a deterministic crash was retried forever (45 crashes in 120 s)."""
+    s = Script(min_workers=1, cooldown_range=(0.0, 0.0))
+    s.start({"A": 1, "B": 1})
+    victim = crash_and_resume(s, "w2", commits=7)
+    victim = crash_and_resume(s, victim, commits=8)  # a commit happened in between: progress
+    victim = crash_and_resume(s, victim, commits=8)
+    assert s.core.state is not DriverState.FAILED
+    crash_and_resume(s, victim, commits=8)
+    assert s.core.state is DriverState.FAILED
+    assert s.core.failure.startswith("the run failed 3 times in a row resuming from the same commit (8)")
+    assert "exit code 134 (SIGABRT)" in s.core.failure
+
+
 def test_reset_limit_fails_the_run_at_the_reset_past_it():
     s = Script(reset_limit=1, min_workers=1)
     s.start({"A": 1, "B": 1, "C": 1})

@@ -3,7 +3,14 @@
 from __future__ import annotations
 
 from ray_elastic.driver.messages import ACTIVITY_ERROR, ACTIVITY_TIMEOUT
-from ray_elastic.driver.policies import PublishVerdict, Ring, decide_publish, decide_user_error, judge_ring_failure
+from ray_elastic.driver.policies import (
+    PublishVerdict,
+    Ring,
+    decide_crash_loop,
+    decide_publish,
+    decide_user_error,
+    judge_ring_failure,
+)
 
 
 def publish(**overrides):
@@ -72,3 +79,10 @@ def test_everyone_busy_re_forms_once_then_fails_as_a_mismatch():
     assert again.verdict is Ring.FAIL and "collectives do not match" in again.reason
     # long after the last one (3 collective timeouts): a new story, re-formed again
     assert judge({"w1": BUSY, "w2": BUSY}, last=30.0, now=100.0).verdict is Ring.REFORM
+
+
+def test_three_failures_resuming_from_the_same_commit_are_a_crash_loop():
+    assert decide_crash_loop([5, 5], ["a", "a"])[0] is False
+    assert decide_crash_loop([4, 5, 5], ["a", "a", "a"])[0] is False
+    loop, reason = decide_crash_loop([4, 5, 5, 5], ["x", "boom", "boom", "bang"])
+    assert loop and "resuming from the same commit (5)" in reason and reason.endswith("(causes: boom; bang)")

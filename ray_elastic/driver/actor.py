@@ -386,8 +386,8 @@ class DriverActor:
     async def worker_ready(self, worker_id: str) -> None:
         self._queue.put_nowait(m.WorkerReady(worker_id))
 
-    async def worker_synced(self, worker_id: str, generation: int, at: float) -> None:
-        self._queue.put_nowait(m.WorkerSynced(worker_id, generation, at))
+    async def worker_synced(self, worker_id: str, generation: int, at: float, commits: int | None = None) -> None:
+        self._queue.put_nowait(m.WorkerSynced(worker_id, generation, at, commits))
 
     async def worker_resumed(self, worker_id: str, meta: dict[str, Any]) -> None:
         """Rank 0 loaded the durable checkpoint before its first sync."""

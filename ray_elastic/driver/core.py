@@ -28,7 +28,14 @@ from typing import Any
 from ray_elastic.assignment import Cooldown, LiveWorker, WorkerSlot, assign_ranks, plan_scaling
 from ray_elastic.config import RunConfig
 from ray_elastic.driver import messages as m
-from ray_elastic.driver.policies import PublishVerdict, Ring, decide_publish, decide_user_error, judge_ring_failure
+from ray_elastic.driver.policies import (
+    PublishVerdict,
+    Ring,
+    decide_crash_loop,
+    decide_publish,
+    decide_user_error,
+    judge_ring_failure,
+)
 from ray_elastic.events import Event
 from ray_elastic.protocol import CoordinatorLost, DriverState, EventKind, Finished, UserError
 
@@ -45,6 +52,7 @@ class WorkerStatus(enum.Enum):
 
 
 ALIVE = frozenset({WorkerStatus.STARTING, WorkerStatus.READY, WorkerStatus.MEMBER, WorkerStatus.LEAVING})
+_FAILURE_KINDS = frozenset({EventKind.WORKER_FAILED, EventKind.RESET_REQUESTED, EventKind.RESTARTED})
 
 
 @dataclass
@@ -88,6 +96,10 @@ class DriverCore:
         self._checkpoint_lookup = False  # a LookForCheckpoint is out
         self._force = False  # re-form the ring at the end of this batch even with the same members
         self._autoscale_requested = 0
+        self._synced_commits: int | None = None  # the newest generation's commits, as its ranks synced
+        self._failure_places: list[int] = []  # per failure-driven reset: the commit training resumed from
+        self._failure_reasons: list[str] = []
+        self._causes: list[str] = []  # what broke the members since the last failure-driven reset synced
         self._actions: list[m.Action] = []
 
     # ---- derived state -------------------------------------------------------
@@ -364,6 +376,7 @@ class DriverCore:
         where = f"rank {slot.rank}" if slot is not None else "newcomer"
         logger.warning("worker %s (%s) on node %s died: %s%s", worker_id, where, rec.host[:8], reason, note)
         if was_member:
+            self._causes.append(f"worker {worker_id} ({where}): {reason}")
             detail = f"worker {worker_id} ({where}) on node {rec.host[:8]} {what}{note}"
             self._unbound.append(self._event(EventKind.WORKER_FAILED, detail, now))
         else:
@@ -443,6 +456,7 @@ class DriverCore:
                 f"worker {msg.worker_id}: {msg.reason})"
             )
         elif verdict.verdict is Ring.REFORM:
+            self._causes.append(f"worker {msg.worker_id}: {msg.reason}")
             self._last_timeout_reset = now
             self._unbound.append(self._event(EventKind.RESET_REQUESTED, f"worker {msg.worker_id}: {msg.reason}", now))
             self._force = True
@@ -535,6 +549,7 @@ class DriverCore:
         # the plan and who must sync are recorded before the shell publishes: a sync that
         # arrives right after the publish finds them
         self._syncing = set(self.plan)
+        self._synced_commits = None
         self._waiting_since = None
         self._actions.append(m.Publish(self.generation, self.plan, notify))
         size = len(self.plan)
@@ -568,14 +583,30 @@ class DriverCore:
         if msg.generation != self.generation or msg.worker_id not in self._syncing:
             return
         self._syncing.discard(msg.worker_id)
+        if msg.commits is not None:
+            self._synced_commits = max(self._synced_commits or 0, msg.commits)
         if self._syncing:
             return
+        self._check_crash_loop(msg.generation)
         for ev in self.events:
             if ev.generation == msg.generation and ev.reset_duration is None:
                 ev.reset_duration = max(0.0, msg.at - ev.time)
                 if ev.kind is not EventKind.START:
                     self._actions.append(m.RecordMetric("recovery", ev.reset_duration))
                     logger.info("%s; recovered in %.2f s, world size %d", ev.detail, ev.reset_duration, ev.world_size)
+
+    def _check_crash_loop(self, generation: int) -> None:
+        """A generation that a failure made has synced: note where it resumed, and stop a repeating failure."""
+        place, self._synced_commits = self._synced_commits, None
+        failures = [e for e in self.events if e.generation == generation and e.kind in _FAILURE_KINDS]
+        if place is None or not failures:
+            return
+        self._failure_places.append(place)
+        causes, self._causes = self._causes, []
+        self._failure_reasons.append(causes[0] if causes else failures[0].detail)
+        loop, reason = decide_crash_loop(self._failure_places, self._failure_reasons)
+        if loop:
+            self.fail(reason)
 
     def _on_resumed(self, msg: m.WorkerResumed, now: float) -> None:
         meta: Mapping[str, Any] = msg.meta

@@ -73,6 +73,7 @@ class WorkerSynced:
     worker_id: str
     generation: int
     at: float  # the worker's wall clock when its sync ended
+    commits: int | None = None  # commits the synced state has seen: where training resumes
 
 
 @dataclass(frozen=True)

@@ -124,3 +124,24 @@ def judge_ring_failure(
             "collectives do not match, most likely a deadlock in train_fn",
         )
     return RingVerdict(Ring.REFORM, "every member is alive and inside a collective: the ring is re-formed")
+
+
+CRASH_LOOP_REPEATS = 3  # failures in a row that resume from the same commit make a crash loop
+
+
+def decide_crash_loop(places: list[int], reasons: list[str]) -> tuple[bool, str]:
+    """Whether the failures so far are one deterministic failure repeating.
+
+    `places` holds, for each failure-driven reset in order, the commit the
+    ranks resumed from; `reasons` what caused each. When the last
+    `CRASH_LOOP_REPEATS` resets all resumed from the same commit, no commit
+    was made between those failures: retrying would repeat them forever.
+    """
+    recent = places[-CRASH_LOOP_REPEATS:]
+    if len(recent) < CRASH_LOOP_REPEATS or len(set(recent)) > 1:
+        return False, "training made progress between failures"
+    causes = "; ".join(dict.fromkeys(reasons[-CRASH_LOOP_REPEATS:]))
+    return True, (
+        f"the run failed {CRASH_LOOP_REPEATS} times in a row resuming from the same commit ({recent[-1]}) without "
+        f"committing in between: the failure repeats at the same place, so retrying cannot help (causes: {causes})"
+    )
