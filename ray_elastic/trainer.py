@@ -9,6 +9,7 @@ whether it succeeded, failed or was interrupted.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import threading
@@ -143,6 +144,10 @@ class ElasticTrainer:
     ) -> None:
         if not callable(train_fn):
             raise ValueError(f"train_fn must be callable, got {type(train_fn).__name__}")
+        if inspect.iscoroutinefunction(train_fn) or inspect.isasyncgenfunction(train_fn):
+            raise ValueError("train_fn must be a plain function: an async def runs nothing until awaited")
+        if inspect.isgeneratorfunction(train_fn):
+            raise ValueError("train_fn must be a plain function: a generator function runs nothing until iterated")
         if config is not None and not isinstance(config, Mapping):
             raise ValueError(f"config must be a dict, got {type(config).__name__}")
         self.run_config = RunConfig.create(

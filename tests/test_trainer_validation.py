@@ -46,6 +46,21 @@ def test_bad_arguments_are_rejected_with_a_clear_message(overrides, message):
         make(**overrides)
 
 
+async def _async_train_fn(config):
+    return 1
+
+
+def _generator_train_fn(config):
+    yield 1
+
+
+@pytest.mark.parametrize("fn", [_async_train_fn, _generator_train_fn])
+def test_an_async_or_generator_train_fn_is_rejected_before_anything_runs(fn):
+    """Found trying it: both ended as return_value=None, the training never run."""
+    with pytest.raises(ValueError, match="train_fn must be a plain function"):
+        make(train_fn=fn)
+
+
 def test_unpicklable_config_is_rejected_before_anything_runs():
     import threading
 
