@@ -25,4 +25,7 @@ class Event:
     previous_world_size: int | None = None
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """Plain values only: `kind` as its string, so users' prints and comparisons see "start", not an enum."""
+        out = asdict(self)
+        out["kind"] = str(self.kind)
+        return out

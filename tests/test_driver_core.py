@@ -441,6 +441,17 @@ def test_a_failure_repeating_at_the_same_commit_ends_the_run_instead_of_looping(
     assert "exit code 134 (SIGABRT)" in s.core.failure
 
 
+def test_uneven_finishing_is_caught_when_the_peers_error_beats_rank0s_exit():
+    s = Script()
+    s.start({"A": 1, "B": 1, "C": 1})
+    s.send(m.ResetRequested("w2", 1, "Connection closed by peer"))  # rank 0 closed its ring on the way out
+    [query] = s.of(m.QueryActivity)
+    s.send(m.WorkerExited("w1", Finished(0, "model")))
+    busy = {"idle_s": 0.0, "in_collective": True}
+    s.send(m.ActivityReport(1, "w2", "Connection closed by peer", {"w1": m.ACTIVITY_ERROR, "w2": busy, "w3": busy}))
+    assert s.core.state is DriverState.FAILED and "returned from train_fn while" in s.core.failure
+
+
 def test_reset_limit_fails_the_run_at_the_reset_past_it():
     s = Script(reset_limit=1, min_workers=1)
     s.start({"A": 1, "B": 1, "C": 1})

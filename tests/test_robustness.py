@@ -8,11 +8,9 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -137,8 +135,8 @@ def test_a_second_ctrl_c_during_cleanup_still_frees_everything(cluster, no_leaks
     assert not [name for name in run_placement_groups_alive() if name.startswith(namespace)]
 
 
-def test_two_threads_calling_fit_in_a_fresh_process_both_train(tmp_path):
-    """Found trying it: two threads' first fit() started two Ray instances and crashed the process."""
+def test_two_threads_calling_fit_in_a_fresh_process_both_train(cluster, no_leaks, tmp_path):
+    """Found trying it: two threads' first fit() in a fresh process crashed it (two ray.init at once)."""
     script = tmp_path / "two_threads.py"
     script.write_text(
         "import sys, threading\n"
@@ -153,14 +151,9 @@ def test_two_threads_calling_fit_in_a_fresh_process_both_train(tmp_path):
         "[t.join(240) for t in threads]\n"
         "print('steps', sorted(r.return_value['steps'] for r in results))\n"
     )
-    # a Ray of its own: no address, and its own temp dir so it neither finds nor collides with the test cluster
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    ray_tmp = tempfile.mkdtemp(prefix="re-")  # short: Ray's socket paths must fit 107 characters
-    env["RAY_TMPDIR"] = ray_tmp
-    try:
-        done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env)
-    finally:
-        shutil.rmtree(ray_tmp, ignore_errors=True)
+    # a fresh process: neither thread finds Ray initialized, both call ray.init (here: of the test cluster)
+    env = {**os.environ, "RAY_ADDRESS": cluster.address}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "steps [10, 10]" in done.stdout, done.stdout + done.stderr[-2000:]
 

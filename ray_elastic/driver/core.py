@@ -435,6 +435,10 @@ class DriverCore:
     def _on_activity(self, msg: m.ActivityReport, now: float) -> None:
         if self._querying == msg.generation:
             self._querying = None
+        if self.finishing:
+            # the ring broke as a rank returned from train_fn (its peers' error can beat its exit to us)
+            self._fail_uneven_finish(m.ResetRequested(msg.worker_id, msg.generation, msg.reason))
+            return
         if msg.generation != self.generation:
             return  # the ring was re-formed meanwhile
         verdict = judge_ring_failure(
