@@ -34,9 +34,9 @@ from ray_elastic.exceptions import (
     RendezvousTimeoutError,
     TrainingFailedError,
 )
+from ray_elastic.runtime.process import current, maybe_current
 from ray_elastic.state import ObjectState, State
 from ray_elastic.trainer import ElasticTrainer, Result
-from ray_elastic.worker_context import current, maybe_current
 
 __version__ = "0.1.0"
 

@@ -21,8 +21,8 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from ray_elastic.exceptions import HorovodInternalError, HostsUpdatedInterrupt
+from ray_elastic.runtime.process import current
 from ray_elastic.state import State
-from ray_elastic.worker_context import current
 
 logger = logging.getLogger(__name__)
 

@@ -70,7 +70,7 @@ def test_the_package_and_the_numpy_example_import_without_torch():
         "import sys; sys.modules['torch'] = None\n"  # makes `import torch` fail, as in a venv without it
         f"sys.path.insert(0, {str(Path(__file__).parent.parent / 'examples')!r})\n"
         "import ray_elastic, linear_regression\n"
-        "from ray_elastic.worker_context import load_backend\n"
+        "from ray_elastic.collective.factory import load_backend\n"
         "import ray_elastic.collective, ray_elastic.state, ray_elastic.elastic, ray_elastic.worker_actor\n"
         "import ray_elastic.driver.actor, ray_elastic.trainer\n"
         "assert ray_elastic.ObjectState and linear_regression.train_fn\n"

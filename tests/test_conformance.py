@@ -101,7 +101,7 @@ class Member:
         self.current: str | None = None
 
     def join(self, backend: str, kv, generation: int, rank: int, size: int, timeout: float) -> None:
-        from ray_elastic.worker_context import load_backend, make_group
+        from ray_elastic.collective.factory import load_backend, make_group
 
         self.leave()  # a test that failed mid-way may have left its group behind
         load_backend(backend)
@@ -371,6 +371,45 @@ def check_objects_barrier_and_max(group, kv, generation: int) -> dict:
     return out
 
 
+def check_async_allreduce_and_bitwise_or(group) -> dict:
+    """Two asynchronous allreduces in flight at once, waited in order, and a bitwise or of packed bitmaps."""
+    failures: list[str] = []
+    checks = 0
+    for kind in kinds_for(group.name):
+        for dtype in ("float32", "int64"):
+            for length_name, length in lengths_for(kind).items():
+                n = length(np.dtype(dtype).itemsize)
+                mine = rank_values(group.rank, dtype, n)
+                expected = expected_reductions(group.size, dtype, n)
+                what = f"allreduce_async {kind} {dtype} {length_name} rank {group.rank}/{group.size}"
+                summed, averaged = as_kind(mine, kind), as_kind(mine, kind)
+                pending = [group.allreduce_async(summed, Sum), group.allreduce_async(averaged, Average)]
+                for work in pending:
+                    work.wait()
+                pending[0].wait()  # a second wait is harmless (the optimizer may wait a bucket once more)
+                failures += [
+                    p
+                    for p in (
+                        mismatch(summed, expected[Sum], f"{what} sum"),
+                        mismatch(averaged, expected[Average], f"{what} average", exact=False),
+                    )
+                    if p
+                ]
+                checks += 1
+    # rank r sets bits r, r + size, ...: the or of all ranks is every bit of the first 8 * 37 - 3
+    bits = np.zeros(8 * 37, dtype=bool)
+    bits[group.rank : 8 * 37 - 3 : group.size] = True
+    bitmap = np.packbits(bits)
+    result = group.bitwise_or_(bitmap)
+    expected_bits = np.zeros(8 * 37, dtype=bool)
+    expected_bits[: 8 * 37 - 3] = True
+    failures += [p for p in [mismatch(bitmap, np.packbits(expected_bits), f"bitwise_or_ rank {group.rank}")] if p]
+    if result is not bitmap:
+        failures.append("bitwise_or_ did not return the caller's array")
+    checks += 1
+    return {"failures": failures, "checks": checks}
+
+
 def allreduce_ones(group) -> np.ndarray:
     return group.allreduce(np.ones(4, dtype=np.float32), Sum)
 
@@ -423,6 +462,15 @@ def test_allgather_concatenates_in_rank_order(kv, pools, backend, size):
         results = on_every_rank(members, check_gathers)
     kinds = len(kinds_for(backend))
     assert_no_failures(results, (n_lengths(backend) + kinds) * len(DTYPES) + 2 * kinds)
+
+
+@pytest.mark.parametrize("size", WORLD_SIZES)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_async_allreduce_and_bitwise_or(kv, pools, backend, size):
+    """What the torch helpers use: gradient buckets in flight together, and the sampler's bitmap union."""
+    with world(kv, backend, members_for(pools, backend, size)) as members:
+        results = on_every_rank(members, check_async_allreduce_and_bitwise_or)
+    assert_no_failures(results, n_lengths(backend) * 2 + 1)
 
 
 @pytest.mark.parametrize("size", WORLD_SIZES)

@@ -21,9 +21,9 @@ import pytest
 import ray
 import torch.distributed as dist
 
-from ray_elastic.collective.torch_store import KVTorchStore
+from ray_elastic.collective.torch_store import KVTorchStore, torch_store
 from ray_elastic.exceptions import GenerationSupersededError, RendezvousTimeoutError
-from ray_elastic.rendezvous import KVClient, create_kv_actor, decode_family, torch_store
+from ray_elastic.rendezvous import KVClient, create_kv_actor, decode_family
 
 # the workers cannot import this module: Ray's own cloudpickle ships its functions by value
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])

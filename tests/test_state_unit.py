@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ray_elastic import worker_context
 from ray_elastic.exceptions import HostsUpdatedInterrupt
+from ray_elastic.runtime import process as runtime
 from ray_elastic.state import ObjectState, State
 
 # ---- save / restore ------------------------------------------------------------------
@@ -163,7 +163,7 @@ class FakeContext:
 
 def test_commit_saves_before_checking_host_updates(monkeypatch):
     ctx = FakeContext(hosts_changed=True)
-    monkeypatch.setattr(worker_context, "_current", ctx)
+    monkeypatch.setattr(runtime, "_current", ctx)
     state = ObjectState(batch=0)
     state.batch = 41
     with pytest.raises(HostsUpdatedInterrupt):
@@ -176,7 +176,7 @@ def test_commit_saves_before_checking_host_updates(monkeypatch):
 
 def test_commit_without_host_changes_just_saves(monkeypatch):
     ctx = FakeContext(hosts_changed=False)
-    monkeypatch.setattr(worker_context, "_current", ctx)
+    monkeypatch.setattr(runtime, "_current", ctx)
     state = ObjectState(batch=0)
     state.batch = 5
     state.commit()
@@ -188,7 +188,7 @@ def test_commit_without_host_changes_just_saves(monkeypatch):
 
 
 def test_check_host_updates_outside_a_worker_says_where_it_works(monkeypatch):
-    monkeypatch.setattr(worker_context, "_current", None)
+    monkeypatch.setattr(runtime, "_current", None)
     with pytest.raises(RuntimeError, match="ElasticTrainer.fit"):
         ObjectState(epoch=0).check_host_updates()
 

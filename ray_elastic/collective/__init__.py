@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any, TypeVar
 
 from ray_elastic.collective.base import Average, CollectiveGroup, Max, Min, ReduceOp, Sum
-from ray_elastic.worker_context import current
+from ray_elastic.runtime.process import current
 
 T = TypeVar("T")
 

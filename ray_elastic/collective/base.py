@@ -3,7 +3,12 @@
 A `CollectiveGroup` is one ring for one generation: built after the
 rendezvous, used for the generation's collectives, closed on reset. Values
 are torch tensors or numpy arrays; results come back in the caller's type.
-Any failure of the ring surfaces as `HorovodInternalError`.
+Any failure of the ring surfaces as `HorovodInternalError`, through the one
+`guarded_call` every blocking wait of every backend goes through.
+
+The torch helpers (`DistributedOptimizer`, `TorchState`) use this interface
+only: `allreduce_async` for gradient buckets that overlap backward, and
+`bitwise_or_` for the sampler's processed-sample bitmaps.
 """
 
 from __future__ import annotations
@@ -12,6 +17,11 @@ import enum
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any, TypeVar
+
+import numpy as np
+
+from ray_elastic.exceptions import HorovodInternalError
+from ray_elastic.runtime.process import collective_activity
 
 T = TypeVar("T")
 
@@ -75,9 +85,31 @@ class CollectiveGroup(ABC):
 
     def max_int(self, value: int) -> int:
         """The largest of one integer over all ranks (used to agree on host updates)."""
-        import numpy as np
-
         return int(self.allreduce_(np.array([value], dtype=np.int64), Max)[0])
+
+    def allreduce_async(self, value: T, op: ReduceOp = Average) -> CollectiveWork:
+        """Start reducing `value` in place; it holds the result once the handle's `wait()` returned.
+
+        Every rank must start its asynchronous collectives in the same order.
+        This default reduces at once, before returning a finished handle (the
+        pygloo backend: no overlap with the caller's work); the torch backends
+        return torch's own pending work.
+        """
+        self.allreduce_(value, op)
+        return CollectiveWork()
+
+    def bitwise_or_(self, value: np.ndarray) -> np.ndarray:
+        """OR a numpy integer array across ranks in place and return it.
+
+        This default gathers every rank's array and ORs them (N times the
+        array's size on the wire); backends with a bitwise-or reduction
+        override it.
+        """
+        if self.size == 1:
+            return value
+        rows = self.allgather(value.reshape(1, -1))
+        np.bitwise_or.reduce(rows, axis=0, out=value.reshape(-1))
+        return value
 
     def allreduce(self, value: T, op: ReduceOp = Average) -> T:
         """Like `allreduce_`, on a copy: `value` itself is left untouched."""
@@ -105,9 +137,6 @@ def guarded_call(what: str, fn: Callable[[], R]) -> R:
     detection reads it) and turns a broken ring (a peer's connection closed,
     a timeout, a store error) into `HorovodInternalError` naming `what`.
     """
-    from ray_elastic.exceptions import HorovodInternalError
-    from ray_elastic.worker_context import collective_activity
-
     collective_activity(True)
     try:
         return fn()
@@ -117,3 +146,31 @@ def guarded_call(what: str, fn: Callable[[], R]) -> R:
         raise HorovodInternalError(f"{what} failed: {e}") from e
     finally:
         collective_activity(False)
+
+
+class CollectiveWork:
+    """A collective in flight, from `CollectiveGroup.allreduce_async`.
+
+    Args:
+        what: the collective's name, for the error if its wait fails.
+        wait: blocks until the backend finished (through `guarded_call`);
+            None for a collective already done.
+        then: runs once after `wait`, finishing the result in the caller's
+            value (dividing for `Average`, copying back from a device).
+    """
+
+    def __init__(
+        self, what: str = "", wait: Callable[[], Any] | None = None, then: Callable[[], None] | None = None
+    ) -> None:
+        self._what = what
+        self._wait = wait
+        self._then = then
+
+    def wait(self) -> None:
+        """Block until the result is in the value; a broken ring raises `HorovodInternalError`."""
+        wait, self._wait = self._wait, None
+        if wait is not None:
+            guarded_call(self._what, wait)
+        then, self._then = self._then, None
+        if then is not None:
+            then()

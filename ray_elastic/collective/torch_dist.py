@@ -19,7 +19,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ray_elastic.collective.base import CollectiveGroup, ReduceOp, guarded_call
+from ray_elastic.collective.base import CollectiveGroup, CollectiveWork, ReduceOp, guarded_call
 
 T = TypeVar("T")
 
@@ -76,6 +76,19 @@ class TorchDistGroup(CollectiveGroup):
         if t.numel() == 0 or self.size == 1:
             return value
         self._call("allreduce", lambda: dist.all_reduce(t, op=_TORCH_OPS[op]))
+        self._finish_allreduce(t, op, write_back)
+        return value
+
+    def allreduce_async(self, value: T, op: ReduceOp = ReduceOp.AVERAGE) -> CollectiveWork:
+        """torch's asynchronous allreduce: the ring works while the caller goes on (backward, for buckets)."""
+        t, write_back = self._stage(value)
+        if t.numel() == 0 or self.size == 1:
+            return CollectiveWork()
+        work = self._call("allreduce", lambda: dist.all_reduce(t, op=_TORCH_OPS[op], async_op=True))
+        return CollectiveWork("allreduce", work.wait, lambda: self._finish_allreduce(t, op, write_back))
+
+    def _finish_allreduce(self, t: torch.Tensor, op: ReduceOp, write_back: Callable[[], None] | None) -> None:
+        """Turn the reduced sum into the op's result and hand it back to the caller's value."""
         if op is ReduceOp.AVERAGE:
             if t.is_floating_point() or t.is_complex():
                 t.div_(self.size)
@@ -83,7 +96,6 @@ class TorchDistGroup(CollectiveGroup):
                 t.floor_divide_(self.size)
         if write_back is not None:
             write_back()
-        return value
 
     def broadcast_(self, value: T, root_rank: int = 0) -> T:
         t, write_back = self._stage(value)

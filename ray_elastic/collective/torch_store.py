@@ -1,4 +1,4 @@
-"""`torch.distributed.Store` backed by the run's KV actor.
+"""`torch.distributed.Store` backed by the run's KV actor (`torch_store()` builds one).
 
 Defined at module level inside the package: a Store subclass defined in
 `__main__` or a closure cannot be shipped by Ray's cloudpickle (pybind11
@@ -133,3 +133,12 @@ class KVTorchStore(dist.Store):
     # torch's C++ side (PrefixStore, which init_process_group wraps around us) calls these names
     deleteKey = delete_key  # noqa: N815
     getNumKeys = num_keys  # noqa: N815
+
+
+def torch_store(client: KVClient, generation: int, timeout: float, world_size: int | None = None) -> KVTorchStore:
+    """A `torch.distributed.Store` over the KV actor, scoped to `generation`.
+
+    With `world_size`, per-rank keys are read for all ranks in one call (see
+    `KVTorchStore`).
+    """
+    return KVTorchStore(client, generation, timeout, world_size)

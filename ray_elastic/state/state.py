@@ -15,7 +15,8 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from ray_elastic.worker_context import current
+from ray_elastic.collective import broadcast_object
+from ray_elastic.runtime.process import current
 
 
 class State:
@@ -103,8 +104,6 @@ class ObjectState(State):
             setattr(self, key, copy.deepcopy(value))
 
     def sync(self) -> None:
-        from ray_elastic.collective import broadcast_object
-
         self._saved = broadcast_object(self._saved, root_rank=0)
         self.restore()
 

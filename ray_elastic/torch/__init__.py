@@ -6,9 +6,10 @@ sampler = elastic.torch.ElasticSampler(dataset, shuffle=True, seed=0)
 state = elastic.torch.TorchState(model=model, optimizer=opt, sampler=sampler, epoch=0)
 """
 
-from ray_elastic.torch.optimizer import DistributedOptimizer, broadcast_optimizer_state, broadcast_parameters
+from ray_elastic.torch.broadcast import broadcast_parameters
+from ray_elastic.torch.optimizer import DistributedOptimizer
 from ray_elastic.torch.sampler import ElasticSampler
-from ray_elastic.torch.state import StateHandler, TorchState, register_handler
+from ray_elastic.torch.state import StateHandler, TorchState, broadcast_optimizer_state, register_handler
 
 __all__ = [
     "DistributedOptimizer",

@@ -23,8 +23,11 @@ notice, so the ranks agree on host updates inside the gradient allreduce and
 the `check_host_updates()` that follows `step()` needs no collective of its
 own (a check with no step before it still does one).
 
-`broadcast_parameters` and `broadcast_optimizer_state` copy rank 0's values
-to every rank, as Horovod's helpers of the same names do.
+Buckets live on their parameters' device, with their dtype (a bucket holds
+parameters of one device and one dtype), and every collective goes through
+the ring's `CollectiveGroup` interface (`allreduce_async`), so the optimizer
+runs on every torch backend. The pygloo backend is refused at construction:
+its rings reduce synchronously, so no bucket would overlap backward.
 """
 
 from __future__ import annotations
@@ -33,19 +36,22 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from ray_elastic.collective.base import Average, ReduceOp, Sum, guarded_call
+from ray_elastic.collective.base import Average, CollectiveWork, ReduceOp, Sum
+from ray_elastic.collective.factory import TORCH_BACKENDS
 from ray_elastic.exceptions import HorovodInternalError
-from ray_elastic.worker_context import current
+from ray_elastic.runtime.process import current, maybe_current
 
 
 class _Bucket:
+    """Parameters of one device and one dtype, and the flat buffer their gradients are reduced in."""
+
     def __init__(self, params: list[torch.Tensor], extra: int = 0) -> None:
         self.params = params
-        self.flat = torch.zeros(sum(p.numel() for p in params) + extra, dtype=params[0].dtype)
+        first = params[0]
+        self.flat = torch.zeros(sum(p.numel() for p in params) + extra, dtype=first.dtype, device=first.device)
         self.ready = 0
-        self.work: Any = None
+        self.work: CollectiveWork | None = None
 
 
 class DistributedOptimizer:
@@ -78,6 +84,13 @@ class DistributedOptimizer:
             raise ValueError(f"backward_passes_per_step must be an integer >= 1, got {backward_passes_per_step!r}")
         if op not in (Average, Sum):
             raise ValueError(f"op must be Average or Sum, got {op!r}")
+        ctx = maybe_current()
+        if ctx is not None and ctx.settings.backend not in TORCH_BACKENDS:
+            raise ValueError(
+                f"DistributedOptimizer needs a torch.distributed backend, but this run uses "
+                f"backend={ctx.settings.backend!r}: pass backend='gloo' (CPU) or 'nccl' (GPU) to ElasticTrainer, "
+                "or average the gradients yourself with ray_elastic.allreduce_"
+            )
         self.optimizer = optimizer
         self.backward_passes_per_step = backward_passes_per_step
         self.op = op
@@ -89,9 +102,12 @@ class DistributedOptimizer:
         current_params: list[torch.Tensor] = []
         size = 0
         for p in reversed(params):
-            if current_params and (size + p.numel() * p.element_size() > cap or p.dtype != current_params[0].dtype):
-                self._buckets.append(_Bucket(current_params))
-                current_params, size = [], 0
+            if current_params:
+                first = current_params[0]
+                full = size + p.numel() * p.element_size() > cap
+                if full or (p.dtype, p.device) != (first.dtype, first.device):
+                    self._buckets.append(_Bucket(current_params))
+                    current_params, size = [], 0
             current_params.append(p)
             size += p.numel() * p.element_size()
         if current_params:
@@ -168,8 +184,7 @@ class DistributedOptimizer:
                 offset += n
             if bucket is self._buckets[-1]:
                 bucket.flat[-1] = 1.0 if ctx.notice > ctx.generation else 0.0
-        if size > 1:
-            bucket.work = dist.all_reduce(bucket.flat, op=dist.ReduceOp.SUM, async_op=True)
+        bucket.work = ctx.group.allreduce_async(bucket.flat, Sum)
 
     # ---- step ------------------------------------------------------------
     def synchronize(self) -> None:
@@ -186,7 +201,7 @@ class DistributedOptimizer:
                 self._launch(bucket)  # buckets with parameters that got no gradient this step
             for bucket in self._buckets:
                 if bucket.work is not None:
-                    guarded_call("gradient allreduce", bucket.work.wait)
+                    bucket.work.wait()
                 if bucket is self._buckets[-1]:
                     ctx.agree_on_notice(bool(bucket.flat[-1].item() > 0))
                 offset = 0
@@ -219,25 +234,3 @@ class DistributedOptimizer:
 
     def __repr__(self) -> str:
         return f"DistributedOptimizer({self.optimizer!r}, buckets={len(self._buckets)})"
-
-
-def broadcast_parameters(params: Any, root_rank: int = 0) -> None:
-    """Copy `root_rank`'s tensors to every rank, in place.
-
-    `params`: a module's `state_dict()`, `named_parameters()`, or any iterable
-    of tensors or (name, tensor) pairs.
-    """
-    from ray_elastic.torch.state import broadcast_tensors_
-
-    items = params.items() if hasattr(params, "items") else params
-    tensors = [item[1] if isinstance(item, tuple) else item for item in items]
-    broadcast_tensors_(tensors, root_rank)
-
-
-def broadcast_optimizer_state(optimizer: Any, root_rank: int = 0) -> None:
-    """Copy `root_rank`'s optimizer state and hyper-parameters to every rank."""
-    from ray_elastic.torch.state import OptimizerHandler
-
-    if root_rank != 0:
-        raise ValueError("broadcast_optimizer_state broadcasts from rank 0, the oldest survivor")
-    OptimizerHandler(optimizer).sync()

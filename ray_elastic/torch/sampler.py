@@ -35,6 +35,8 @@ from typing import Any
 import numpy as np
 from torch.utils.data import Sampler
 
+import ray_elastic
+
 # popcount of every byte value, to count set bits without unpacking the bitmap
 _POPCOUNT = np.array([bin(i).count("1") for i in range(256)], dtype=np.uint8)
 # indices are yielded as Python ints in chunks: no 10-million-element list of ints
@@ -300,8 +302,6 @@ class ElasticSampler(Sampler[int]):
     def _current_world(self) -> tuple[int, int]:
         if self._world is not None:
             return self._world
-        import ray_elastic
-
         return ray_elastic.rank(), ray_elastic.size()
 
     def _epoch_order(self) -> np.ndarray:

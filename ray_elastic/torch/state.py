@@ -22,14 +22,19 @@ newcomer's Adam has no moments yet).
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 
 from ray_elastic.collective import broadcast_, broadcast_object
+from ray_elastic.collective import group as current_ring
+from ray_elastic.runtime.process import maybe_current
 from ray_elastic.state.state import State
+from ray_elastic.torch.broadcast import broadcast_tensors_
+from ray_elastic.torch.optimizer import DistributedOptimizer
+from ray_elastic.torch.sampler import ElasticSampler
 
 
 class StateHandler:
@@ -83,23 +88,6 @@ class _TensorBuffers:
     def copies(self) -> list[torch.Tensor]:
         # the buffers are overwritten in place by the next save: a checkpoint needs its own copy
         return [b.clone() for b in self.buffers]
-
-
-def broadcast_tensors_(tensors: Iterable[torch.Tensor], root_rank: int = 0) -> None:
-    """Broadcast tensors in place from `root_rank`, one coalesced message per dtype."""
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for t in tensors:
-        if t.numel():
-            by_dtype.setdefault(t.dtype, []).append(t)
-    with torch.no_grad():
-        for group in by_dtype.values():
-            flat = torch.cat([t.detach().reshape(-1) for t in group])
-            broadcast_(flat, root_rank)
-            offset = 0
-            for t in group:
-                n = t.numel()
-                t.copy_(flat[offset : offset + n].view_as(t))
-                offset += n
 
 
 class ModuleHandler(StateHandler):
@@ -223,7 +211,8 @@ class OptimizerHandler(StateHandler):
             st = state.setdefault(params[i], {})
             current = st.get(key)
             if not (isinstance(current, torch.Tensor) and tuple(current.shape) == shape and current.dtype == dtype):
-                current = st[key] = torch.zeros(shape, dtype=dtype)
+                # on the parameter's device: a newcomer's state must sit where rank 0's does (a GPU)
+                current = st[key] = torch.zeros(shape, dtype=dtype, device=params[i].device)
             ordered.append(current)
         broadcast_tensors_(ordered)
         for (i, key), v in skeleton["values"].items():
@@ -251,6 +240,13 @@ class OptimizerHandler(StateHandler):
         self.restore()
 
 
+def broadcast_optimizer_state(optimizer: Any, root_rank: int = 0) -> None:
+    """Copy `root_rank`'s optimizer state and hyper-parameters to every rank, as Horovod's helper does."""
+    if root_rank != 0:
+        raise ValueError("broadcast_optimizer_state broadcasts from rank 0, the oldest survivor")
+    OptimizerHandler(optimizer).sync()
+
+
 class SamplerHandler(StateHandler):
     """An `ElasticSampler`: the epoch and the processed-sample bitmap."""
 
@@ -259,15 +255,13 @@ class SamplerHandler(StateHandler):
         self._saved = value.state_dict()
 
     def save(self) -> None:
-        from ray_elastic.worker_context import maybe_current
-
         # record_indices() marks only this rank's samples: OR the bitmaps so every rank holds all.
         # Agree first, so no rank enters the union alone; before the first ring (the commit in
         # TorchState's constructor) there is nobody to agree with.
         ctx = maybe_current()
         ring = ctx.group if ctx is not None else None
         if ring is not None and ring.max_int(int(self.value.needs_union)):
-            _bitwise_or_allreduce(self.value.bitmap)
+            ring.bitwise_or_(self.value.bitmap)
             self.value.needs_union = False
         self._saved = self.value.state_dict()
 
@@ -282,8 +276,6 @@ class SamplerHandler(StateHandler):
         self.restore()
 
     def sync(self) -> None:
-        import ray_elastic
-
         state = self.value.state_dict()
         meta = broadcast_object({k: v for k, v in state.items() if k != "bitmap"}, root_rank=0)
         state.update(meta)
@@ -291,24 +283,8 @@ class SamplerHandler(StateHandler):
             state["bitmap"] = np.zeros((meta["n"] + 7) // 8, dtype=np.uint8)
         self.value.load_state_dict(state)
         broadcast_(self.value.bitmap, 0)  # in place: the live bitmap becomes rank 0's
-        self.value.set_world(ray_elastic.rank(), ray_elastic.size())
-
-
-def _bitwise_or_allreduce(bitmap: np.ndarray) -> None:
-    """OR a packed bitmap across ranks in place (Gloo has BOR; otherwise gather and OR)."""
-    import torch.distributed as dist
-
-    from ray_elastic.collective import allgather, group
-
-    g = group()
-    if g.size == 1:
-        return
-    if g.name == "gloo":
-        tensor = torch.from_numpy(bitmap)
-        g._call("sampler union", lambda: dist.all_reduce(tensor, op=dist.ReduceOp.BOR))
-    else:
-        rows = allgather(bitmap.reshape(1, -1))
-        np.bitwise_or.reduce(rows, axis=0, out=bitmap)
+        ring = current_ring()
+        self.value.set_world(ring.rank, ring.size)
 
 
 class ObjectHandler(StateHandler):
@@ -344,9 +320,6 @@ def register_handler(value_type: type, factory: Callable[[Any], StateHandler]) -
 
 
 def _handler_for(value: Any) -> StateHandler:
-    from ray_elastic.torch.optimizer import DistributedOptimizer
-    from ray_elastic.torch.sampler import ElasticSampler
-
     for value_type, factory in _REGISTRY:
         if isinstance(value, value_type):
             return factory(value)

@@ -1,0 +1,63 @@
+"""The backend factory: from a backend's name to a checked import and one generation's ring.
+
+Each backend's module imports an optional dependency (torch for "gloo" and
+"nccl", pygloo for "pygloo"), so they are imported here on first use, never
+at module level: a numpy-only worker never loads torch.
+"""
+
+from __future__ import annotations
+
+from ray_elastic.collective.base import CollectiveGroup
+from ray_elastic.rendezvous import KVClient
+
+# the backends whose rings are torch.distributed process groups (what torch helpers may rely on)
+TORCH_BACKENDS = ("gloo", "nccl")
+
+
+def load_backend(backend: str) -> None:
+    """Import the backend's libraries (torch: seconds in a fresh process) and check this worker can run it.
+
+    A newcomer does this before it says it is ready, so the ring never waits
+    for a member's imports.
+    """
+    if backend == "gloo":
+        import ray_elastic.collective.torch_gloo  # noqa: F401 - optional dependency (torch)
+    elif backend == "pygloo":
+        try:
+            import ray_elastic.collective.pygloo_backend  # noqa: F401 - optional dependency (pygloo)
+        except ImportError as e:
+            raise RuntimeError(
+                f"backend 'pygloo' cannot be imported in this worker ({e}); pygloo has wheels up to Python 3.10: "
+                "pip install 'ray-elastic[pygloo]'"
+            ) from e
+    elif backend == "nccl":
+        from ray_elastic.collective import nccl  # optional dependency (torch)
+
+        nccl.load()
+    else:
+        raise ValueError(f"unknown backend {backend!r}")
+
+
+def make_group(
+    backend: str, kv: KVClient, generation: int, rank: int, size: int, timeout: float, local_rank: int = 0
+) -> CollectiveGroup:
+    """Build the ring for `generation` with the chosen backend (`local_rank` picks an NCCL worker's GPU)."""
+    if backend == "gloo":
+        # optional dependency (torch)
+        from ray_elastic.collective.torch_gloo import TorchGlooGroup
+        from ray_elastic.collective.torch_store import torch_store
+
+        return TorchGlooGroup(torch_store(kv, generation, timeout, size), rank, size, timeout)
+    if backend == "pygloo":
+        from ray_elastic.collective.pygloo_backend import PyglooGroup  # optional dependency (pygloo)
+
+        return PyglooGroup(kv, generation, rank, size, timeout)
+    if backend == "nccl":
+        # optional dependency (torch)
+        from ray_elastic.collective.nccl import TorchNcclGroup
+        from ray_elastic.collective.torch_store import torch_store
+
+        # no one-call family reads: NCCL's unique id is one key `<prefix>/0` that only rank 0 writes,
+        # which the family read (made for Gloo's every-rank addresses) would wait on with N-1 keys missing
+        return TorchNcclGroup(torch_store(kv, generation, timeout), rank, size, timeout, local_rank)
+    raise ValueError(f"unknown backend {backend!r}")

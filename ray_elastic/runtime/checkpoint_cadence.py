@@ -1,0 +1,77 @@
+"""Which commits become durable checkpoints, and resuming from one.
+
+Rank 0 hands every `checkpoint_every`-th commit to a background
+`CheckpointWriter` (writes are retried and bounded by `collective_timeout`),
+and a rank 0 that never synced loads the last durable checkpoint before its
+first sync. Without `checkpoint_dir` every method does nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import ray
+
+from ray_elastic.assignment import WorkerSlot
+from ray_elastic.checkpoint import CheckpointStore, CheckpointWriter
+from ray_elastic.config import WorkerConfig
+
+logger = logging.getLogger(__name__)
+
+
+class CheckpointCadence:
+    """Counts commits; rank 0 checkpoints every `settings.checkpoint_every`-th one.
+
+    Args:
+        worker_id: this worker's id, for the driver and the log.
+        driver: the driver actor's handle (`worker_resumed` is sent to it).
+        settings: `checkpoint_dir`, `checkpoint_every` and `collective_timeout`
+            (the bound of one checkpoint write and of the final flush).
+    """
+
+    def __init__(self, worker_id: str, driver: ray.actor.ActorHandle, settings: WorkerConfig) -> None:
+        self.worker_id = worker_id
+        self.driver = driver
+        self.settings = settings
+        self._writer: CheckpointWriter | None = None
+        if settings.checkpoint_dir is not None:
+            self._writer = CheckpointWriter(CheckpointStore(settings.checkpoint_dir))
+        self._commits = 0
+        self._resume_checked = False
+
+    def after_commit(self, state: Any, slot: WorkerSlot | None, generation: int) -> None:
+        """Count a commit; rank 0 hands every `checkpoint_every`-th one to the checkpoint writer."""
+        if self._writer is None or slot is None:
+            return
+        self._commits += 1
+        if slot.rank != 0 or self._commits % self.settings.checkpoint_every:
+            return
+        meta = {"commit": self._commits, "generation": generation, "world_size": slot.size}
+        self._writer.submit(state.checkpoint_payload(), meta, timeout=self.settings.collective_timeout)
+
+    def maybe_resume(self, state: Any, slot: WorkerSlot | None, ever_synced: bool) -> None:
+        """Before a sync: a rank 0 that never synced loads the durable checkpoint, if there is one.
+
+        Rank 0 is the oldest worker, so a rank 0 that never synced means no
+        worker holds trained state: a new `fit()`, or every worker was lost.
+        """
+        if self._writer is None or self._resume_checked or ever_synced or slot is None:
+            return
+        if slot.rank != 0:
+            return
+        self._resume_checked = True
+        found = self._writer.store.read()
+        if found is None:
+            return
+        payload, meta = found
+        state.load_checkpoint(payload)
+        logger.info(
+            "worker %s resumed from the checkpoint in %s: %s", self.worker_id, self.settings.checkpoint_dir, meta
+        )
+        self.driver.worker_resumed.remote(self.worker_id, meta)
+
+    def flush(self) -> None:
+        """Wait for the last checkpoint write (rank 0, before it returns)."""
+        if self._writer is not None:
+            self._writer.flush(self.settings.collective_timeout)

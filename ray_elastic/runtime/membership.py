@@ -1,0 +1,164 @@
+"""This worker's place in the ring: joining it, leaving it, and the host-change notices.
+
+`Membership`
+
+- joins: tells the driver it is ready (once, after importing its backend),
+  then waits in the KV actor for a generation that includes it and builds
+  that generation's ring through the backend factory;
+- resets: tears the ring down and joins the next generation, or learns that
+  it was removed (`WorkerRemovedError`);
+- keeps the newest host-change notice the driver pushed into its memory, so
+  `check_host_updates()` reads a field instead of polling anyone, and makes
+  every rank agree on it (through the last gradient bucket when there is one);
+- tells the driver once per generation that this rank finished its sync.
+
+Every wait is bounded: the whole join by `rendezvous_timeout`, forming one
+ring by `collective_timeout`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import ray
+
+from ray_elastic.assignment import WorkerSlot
+from ray_elastic.collective.base import CollectiveGroup
+from ray_elastic.collective.factory import load_backend, make_group
+from ray_elastic.config import WorkerConfig
+from ray_elastic.exceptions import (
+    GenerationSupersededError,
+    HorovodInternalError,
+    HostsUpdatedInterrupt,
+    RendezvousTimeoutError,
+    WorkerRemovedError,
+)
+from ray_elastic.rendezvous import KVClient
+
+logger = logging.getLogger(__name__)
+
+
+class Membership:
+    """Generation, slot, ring and notices of this worker.
+
+    Args:
+        worker_id: this worker's id in the driver's assignments.
+        kv: the client of the run's KV actor.
+        driver: the driver actor's handle (`worker_ready`, `request_reset`,
+            `worker_synced` are sent to it, never awaited).
+        settings: the backend and the timeouts.
+    """
+
+    def __init__(self, worker_id: str, kv: KVClient, driver: ray.actor.ActorHandle, settings: WorkerConfig) -> None:
+        self.worker_id = worker_id
+        self.kv = kv
+        self.driver = driver
+        self.settings = settings
+        self.generation = 0
+        self.slot: WorkerSlot | None = None
+        self.group: CollectiveGroup | None = None
+        self.notice = 0  # newest generation the driver announced to this worker
+        self.synced_generation = 0  # the last generation this rank finished its sync in (0: never)
+        # test seam: called with a point's name ("rendezvous") so fault-injection tests can fail a rank there
+        self.fault_hook: Callable[[str], None] | None = None
+        self._agreed: tuple[int, bool] | None = None  # (generation, any notice) from the last gradient allreduce
+        self._announced = False
+
+    # ---- joining and leaving -------------------------------------------------
+    def ensure_joined(self) -> None:
+        if self.group is None:
+            self._join()
+
+    def _join(self) -> None:
+        if not self._announced:
+            load_backend(self.settings.backend)
+            self.driver.worker_ready.remote(self.worker_id)
+            self._announced = True
+        deadline = time.monotonic() + self.settings.rendezvous_timeout
+        after = self.generation
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise RendezvousTimeoutError(
+                    f"worker {self.worker_id} found no generation to join within "
+                    f"{self.settings.rendezvous_timeout:g} s (last generation {self.generation})"
+                )
+            generation, plan = self.kv.wait_generation(after, remaining, self.worker_id)
+            slot = plan.get(self.worker_id)
+            if slot is None:
+                if self.slot is not None:
+                    raise WorkerRemovedError(f"worker {self.worker_id} is not part of generation {generation}")
+                after = generation  # a newcomer not yet admitted: wait for the next one
+                continue
+            if self.fault_hook is not None:
+                self.fault_hook("rendezvous")
+            try:
+                self.group = make_group(
+                    self.settings.backend,
+                    self.kv,
+                    generation,
+                    slot.rank,
+                    slot.size,
+                    self.settings.collective_timeout,
+                    local_rank=slot.local_rank,
+                )
+            except (HorovodInternalError, GenerationSupersededError, RendezvousTimeoutError) as e:
+                # a peer died while the ring formed: the driver publishes a newer generation
+                logger.info(
+                    "worker %s: ring of generation %d did not form (%s); waiting for the next",
+                    self.worker_id,
+                    generation,
+                    e,
+                )
+                self.driver.request_reset.remote(self.worker_id, generation, str(e))
+                after = generation
+                continue
+            self.generation = generation
+            self.slot = slot
+            return
+
+    def reset(self, failed: bool) -> None:
+        """Leave the current ring and join the next generation."""
+        if failed:
+            self.driver.request_reset.remote(self.worker_id, self.generation, "collective failed")
+        self.close_group()
+        self._join()
+
+    def close_group(self) -> None:
+        self._agreed = None
+        if self.group is not None:
+            self.group.close()
+            self.group = None
+
+    def mark_synced(self) -> None:
+        """Tell the driver (once per generation) that this rank finished its sync."""
+        if self.synced_generation != self.generation:
+            self.synced_generation = self.generation
+            self.driver.worker_synced.remote(self.worker_id, self.generation, time.time())
+
+    # ---- host-change notices ---------------------------------------------------
+    def notify(self, generation: int) -> None:
+        """Called by the driver (on a control thread): a new generation awaits."""
+        if generation > self.notice:
+            self.notice = generation
+
+    def agree_on_notice(self, pending: bool) -> None:
+        """A collective all ranks ran (the gradient allreduce) told whether any rank holds a notice."""
+        self._agreed = (self.generation, pending)
+
+    def check_host_updates(self) -> None:
+        """Raise `HostsUpdatedInterrupt` on every rank at once if the world changed.
+
+        Uses the agreement carried by the last gradient allreduce when there is
+        one not yet consumed (every rank has the same), else one tiny max-allreduce.
+        """
+        self.ensure_joined()
+        agreed, self._agreed = self._agreed, None
+        if agreed is not None and agreed[0] == self.generation:
+            pending = agreed[1]
+        else:
+            pending = self.group.max_int(self.notice) > self.generation
+        if pending:
+            raise HostsUpdatedInterrupt(skip_sync=False)
