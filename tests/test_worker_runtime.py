@@ -24,6 +24,7 @@ from ray_elastic.collective.torch_gloo import TorchGlooGroup
 from ray_elastic.config import WorkerConfig
 from ray_elastic.exceptions import HorovodInternalError, HostsUpdatedInterrupt
 from ray_elastic.torch import DistributedOptimizer
+from ray_elastic.torch import state as torch_state
 from ray_elastic.worker_context import WorkerContext, current, set_current
 
 
@@ -132,6 +133,20 @@ def test_a_notice_is_agreed_inside_the_last_gradient_bucket(world_of_one, monkey
     monkeypatch.setattr(world_of_one.group, "max_int", no_collective)
     with pytest.raises(HostsUpdatedInterrupt):
         world_of_one.check_host_updates()
+
+
+def test_a_newcomers_optimizer_state_is_created_on_its_parameters_device(world_of_one, monkeypatch):
+    """Rank 0 has momentum, the newcomer none yet: the sync creates it where the parameter lives."""
+    model = torch.nn.Linear(3, 2, device="meta")  # "meta" stands in for a GPU
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    rank0 = {
+        "tensors": [(0, "momentum_buffer", (2, 3), torch.float32)],
+        "values": {},
+        "hyper": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
+    }
+    monkeypatch.setattr(torch_state, "broadcast_object", lambda obj, root_rank=0: rank0)
+    torch_state.OptimizerHandler(opt).sync()
+    assert opt.state[model.weight]["momentum_buffer"].device == model.weight.device
 
 
 # ---- activity marks --------------------------------------------------------------------
