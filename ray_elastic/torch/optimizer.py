@@ -26,8 +26,9 @@ own (a check with no step before it still does one).
 Buckets live on their parameters' device, with their dtype (a bucket holds
 parameters of one device and one dtype), and every collective goes through
 the ring's `CollectiveGroup` interface (`allreduce_async`), so the optimizer
-runs on every torch backend. The pygloo backend is refused at construction:
-its rings reduce synchronously, so no bucket would overlap backward.
+runs on every torch backend. The pygloo backend (the numpy-only lane, whose
+`allreduce_async` reduces synchronously) is refused at construction with an
+error naming the backends to use instead.
 """
 
 from __future__ import annotations
