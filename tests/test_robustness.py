@@ -73,7 +73,14 @@ def test_ranks_finishing_at_different_steps_fail_at_once_with_rank0s_value(clust
     """Found trying it: uneven shards waited 900 s and ended in RayTaskError(RendezvousTimeoutError)."""
     started = time.monotonic()
     with pytest.raises(TrainingFailedError) as info:
-        ElasticTrainer(counting_train_fn, 2, 3, config={"steps": 10**6, "rank0_returns_at": 15}, verbose=0).fit()
+        ElasticTrainer(
+            counting_train_fn,
+            2,
+            3,
+            config={"steps": 10**6, "rank0_returns_at": 15},
+            collective_timeout=30,  # bounds a peer whose Gloo never hears of rank 0's exit
+            verbose=0,
+        ).fit()
     assert time.monotonic() - started < 60
     message = str(info.value)
     assert message.startswith("rank 0 (w1) returned from train_fn while rank 1 (w2), rank 2 (w3) still ran")
