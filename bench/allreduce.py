@@ -32,8 +32,8 @@ import ray
 from results_file import write_results
 
 from ray_elastic.collective.base import Sum
+from ray_elastic.collective.factory import load_backend, make_group
 from ray_elastic.rendezvous import KVClient, create_kv_actor
-from ray_elastic.worker_context import load_backend, make_group
 
 SIZES = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
 ROUND_S = 0.05

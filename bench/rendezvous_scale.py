@@ -38,7 +38,8 @@ import ray
 from results_file import write_results
 
 from ray_elastic.assignment import Cooldown, LiveWorker, WorkerSlot, assign_ranks, plan_scaling
-from ray_elastic.rendezvous import KVClient, create_kv_actor, torch_store
+from ray_elastic.collective.torch_store import torch_store
+from ray_elastic.rendezvous import KVClient, create_kv_actor
 
 ADDR_BYTES = 178  # what torch 2.13's Gloo writes per rank
 TIMEOUT_S = 120.0
