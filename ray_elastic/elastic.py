@@ -44,6 +44,7 @@ def run(func: Callable[..., R]) -> Callable[..., R]:
                 if not skip_sync:
                     ctx.maybe_resume(state)
                     state.sync()
+                    ctx.adopt_commits()
                     ctx.mark_synced()
                 return func(state, *args, **kwargs)
             except HorovodInternalError as e:

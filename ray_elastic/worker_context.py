@@ -58,6 +58,7 @@ class WorkerContext:
         self.membership = Membership(worker_id, KVClient(kv), driver, settings)
         self.checkpoints = CheckpointCadence(worker_id, driver, settings)
         self.metrics = MetricsShipper(worker_id, driver)
+        self.commits = 0  # commits the state holds (rank 0's after each sync): where training resumes
 
     # ---- the membership's view ---------------------------------------------
     @property
@@ -101,7 +102,8 @@ class WorkerContext:
         self.membership.check_host_updates()
 
     def mark_synced(self) -> None:
-        self.membership.mark_synced()
+        """Tell the driver this rank synced, and from which commit training resumes."""
+        self.membership.mark_synced(self.commits)
 
     # ---- activity, for the driver's stuck-rank check ---------------------------
     @property
@@ -122,16 +124,24 @@ class WorkerContext:
 
     # ---- commits and durable checkpoints -----------------------------------------
     def after_commit(self, state: Any, save_seconds: float) -> None:
-        """Record the commit's cost; rank 0 checkpoints every `checkpoint_every`-th commit."""
+        """Count the commit and record its cost; rank 0 checkpoints every `checkpoint_every`-th commit."""
+        self.commits += 1
         metrics.commit(self.settings.run_id, save_seconds)
-        self.checkpoints.after_commit(state, self.slot, self.generation)
+        self.checkpoints.after_commit(state, self.slot, self.generation, self.commits)
 
     def maybe_resume(self, state: Any) -> None:
         """Before a sync: a rank 0 that never synced loads the durable checkpoint, if there is one."""
-        self.checkpoints.maybe_resume(state, self.slot, ever_synced=self.membership.synced_generation != 0)
+        meta = self.checkpoints.maybe_resume(state, self.slot, ever_synced=self.membership.synced_generation != 0)
+        if meta is not None:
+            self.commits = int(meta.get("commit", 0))
 
-    def flush_checkpoint(self) -> None:
-        self.checkpoints.flush()
+    def adopt_commits(self) -> None:
+        """After a sync, every rank holds rank 0's state: it counts rank 0's commits too."""
+        self.commits = int(self.group.broadcast_object(self.commits, root_rank=0))
+
+    def flush_checkpoint(self) -> str | None:
+        """None if the last durable checkpoint was written, else why not."""
+        return self.checkpoints.flush()
 
     # ---- metrics --------------------------------------------------------------
     def report(self, values: dict[str, Any]) -> None:

@@ -192,3 +192,22 @@ def test_a_users_own_importable_class_reaches_the_workers_as_itself(cluster, no_
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "worker isinstance True back isinstance True" in done.stdout, done.stdout + done.stderr[-2000:]
+
+
+def test_a_crash_repeating_at_the_same_step_ends_the_run_instead_of_looping(cluster, no_leaks, tmp_path):
+    """Found trying it: a deterministic crash was retried forever (45 crashes in 120 s, still running)."""
+    crash = {"rank": 1, "step": 12, "action": "sigkill", "repeat": True, "marker": str(tmp_path / "unused")}
+    started = time.monotonic()
+    with pytest.raises(TrainingFailedError) as info:
+        ElasticTrainer(
+            counting_train_fn,
+            2,
+            3,
+            config={"steps": 10**6, "faults": [crash]},
+            cooldown_range=(0.1, 0.1),
+            verbose=0,
+        ).fit()
+    message = str(info.value)
+    assert "failed 3 times in a row resuming from the same commit (2)" in message, message
+    assert "died" in message or "ActorDiedError" in message
+    assert time.monotonic() - started < 120

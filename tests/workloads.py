@@ -46,13 +46,14 @@ def _fire_faults(config: dict, step: int, phase: str = "step", newcomer: bool = 
                 continue
         elif ctx.slot is None or ctx.slot.rank != fault["rank"]:
             continue
-        marker = Path(fault["marker"])
-        try:
-            fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)  # fires once, across workers
-        except FileExistsError:
-            continue
-        with os.fdopen(fd, "w") as f:
-            f.write(json.dumps({"time": time.time(), "worker": current().worker_id, "step": step}))
+        if not fault.get("repeat"):  # a repeating fault fires every time its rank reaches its step
+            marker = Path(fault["marker"])
+            try:
+                fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)  # fires once, across workers
+            except FileExistsError:
+                continue
+            with os.fdopen(fd, "w") as f:
+                f.write(json.dumps({"time": time.time(), "worker": current().worker_id, "step": step}))
         action = fault["action"]
         if action == "sigkill":
             os.kill(os.getpid(), signal.SIGKILL)

@@ -37,41 +37,41 @@ class CheckpointCadence:
         self._writer: CheckpointWriter | None = None
         if settings.checkpoint_dir is not None:
             self._writer = CheckpointWriter(CheckpointStore(settings.checkpoint_dir))
-        self._commits = 0
         self._resume_checked = False
 
-    def after_commit(self, state: Any, slot: WorkerSlot | None, generation: int) -> None:
-        """Count a commit; rank 0 hands every `checkpoint_every`-th one to the checkpoint writer."""
+    def after_commit(self, state: Any, slot: WorkerSlot | None, generation: int, commits: int) -> None:
+        """Rank 0 hands every `checkpoint_every`-th commit (the run's `commits`-th) to the checkpoint writer."""
         if self._writer is None or slot is None:
             return
-        self._commits += 1
-        if slot.rank != 0 or self._commits % self.settings.checkpoint_every:
+        if slot.rank != 0 or commits % self.settings.checkpoint_every:
             return
-        meta = {"commit": self._commits, "generation": generation, "world_size": slot.size}
+        meta = {"commit": commits, "generation": generation, "world_size": slot.size}
         self._writer.submit(state.checkpoint_payload(), meta, timeout=self.settings.collective_timeout)
 
-    def maybe_resume(self, state: Any, slot: WorkerSlot | None, ever_synced: bool) -> None:
-        """Before a sync: a rank 0 that never synced loads the durable checkpoint, if there is one.
+    def maybe_resume(self, state: Any, slot: WorkerSlot | None, ever_synced: bool) -> dict[str, Any] | None:
+        """Before a sync: a rank 0 that never synced loads the durable checkpoint, if there is one; returns its meta.
 
         Rank 0 is the oldest worker, so a rank 0 that never synced means no
         worker holds trained state: a new `fit()`, or every worker was lost.
         """
         if self._writer is None or self._resume_checked or ever_synced or slot is None:
-            return
+            return None
         if slot.rank != 0:
-            return
+            return None
         self._resume_checked = True
         found = self._writer.store.read()
         if found is None:
-            return
+            return None
         payload, meta = found
         state.load_checkpoint(payload)
         logger.info(
             "worker %s resumed from the checkpoint in %s: %s", self.worker_id, self.settings.checkpoint_dir, meta
         )
         self.driver.worker_resumed.remote(self.worker_id, meta)
+        return meta
 
-    def flush(self) -> None:
-        """Wait for the last checkpoint write (rank 0, before it returns)."""
-        if self._writer is not None:
-            self._writer.flush(self.settings.collective_timeout)
+    def flush(self) -> str | None:
+        """Wait for the last checkpoint write (rank 0, before it returns); None if it is durable, else why not."""
+        if self._writer is None:
+            return None
+        return self._writer.flush(self.settings.collective_timeout)

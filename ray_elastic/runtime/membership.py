@@ -132,11 +132,11 @@ class Membership:
             self.group.close()
             self.group = None
 
-    def mark_synced(self) -> None:
-        """Tell the driver (once per generation) that this rank finished its sync."""
+    def mark_synced(self, commits: int) -> None:
+        """Tell the driver (once per generation) that this rank finished its sync, resuming from `commits`."""
         if self.synced_generation != self.generation:
             self.synced_generation = self.generation
-            self.driver.worker_synced.remote(self.worker_id, self.generation, time.time())
+            self.driver.worker_synced.remote(self.worker_id, self.generation, time.time(), commits)
 
     # ---- host-change notices ---------------------------------------------------
     def notify(self, generation: int) -> None:
