@@ -78,7 +78,7 @@ def test_ranks_finishing_at_different_steps_fail_at_once_with_rank0s_value(clust
             2,
             3,
             config={"steps": 10**6, "rank0_returns_at": 15},
-            collective_timeout=30,  # bounds a peer whose Gloo never hears of rank 0's exit
+            collective_timeout=10,  # bounds a peer whose Gloo never hears of rank 0's exit
             verbose=0,
         ).fit()
     assert time.monotonic() - started < 60
@@ -98,7 +98,7 @@ def autoscaler_request() -> list:
 
 def test_concurrent_runs_autoscaler_requests_add_up_and_are_withdrawn(cluster, no_leaks):
     """Found trying it: two runs overwrote each other's request; Ctrl-C left it set cluster-wide."""
-    first = fit_in_thread(ElasticTrainer(counting_train_fn, 1, 6, config={"steps": 600}, verbose=0))
+    first = fit_in_thread(ElasticTrainer(counting_train_fn, 1, 6, config={"steps": 300}, verbose=0))
     second = fit_in_thread(
         ElasticTrainer(counting_train_fn, 1, 10, config={"steps": 30}, resources_per_worker={"CPU": 0.5}, verbose=0)
     )
