@@ -12,7 +12,7 @@ PY310 ?= PYENV_VERSION=3.10.13 python3.10
 VENV310 := .venv310
 STAMP310 := $(VENV310)/.installed
 
-.PHONY: demo test test-pygloo lint bench soak venv venv310 clean
+.PHONY: demo test test-pygloo lint bench soak venv venv310 clean nettools
 
 venv: $(STAMP)
 
@@ -35,7 +35,13 @@ $(STAMP310): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/python examples/demo.py
 
-test: $(STAMP)
+# tests/test_netns.py needs iproute2's ip and tc: installed where missing (as root; without root those tests skip)
+nettools:
+	@command -v ip >/dev/null && command -v tc >/dev/null || \
+		{ [ "$$(id -u)" = 0 ] && apt-get update -q && apt-get install -y -q iproute2; } || \
+		echo "iproute2 not installed: tests/test_netns.py will skip"
+
+test: $(STAMP) nettools
 	$(BIN)/ruff check ray_elastic tests examples bench
 	$(BIN)/python -m pytest -q -ra tests
 

@@ -80,7 +80,12 @@ def _free_range(width: int) -> int:
 class RayStartCluster:
     """One head node started with `ray start --head --block`, stopped by `stop()`."""
 
-    def __init__(self, num_cpus: int = 3, start_timeout: float = 90.0) -> None:
+    def __init__(
+        self,
+        num_cpus: int = 3,
+        start_timeout: float = 90.0,
+        node_ip_address: str = "127.0.0.1",
+    ) -> None:
         # short: Ray puts unix sockets under the temp dir, and their paths are limited to 107 bytes
         self.temp_dir = tempfile.mkdtemp(prefix="re-", dir="/tmp")
         self.token = secrets.token_hex(32)
@@ -89,8 +94,9 @@ class RayStartCluster:
         ports = dict(zip(_PORT_OPTIONS, _free_ports(len(_PORT_OPTIONS), avoid=worker_ports), strict=True))
         self.gcs_port = ports["--port"]
         self.dashboard_port = ports["--dashboard-port"]
-        self.address = f"127.0.0.1:{self.gcs_port}"
-        self.dashboard_url = f"http://127.0.0.1:{self.dashboard_port}"
+        self.node_ip_address = node_ip_address
+        self.address = f"{node_ip_address}:{self.gcs_port}"
+        self.dashboard_url = f"http://{node_ip_address}:{self.dashboard_port}"
         self.env = {
             **os.environ,
             "PATH": VENV_BIN + os.pathsep + os.environ.get("PATH", ""),  # as an activated venv has it
@@ -104,10 +110,10 @@ class RayStartCluster:
             "start",
             "--head",
             "--block",
-            "--node-ip-address=127.0.0.1",
+            f"--node-ip-address={node_ip_address}",
             f"--num-cpus={num_cpus}",
             "--include-dashboard=true",
-            "--dashboard-host=127.0.0.1",
+            f"--dashboard-host={node_ip_address}",
             "--disable-usage-stats",
             f"--temp-dir={self.temp_dir}",
             f"--min-worker-port={worker_base}",

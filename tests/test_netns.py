@@ -1,0 +1,130 @@
+"""Training across real, distinct IPs: worker nodes in network namespaces (tests/netns_cluster.py).
+
+Each worker node has its own address on a bridge, so Gloo's rings cross a
+network as on a real cluster, and a node can be cut off without a single
+RST. The driver side of each run is a subprocess (tests/netns_fit.py): this
+process may already be connected to the session's `cluster`. Skipped, with
+the reason, where network namespaces cannot be created (not root).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import wait_until
+from netns_cluster import NetnsCluster, unavailable_reason
+
+pytestmark = pytest.mark.integration
+
+FIT_SCRIPT = str(Path(__file__).parent / "netns_fit.py")
+
+
+@pytest.fixture(scope="module")
+def netns_cluster():
+    reason = unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    c = NetnsCluster(num_nodes=2)
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+def start_fit(cluster: NetnsCluster, tmp_path: Path, config: dict, **trainer) -> subprocess.Popen:
+    """Start `ElasticTrainer(counting_train_fn, ...).fit()` in a driver subprocess connected to `cluster`."""
+    ip_dir = tmp_path / "ips"
+    ip_dir.mkdir()
+    trainer.setdefault("min_workers", 2)
+    trainer.setdefault("max_workers", 4)
+    spec = {"config": {**config, "ip_dir": str(ip_dir)}, "trainer": trainer}
+    return subprocess.Popen(
+        [sys.executable, FIT_SCRIPT, json.dumps(spec)],
+        env=cluster.env,
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def finish(proc: subprocess.Popen, timeout: float) -> dict:
+    """The result the driver subprocess printed; fail with its stderr if it failed."""
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        pytest.fail(f"the driver did not finish within {timeout:g} s: {err[-3000:]}")
+    assert proc.returncode == 0, f"the driver failed ({proc.returncode}): {err[-3000:]}"
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def assert_same_state(result: dict) -> None:
+    digests = result["return_value"]["digests"]
+    assert len(digests) == result["return_value"]["world_size"]
+    assert len(set(digests)) == 1, f"ranks diverged: {digests}"
+
+
+def test_four_workers_on_two_ips_train_in_lockstep(netns_cluster, tmp_path):
+    result = finish(start_fit(netns_cluster, tmp_path, {"steps": 40}, min_workers=4), timeout=120)
+    assert result["return_value"]["world_size"] == 4 and result["return_value"]["steps"] == 40
+    assert_same_state(result)
+    # the ring spanned both namespaces: two workers on each node's own address
+    ips = sorted(result["worker_ips"].values())
+    assert ips == sorted(netns_cluster.node_ips * 2), ips
+    alive = {n["ip"] for n in result["nodes"] if n["alive"] and n["cpus"]}
+    assert alive == set(netns_cluster.node_ips)
+
+
+def test_sigkill_of_a_worker_recovers_at_once(netns_cluster, tmp_path):
+    """The victim's node sends FIN/RST across the bridge: the survivors re-form without waiting out a timeout."""
+    fault = {"rank": 1, "step": 15, "action": "sigkill", "marker": str(tmp_path / "fault")}
+    # the victim's node is held back for the whole run, so the survivors go on at 3 and do not wait for a newcomer
+    proc = start_fit(netns_cluster, tmp_path, {"steps": 60, "faults": [fault]}, cooldown_range=[60, 60])
+    result = finish(proc, timeout=120)
+    assert os.path.exists(fault["marker"])
+    [failed] = [e for e in result["events"] if e["kind"] == "worker_failed"]
+    assert failed["reset_duration"] < 5, failed
+    print(f"SIGKILL across namespaces: reset in {failed['reset_duration']:.2f} s")
+    assert result["return_value"]["steps"] == 60
+    assert_same_state(result)
+
+
+def test_silent_cut_of_a_node_the_survivors_go_on(netns_cluster, tmp_path):
+    """netem loss 100% (or blackhole) on a node's veth: no RST, the survivors learn it from timeouts."""
+    signal_file = tmp_path / "signal"
+    config = {
+        "signal_file": str(signal_file),
+        "signal_step": 20,
+        "until_world": 2,
+        "min_steps": 21,  # the goal is training on the two survivors after the cut, not before
+        "extra_steps": 20,
+        "deadline_s": 150,
+    }
+    proc = start_fit(netns_cluster, tmp_path, config, min_workers=2, collective_timeout=10, liveness_timeout=5)
+    victim = netns_cluster.nodes[-1]
+    try:
+        wait_until(lambda: signal_file.exists() or proc.poll() is not None, 90, "rank 0 to reach step 20")
+        assert proc.poll() is None, f"the driver ended early: {proc.communicate()[1][-3000:]}"
+        how = netns_cluster.cut(victim)
+        cut_at = time.time()
+        result = finish(proc, timeout=150)
+    finally:
+        netns_cluster.heal(victim)
+    at_cut = [m["world_size"] for m, t in zip(result["metrics"], result["metric_times"], strict=True) if t < cut_at]
+    assert at_cut[-1] == 4, "the cut should hit a world of 4"
+    next_step_at = next(
+        t for m, t in zip(result["metrics"], result["metric_times"], strict=True) if t > cut_at and m["world_size"] == 2
+    )
+    print(f"cut with {how}: the survivors' next step came {next_step_at - cut_at:.2f} s after the cut")
+    assert result["return_value"]["world_size"] == 2
+    assert_same_state(result)
+    survivors = {ip for ip in result["worker_ips"].values()} - {victim.ip}
+    assert survivors, "the survivors ran on the other node"
