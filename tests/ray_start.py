@@ -78,7 +78,11 @@ def _free_range(width: int) -> int:
 
 
 class RayStartCluster:
-    """One head node started with `ray start --head --block`, stopped by `stop()`."""
+    """One head node started with `ray start --head --block`, stopped by `stop()`.
+
+    It listens on `node_ip_address` (default loopback; tests/netns_cluster.py
+    passes the address of its bridge, for worker nodes in other namespaces).
+    """
 
     def __init__(
         self,
