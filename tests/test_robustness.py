@@ -98,7 +98,7 @@ def autoscaler_request() -> list:
 
 def test_concurrent_runs_autoscaler_requests_add_up_and_are_withdrawn(cluster, no_leaks):
     """Found trying it: two runs overwrote each other's request; Ctrl-C left it set cluster-wide."""
-    first = fit_in_thread(ElasticTrainer(counting_train_fn, 1, 6, config={"steps": 300}, verbose=0))
+    first = fit_in_thread(ElasticTrainer(counting_train_fn, 1, 6, config={"steps": 150}, verbose=0))
     second = fit_in_thread(
         ElasticTrainer(counting_train_fn, 1, 10, config={"steps": 30}, resources_per_worker={"CPU": 0.5}, verbose=0)
     )
