@@ -50,7 +50,9 @@ class WorkerActor:
             value = train_fn(config)
             rank = self.ctx.slot.rank if self.ctx.slot is not None else None
             if rank == 0:
-                self.ctx.flush_checkpoint()
+                note = self.ctx.flush_checkpoint()
+                if note is not None:  # the result still goes back: a storage blip must not lose it
+                    logger.warning("train_fn finished, but the last durable checkpoint was not written: %s", note)
             return Finished(rank, value if rank == 0 else None)
         except WorkerRemovedError:
             return Removed()
