@@ -56,23 +56,27 @@ class RunConfig:
     @classmethod
     def create(
         cls,
+        *,
         min_workers: Any,
         max_workers: Any,
-        resources_per_worker: Mapping[str, float] | None = None,
-        backend: str = "auto",
-        elastic_timeout: float = 600.0,
-        reset_limit: int | None = None,
-        cooldown_range: Any = (10.0, 300.0),
-        discovery_interval: float = 1.0,
-        discovery_timeout: float = 30.0,
-        liveness_timeout: float = 30.0,
-        collective_timeout: float = 300.0,
-        max_failures: int = 0,
-        checkpoint_dir: str | os.PathLike | None = None,
-        checkpoint_every: int = 10,
-        keep_metrics: int | None = 100_000,
+        resources_per_worker: Mapping[str, float] | None,
+        backend: str,
+        elastic_timeout: float,
+        reset_limit: int | None,
+        cooldown_range: Any,
+        discovery_interval: float,
+        discovery_timeout: float,
+        liveness_timeout: float,
+        collective_timeout: float,
+        max_failures: int,
+        checkpoint_dir: str | os.PathLike | None,
+        checkpoint_every: int,
+        keep_metrics: int | None,
     ) -> RunConfig:
-        """Check every option; `backend="auto"` is resolved against what this interpreter can import."""
+        """Check every option (`ElasticTrainer`'s signature holds their defaults, once).
+
+        `backend="auto"` is resolved against what this interpreter can import.
+        """
         _check_int("min_workers", min_workers, 1)
         _check_int("max_workers", max_workers, 1)
         if max_workers < min_workers:
