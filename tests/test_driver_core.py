@@ -320,9 +320,53 @@ def test_liveness_kills_only_workers_whose_process_answered_before():
     s = Script(max_workers=3)
     s.start({"A": 1, "B": 1})
     s.send(m.HostsDiscovered({"A": 1, "B": 1, "C": 1}))
-    s.send(m.PingResults(answered=frozenset({"w1"}), timed_out=frozenset({"w2", "w3"})))
+    s.send(m.PingResults(answered=frozenset({"w1"}), timed_out=frozenset({"w2", "w3"}), sent_at=s.now))
     # w2 said it was ready (its process is up): hung; w3 never answered: still booting, its boot deadline applies
     assert s.of(m.Kill) == [m.Kill("w2", failed=True)]
+
+
+COMPUTING = m.CpuSample(busiest_thread_s=0.5, window_s=0.5, state="R")
+IDLE = m.CpuSample(busiest_thread_s=0.0, window_s=0.5, state="S")
+
+
+def missed_ping(s: Script, samples: dict, after: float = 7.0) -> list:
+    """One liveness round, `after` seconds on, in which the workers of `samples` did not answer."""
+    answered = frozenset(s.core.alive_ids()) - set(samples)
+    sent = m.PingResults(answered, frozenset(samples), sent_at=s.now + after - 5.5, samples=samples)
+    return s.send(sent, after=after)
+
+
+def test_a_silent_member_that_computes_is_spared_until_collective_timeout():
+    """A long C call holding the GIL keeps the ping from being answered: not a hang (collective_timeout=20 s)."""
+    s = Script()
+    s.start({"A": 1, "B": 1})
+    for _ in range(3):  # silent since its first missed ping was sent: 5.5 s, 12.5 s, 19.5 s
+        assert missed_ping(s, {"w2": COMPUTING}) == []
+    assert s.core.workers["w2"].spared and s.core.resets == 0
+    assert missed_ping(s, {"w2": COMPUTING}) == [m.Kill("w2", failed=True)]  # 26.5 s: past the peers' own limit
+
+
+def test_a_member_that_answers_again_starts_a_new_silence():
+    s = Script()
+    s.start({"A": 1, "B": 1})
+    missed_ping(s, {"w2": COMPUTING})
+    missed_ping(s, {"w2": COMPUTING})
+    missed_ping(s, {})  # the call returned: w2 answers
+    assert not s.core.workers["w2"].spared and s.core.workers["w2"].silent_since is None
+    for _ in range(3):  # a new silence: 19.5 s at the third round, not 33.5 s
+        assert missed_ping(s, {"w2": COMPUTING}) == []
+
+
+def test_a_silent_member_without_cpu_use_or_without_a_reading_is_killed_at_once():
+    s = Script(min_workers=1, max_workers=3)
+    s.start({"A": 1, "B": 1, "C": 1})
+    actions = missed_ping(s, {"w2": IDLE, "w3": "no reading within 5 s (its node may be unreachable)"})
+    assert actions == [m.Kill("w2", failed=True), m.Kill("w3", failed=True)]
+    # a silent member that computed before and stops using the CPU is hung from then on
+    s = Script()
+    s.start({"A": 1, "B": 1})
+    assert missed_ping(s, {"w2": COMPUTING}) == []
+    assert missed_ping(s, {"w2": IDLE}) == [m.Kill("w2", failed=True)]
 
 
 def test_a_worker_not_ready_within_elastic_timeout_is_killed_as_failed():

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from ray_elastic.driver.messages import ACTIVITY_ERROR, ACTIVITY_TIMEOUT
+from ray_elastic.driver.messages import ACTIVITY_ERROR, ACTIVITY_TIMEOUT, CpuSample
 from ray_elastic.driver.policies import (
     PublishVerdict,
     Ring,
     decide_crash_loop,
     decide_publish,
     decide_user_error,
+    judge_missed_ping,
     judge_ring_failure,
 )
 
@@ -86,3 +87,43 @@ def test_three_failures_resuming_from_the_same_commit_are_a_crash_loop():
     assert decide_crash_loop([4, 5, 5], ["a", "a", "a"])[0] is False
     loop, reason = decide_crash_loop([4, 5, 5, 5], ["x", "boom", "boom", "bang"])
     assert loop and "resuming from the same commit (5)" in reason and reason.endswith("(causes: boom; bang)")
+
+
+def missed(sample, silent_for=10.0):
+    return judge_missed_ping(sample, silent_for=silent_for, liveness_timeout=2.0, collective_timeout=300.0)
+
+
+def test_a_silent_member_whose_thread_computes_is_busy_not_hung():
+    busy, reason = missed(CpuSample(busiest_thread_s=0.49, window_s=0.5, state="R"))
+    assert busy
+    assert reason == (
+        "did not answer within liveness_timeout=2 s but is computing (98% of a CPU over 0.5 s): busy in a call "
+        "that holds the GIL; spared while it computes, up to collective_timeout=300 s of silence"
+    )
+    # a computing thread sharing a core with several others is still computing
+    assert missed(CpuSample(busiest_thread_s=0.1, window_s=0.5, state="R"))[0]
+
+
+def test_a_silent_member_without_cpu_use_or_without_a_reading_is_hung():
+    busy, reason = missed(CpuSample(busiest_thread_s=0.0, window_s=0.5, state="T"))
+    assert not busy
+    assert (
+        reason
+        == "did not answer within liveness_timeout=2 s and used no CPU (0% of a CPU over 0.5 s, process stopped): hung"
+    )
+    # Ray's own threads tick now and then in a hung worker (measured: at most one 10 ms tick in 0.5 s)
+    assert not missed(CpuSample(busiest_thread_s=0.01, window_s=0.5, state="S"))[0]
+    busy, reason = missed("no reading within 2 s (its node may be unreachable)")
+    assert not busy
+    assert reason == (
+        "did not answer within liveness_timeout=2 s, and its CPU time could not be read: no reading within 2 s "
+        "(its node may be unreachable)"
+    )
+
+
+def test_a_member_computing_but_silent_past_collective_timeout_is_killed():
+    busy, reason = missed(CpuSample(busiest_thread_s=0.5, window_s=0.5, state="R"), silent_for=301.0)
+    assert not busy
+    assert reason == (
+        "has not answered for 301 s, longer than collective_timeout=300 s, though it is computing (100% of a CPU)"
+    )

@@ -211,3 +211,53 @@ def test_a_crash_repeating_at_the_same_step_ends_the_run_instead_of_looping(clus
     assert "failed 3 times in a row resuming from the same commit (2)" in message, message
     assert "died" in message or "ActorDiedError" in message
     assert time.monotonic() - started < 120
+
+
+def test_a_long_c_call_holding_the_gil_is_not_taken_for_a_hang(cluster, no_leaks, tmp_path):
+    """Found trying it: a C call keeping the GIL past liveness_timeout had its worker killed, at that step each time."""
+    from workloads import _compute_holding_the_gil
+
+    # the premise: the call silences every other thread of the process, as it silences the worker's ping
+    ticks: list[float] = []
+
+    def tick() -> None:
+        for _ in range(150):
+            ticks.append(time.monotonic())
+            time.sleep(0.01)
+
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    time.sleep(0.05)
+    _compute_holding_the_gil(1.0)
+    ticker.join()
+    assert max(b - a for a, b in zip(ticks, ticks[1:], strict=False)) > 0.8
+
+    marker = tmp_path / "busy"
+    busy = {"rank": 1, "step": 10, "action": "gil_busy", "seconds": 6, "marker": str(marker)}
+    result = ElasticTrainer(
+        counting_train_fn, 2, 2, config={"steps": 30, "faults": [busy]}, liveness_timeout=2, verbose=0
+    ).fit()
+    assert time.time() - json.loads(marker.read_text())["time"] > 5.5, "the ranks waited out rank 1's call"
+    assert result.resets == 0 and [e.kind for e in result.events] == ["start"], result.events
+    assert [m["step"] for m in result.metrics] == list(range(1, 31))
+
+
+def test_a_worker_silent_in_a_gil_holding_call_without_cpu_use_is_still_killed(cluster, no_leaks, tmp_path):
+    """Sleeping in a C call that keeps the GIL looks like a deadlock from outside: killed as hung, as fast as before."""
+    marker = tmp_path / "stuck"
+    stuck = {"rank": 1, "step": 10, "action": "gil_sleep", "seconds": 300, "marker": str(marker)}
+    result = ElasticTrainer(
+        counting_train_fn,
+        1,
+        2,
+        config={"steps": 30, "faults": [stuck]},
+        liveness_timeout=2,
+        cooldown_range=(60, 60),
+        verbose=0,
+    ).fit()
+    [failed] = [e for e in result.events if e.kind == "worker_failed"]
+    fired = json.loads(marker.read_text())
+    assert fired["worker"] in failed.detail
+    # a missed ping (2 s, a round every 2/3 s) and a CPU reading (0.5 s, bounded by 2 s)
+    assert failed.time - fired["time"] < 6.5, failed.time - fired["time"]
+    assert result.return_value["steps"] == 30

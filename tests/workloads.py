@@ -8,7 +8,7 @@ fired, and when), so a worker that replaces the victim does not repeat it.
 
 A fault is `{"rank", "step", "action", "marker", "phase"}`: the rank that
 fails (or "newcomer"), by `action` (sigkill, exit, raise, hang, deadlock,
-stuck_in_collective), in `phase`:
+stuck_in_collective, gil_busy and gil_sleep for `seconds`), in `phase`:
 "step" (after the step's allreduce, the default; fires at exactly `step`),
 or, firing the first time the phase is reached once the state's step is at
 least `step`: "commit" (inside `save()`), "sync" (inside the sync
@@ -18,6 +18,7 @@ broadcast), "newcomer_sync" (a newcomer's first sync), "reset_callback",
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import os
@@ -65,11 +66,23 @@ def _fire_faults(config: dict, step: int, phase: str = "step", newcomer: bool = 
             os.kill(os.getpid(), signal.SIGSTOP)
         elif action == "deadlock":
             threading.Event().wait()  # stuck in user code; the process still answers pings
+        elif action == "gil_busy":  # computes in one C call that keeps the GIL: no ping is answered meanwhile
+            _compute_holding_the_gil(fault["seconds"])
+        elif action == "gil_sleep":  # sleeps in a C call that keeps the GIL (ctypes.PyDLL does not release it)
+            ctypes.PyDLL(None).sleep(int(fault["seconds"]))
         elif action == "stuck_in_collective":
             ctx.in_collective = True  # as if blocked in a collective its peers never enter
             threading.Event().wait()
         else:
             raise AssertionError(f"unknown fault action {action!r}")
+
+
+def _compute_holding_the_gil(seconds: float) -> None:
+    """About `seconds` of CPU in one C call: builtin sum over a range runs no bytecode, so it never yields the GIL."""
+    started = time.thread_time()
+    sum(range(2_000_000))
+    per_item = (time.thread_time() - started) / 2_000_000
+    sum(range(int(seconds / max(per_item, 1e-9))))
 
 
 class FaultyObjectState(elastic.ObjectState):

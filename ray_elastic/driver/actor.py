@@ -11,11 +11,16 @@ core, and carries out the actions that come back:
   once per batch whether the dead workers' nodes are still alive (deaths
   that arrive together join one reset);
 - publishing a generation to the KV actor and notifying the old members;
+- liveness: every worker is pinged each third of `liveness_timeout`; for
+  those that did not answer in time, the CPU time of their process is read
+  on their node, so the core can tell a member computing in a long call
+  that holds the GIL from a hung one;
 - queries that take time (the members' activity after a broken ring, the
   durable checkpoint's existence) run as tasks that answer with a message,
   so the loop never waits on them.
 
-Every await has a deadline: the KV actor's answers and the members' pings
+Every await has a deadline: the KV actor's answers, the members' pings and
+the CPU reading of a member that missed one (`progress.py`)
 `liveness_timeout`, Ray's node table and the checkpoint lookup
 `discovery_timeout`, placement `elastic_timeout`. The one await without a
 deadline is a worker's `run()` call, which lasts as long as training; the
@@ -41,6 +46,7 @@ from ray_elastic.discovery import DiscoveryError, DiscoveryPoller, alive_ray_nod
 from ray_elastic.driver import messages as m
 from ray_elastic.driver.core import DriverCore
 from ray_elastic.driver.metrics_log import MetricsLog
+from ray_elastic.driver.progress import start_probe
 from ray_elastic.payload import unpack
 from ray_elastic.protocol import DriverStatus, RunOutcome
 from ray_elastic.worker_actor import actor_class
@@ -78,6 +84,8 @@ class DriverActor:
         self._handles: dict[str, Any] = {}
         self._pgs: dict[str, PlacementGroup] = {}
         self._runs: dict[str, asyncio.Task] = {}
+        self._pids: dict[str, int] = {}  # each worker's process id, asked with its first ping
+        self._probes: dict[str, Any] = {}  # node -> its ProcessProbe, started when a worker there first misses a ping
         self._tasks: list[asyncio.Task] = []
         self._autoscale_requested = 0
         self._worker_cls = actor_class()
@@ -358,22 +366,77 @@ class DriverActor:
             await asyncio.sleep(self.config.discovery_interval)
 
     async def _liveness_loop(self) -> None:
+        """Ping every live worker each round; read the CPU time of those that did not answer in time."""
         interval = max(0.2, self.config.liveness_timeout / 3)
         while True:
             await asyncio.sleep(interval)
             ids = [w for w in self.core.alive_ids() if w in self._handles]
-            pings = [asyncio.wait_for(self._handles[w].ping.remote(), self.config.liveness_timeout) for w in ids]
-            results = await asyncio.gather(*pings, return_exceptions=True)
+            sent_at = time.monotonic()
+            pings = [asyncio.wait_for(self._ping(w), self.config.liveness_timeout) for w in ids]
+            results = dict(zip(ids, await asyncio.gather(*pings, return_exceptions=True), strict=True))
+            timed_out = frozenset(w for w, r in results.items() if isinstance(r, asyncio.TimeoutError))
             self._queue.put_nowait(
                 m.PingResults(
-                    answered=frozenset(
-                        w for w, r in zip(ids, results, strict=True) if not isinstance(r, BaseException)
-                    ),
-                    timed_out=frozenset(
-                        w for w, r in zip(ids, results, strict=True) if isinstance(r, asyncio.TimeoutError)
-                    ),
+                    answered=frozenset(w for w, r in results.items() if not isinstance(r, BaseException)),
+                    timed_out=timed_out,
+                    sent_at=sent_at,
+                    samples=await self._read_cpu(timed_out) if timed_out else {},
                 )
             )
+
+    async def _ping(self, worker_id: str) -> None:
+        """A ping; a worker's first asks for its pid instead (it answers the same way), to read its CPU time later."""
+        handle = self._handles[worker_id]
+        if worker_id in self._pids:
+            await handle.ping.remote()
+        else:
+            self._pids[worker_id] = await handle.pid.remote()
+
+    async def _read_cpu(self, worker_ids: frozenset[str]) -> dict[str, m.CpuSample | str]:
+        """Each worker's CPU use over a short window, read by its node's `ProcessProbe`, or why there is none.
+
+        One call per node, under `liveness_timeout` in all (the probe's start
+        included): a node cut off silently gives no reading, and its workers
+        are then killed as hung.
+        """
+        window = min(0.5, self.config.liveness_timeout / 4)
+        by_node: dict[str, list[str]] = {}
+        samples: dict[str, m.CpuSample | str] = {}
+        for worker_id in worker_ids:
+            host = self._host_of(worker_id)
+            if worker_id not in self._pids or host is None:
+                samples[worker_id] = "its process id is not known yet"
+            else:
+                by_node.setdefault(host, []).append(worker_id)
+
+        async def read(node: str, ids: list[str]) -> None:
+            if node not in self._probes:
+                self._probes[node] = start_probe(node)
+            try:
+                by_pid = await asyncio.wait_for(
+                    self._probes[node].sample.remote([self._pids[w] for w in ids], window),
+                    self.config.liveness_timeout,
+                )
+            except Exception as e:  # noqa: BLE001 - no answer, or the probe died (with its node, maybe)
+                if isinstance(e, asyncio.TimeoutError):
+                    why = f"no reading within {self.config.liveness_timeout:g} s (its node may be unreachable)"
+                else:
+                    why = f"the reading failed: {_first_line(e)}"
+                    self._kill_probe(node)  # the next reading starts a fresh one
+                samples.update({w: why for w in ids})
+                return
+            samples.update({w: by_pid[self._pids[w]] for w in ids})
+
+        await asyncio.gather(*[read(node, ids) for node, ids in by_node.items()])
+        return samples
+
+    def _kill_probe(self, node: str) -> None:
+        probe = self._probes.pop(node, None)
+        if probe is not None:
+            try:
+                ray.kill(probe, no_restart=True)
+            except Exception:  # noqa: BLE001 - already dead
+                pass
 
     async def _watch_kv(self) -> None:
         """The KV actor cannot be replaced mid-run (the rings' keys live there): its death ends the run."""
@@ -433,6 +496,8 @@ class DriverActor:
             self._release(worker_id)
         for task in self._runs.values():
             task.cancel()
+        for node in list(self._probes):
+            self._kill_probe(node)
         if self._autoscale_requested:
             autoscale.withdraw(self.run_id)
 

@@ -34,6 +34,7 @@ from ray_elastic.driver.policies import (
     decide_crash_loop,
     decide_publish,
     decide_user_error,
+    judge_missed_ping,
     judge_ring_failure,
 )
 from ray_elastic.events import Event
@@ -63,6 +64,8 @@ class WorkerRecord:
     status: WorkerStatus
     started_at: float  # monotonic
     answered: bool = False  # has answered a ping or said it is ready: its process is up
+    silent_since: float | None = None  # when the pings it has not answered since began (monotonic)
+    spared: bool = False  # silent but computing: spared by the liveness check
 
 
 class DriverCore:
@@ -172,7 +175,7 @@ class DriverCore:
         elif isinstance(msg, m.ActivityReport):
             self._on_activity(msg, now)
         elif isinstance(msg, m.PingResults):
-            self._on_pings(msg)
+            self._on_pings(msg, now)
         elif isinstance(msg, m.CheckpointFound):
             self._on_checkpoint_found(msg, now)
         elif isinstance(msg, m.Tick):
@@ -389,22 +392,35 @@ class DriverCore:
             self._done()
 
     # ---- liveness and broken rings -----------------------------------------------
-    def _on_pings(self, msg: m.PingResults) -> None:
+    def _on_pings(self, msg: m.PingResults, now: float) -> None:
+        """Kill the members that stopped answering, unless their CPU time shows them computing (`judge_missed_ping`)."""
         for worker_id in msg.answered:
             rec = self.workers.get(worker_id)
             if rec is not None:
                 rec.answered = True
+                if rec.spared:
+                    logger.info("worker %s answers again after %.1f s busy", worker_id, now - rec.silent_since)
+                rec.silent_since, rec.spared = None, False
         for worker_id in sorted(msg.timed_out):
             rec = self.workers.get(worker_id)
             # a process still starting (runtime env, imports) is bounded by the boot deadline instead
-            if rec is not None and rec.status in ALIVE and rec.answered:
-                logger.warning(
-                    "worker %s on node %s did not answer within liveness_timeout=%g s; killing it",
-                    worker_id,
-                    rec.host[:8],
-                    self.config.liveness_timeout,
-                )
-                self._kill(rec, failed=True)
+            if rec is None or rec.status not in ALIVE or not rec.answered:
+                continue
+            if rec.silent_since is None:
+                rec.silent_since = msg.sent_at
+            busy, reason = judge_missed_ping(
+                msg.samples.get(worker_id, "no reading was taken"),
+                silent_for=now - rec.silent_since,
+                liveness_timeout=self.config.liveness_timeout,
+                collective_timeout=self.config.collective_timeout,
+            )
+            if busy:
+                if not rec.spared:
+                    logger.warning("worker %s on node %s %s", worker_id, rec.host[:8], reason)
+                rec.spared = True
+                continue
+            logger.warning("worker %s on node %s %s; killing it", worker_id, rec.host[:8], reason)
+            self._kill(rec, failed=True)
 
     def _on_reset_requested(self, msg: m.ResetRequested) -> None:
         """A rank's ring broke. Usually a death explains it; else ask every member what it is doing."""

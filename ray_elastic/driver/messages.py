@@ -10,7 +10,7 @@ events with the offset it was given.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from ray_elastic.assignment import WorkerSlot
@@ -108,11 +108,27 @@ class ActivityReport:
 
 
 @dataclass(frozen=True)
+class CpuSample:
+    """A worker process's CPU use over a short window, read from /proc on its node (`progress.py`)."""
+
+    busiest_thread_s: float  # CPU seconds its busiest thread used in the window
+    window_s: float
+    state: str  # the process's state letter at the end: R running, S sleeping, D waiting on I/O, T stopped
+
+
+@dataclass(frozen=True)
 class PingResults:
-    """One liveness round: who answered, who did not answer within `liveness_timeout`."""
+    """One liveness round: who answered, who did not answer within `liveness_timeout`.
+
+    `sent_at` is when the pings went out; `samples` holds, for each worker
+    that did not answer, its CPU use read on its node, or why no reading
+    came back within `liveness_timeout` (a node cut off, a process gone).
+    """
 
     answered: frozenset[str]
     timed_out: frozenset[str]
+    sent_at: float
+    samples: Mapping[str, CpuSample | str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

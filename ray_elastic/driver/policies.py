@@ -8,6 +8,9 @@
 - `judge_ring_failure`: a ring broke while no death explains it; from the
   members' activity, tell a hung member, a member stuck in user code (a
   deadlock), a repeated mismatch, and a one-off timeout apart.
+- `judge_missed_ping`: whether a member that did not answer a ping is
+  hung (kill it) or busy in a long call that holds the GIL (spare it, up to
+  `collective_timeout`), from its threads' CPU time.
 
 The reason is the text the driver logs, puts in the event and, for a
 failure, raises: one string, so the three always agree.
@@ -19,7 +22,7 @@ import enum
 from collections.abc import Collection, Mapping
 from typing import Any, NamedTuple
 
-from ray_elastic.driver.messages import ACTIVITY_ERROR, ACTIVITY_TIMEOUT
+from ray_elastic.driver.messages import ACTIVITY_ERROR, ACTIVITY_TIMEOUT, CpuSample
 
 
 class PublishVerdict(enum.Enum):
@@ -124,6 +127,54 @@ def judge_ring_failure(
             "collectives do not match, most likely a deadlock in train_fn",
         )
     return RingVerdict(Ring.REFORM, "every member is alive and inside a collective: the ring is re-formed")
+
+
+BUSY_CPU_SHARE = 0.1
+"""A thread using this share of a CPU is computing. A hung worker's threads (Ray's own, the
+control threads waiting for the GIL) use under 2% together (measured); a computing thread gets
+far more, even on a node whose CPUs run five times as many threads as they have cores."""
+
+_STATES = {"R": "running", "S": "sleeping", "D": "waiting on I/O", "T": "stopped", "t": "stopped", "Z": "a zombie"}
+
+
+def judge_missed_ping(
+    sample: CpuSample | str, *, silent_for: float, liveness_timeout: float, collective_timeout: float
+) -> tuple[bool, str]:
+    """Whether a member that did not answer a ping within `liveness_timeout` is busy (spare it) or hung (kill it).
+
+    `sample` is its process's CPU use read on its node, or why no reading
+    came back (within `liveness_timeout`: a node cut off counts as hung);
+    `silent_for` how long it has not answered. A thread whose CPU time
+    advances is computing: a long C call holding the GIL keeps the control
+    thread from answering, and killing it would fail the same step forever.
+    Such a member is spared until it has been silent for `collective_timeout`,
+    its peers' own limit for waiting on it; then it is killed anyway. A
+    process that uses no CPU (stopped, deadlocked, or sleeping in a C call
+    that holds the GIL, which /proc cannot tell from a deadlock) is hung.
+    Returns `(busy, reason)`.
+    """
+    if isinstance(sample, str):
+        return False, (
+            f"did not answer within liveness_timeout={liveness_timeout:g} s, and its CPU time could not be read: "
+            f"{sample}"
+        )
+    share = sample.busiest_thread_s / sample.window_s if sample.window_s > 0 else 0.0
+    state = f"process {_STATES.get(sample.state, 'state ' + sample.state)}"
+    if share < BUSY_CPU_SHARE:
+        return False, (
+            f"did not answer within liveness_timeout={liveness_timeout:g} s and used no CPU "
+            f"({share:.0%} of a CPU over {sample.window_s:.1f} s, {state}): hung"
+        )
+    if silent_for > collective_timeout:
+        return False, (
+            f"has not answered for {silent_for:.0f} s, longer than collective_timeout={collective_timeout:g} s, "
+            f"though it is computing ({share:.0%} of a CPU)"
+        )
+    return True, (
+        f"did not answer within liveness_timeout={liveness_timeout:g} s but is computing ({share:.0%} of a CPU "
+        f"over {sample.window_s:.1f} s): busy in a call that holds the GIL; spared while it computes, up to "
+        f"collective_timeout={collective_timeout:g} s of silence"
+    )
 
 
 CRASH_LOOP_REPEATS = 3  # failures in a row that resume from the same commit make a crash loop
