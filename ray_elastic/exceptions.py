@@ -3,7 +3,8 @@
 `HorovodInternalError` and `HostsUpdatedInterrupt` drive the `run` loop in
 every worker; `TrainingFailedError` is what `ElasticTrainer.fit()` raises on
 the driver side; `RendezvousTimeoutError` is raised by every bounded wait and
-names what it waited for.
+names what it waited for; `CollectiveMismatchError` is a user's collective
+whose arguments differ between ranks.
 """
 
 from __future__ import annotations
@@ -27,6 +28,17 @@ class HostsUpdatedInterrupt(RuntimeError):
     def __init__(self, skip_sync: bool = False) -> None:
         super().__init__("hosts updated")
         self.skip_sync = skip_sync
+
+
+class CollectiveMismatchError(ValueError):
+    """Ranks called a collective with arguments that do not match.
+
+    Which collective, the dtype, the shape (for allgather all but the first
+    dimension), the reduce op or the root rank differed between ranks; the
+    message names each rank's. A mistake in the training code, raised on every
+    rank of the call before any data moved: not a broken ring, so `@elastic.run`
+    does not retry it and the run fails with the user's traceback.
+    """
 
 
 class RendezvousTimeoutError(TimeoutError):

@@ -1,11 +1,13 @@
 """Choosing a backend, end to end: what `backend=` resolves to, the errors before anything is spawned,
-the numpy example trained through a worker's SIGKILL on every CPU backend this venv can run, and the
-package importing without torch (the pygloo lane has none).
+the numpy example trained through a worker's SIGKILL on every CPU backend this venv can run, mismatched
+collectives failing the run at once with each rank's arguments named, and the package importing without
+torch (the pygloo lane has none).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import signal
 import subprocess
@@ -19,7 +21,8 @@ import ray
 from conftest import run_namespaces_alive
 
 import ray_elastic as elastic
-from ray_elastic import ElasticTrainer
+from ray_elastic import ElasticTrainer, TrainingFailedError
+from ray_elastic.collective import CollectiveMismatchError
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "examples"))
 import linear_regression  # noqa: E402
@@ -142,3 +145,47 @@ def test_numpy_example_trains_through_a_sigkill(cluster, no_leaks, tmp_path, bac
     reported = [m["step"] for m in result.metrics]
     assert reported.count(11) == 2 and reported.count(12) == 2, reported[:20]
     np.testing.assert_allclose(result.return_value["w"], linear_regression.TRUE_W, atol=0.05)
+
+
+def mismatched_collectives(config: dict) -> None:
+    """Rank 0 and rank 1 disagree on dtype, then shape; each is caught, then 4 vs 8 elements ends the run."""
+    rank = elastic.rank()
+    caught = []
+    for dtype, shape in [(np.int32 if rank else np.float32, (4,)), (np.float32, (3, 2) if rank else (2, 3))]:
+        try:
+            elastic.allreduce(np.ones(shape, dtype))
+        except CollectiveMismatchError as e:
+            caught.append(str(e))
+    # the ring is intact: no data moved in the mismatched calls
+    total = elastic.allreduce(float(rank + 1), op="sum")
+    if rank == 0:
+        with open(config["out"], "w") as f:
+            json.dump({"caught": caught, "total": total}, f)
+    elastic.allreduce_(np.ones(8 if rank else 4, np.float32), "sum")  # unchecked, Gloo would abort the process
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize(
+    "backend",
+    [
+        pytest.param("gloo", marks=pytest.mark.skipif(not HAS_TORCH, reason="torch is not installed in this venv")),
+        pytest.param("pygloo", marks=pytest.mark.skipif(not HAS_PYGLOO, reason=NO_PYGLOO)),
+    ],
+)
+def test_mismatched_collectives_fail_the_run_at_once_naming_each_rank(cluster, no_leaks, tmp_path, backend):
+    out = tmp_path / "caught.json"
+    started = time.monotonic()
+    with pytest.raises(TrainingFailedError) as info:
+        ElasticTrainer(mismatched_collectives, 2, 2, config={"out": str(out)}, backend=backend, verbose=0).fit()
+    assert time.monotonic() - started < 30  # no crash loop, no collective_timeout waited out
+    message = str(info.value)
+    assert "CollectiveMismatchError: Mismatched allreduce tensor shapes: rank 0 (4,) float32, rank 1 (8,) float32" in (
+        message
+    )
+    assert "mismatched_collectives" in message  # the user's traceback
+    seen = json.loads(out.read_text())
+    assert seen["total"] == 3.0
+    assert [m.split(". ")[0] for m in seen["caught"]] == [
+        "Mismatched allreduce data types: rank 0 (4,) float32, rank 1 (4,) int32",
+        "Mismatched allreduce tensor shapes: rank 0 (2, 3) float32, rank 1 (3, 2) float32",
+    ]
