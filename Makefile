@@ -47,7 +47,7 @@ test: $(STAMP) nettools
 
 # the conformance suite and the numpy example through a SIGKILL, on pygloo
 test-pygloo: $(STAMP310)
-	$(VENV310)/bin/python -m pytest -q -ra tests/test_conformance.py tests/test_backends.py
+	$(VENV310)/bin/python -m pytest -q -ra tests/test_conformance.py tests/test_backends.py tests/test_collective_checks.py
 
 # Ray Train (the peer the benchmarks compare with) only for the benchmarks
 BENCH_STAMP := $(VENV)/.installed-bench

@@ -13,6 +13,7 @@ from typing import Any
 
 from ray_elastic.collective import (
     Average,
+    CollectiveMismatchError,
     Max,
     Min,
     ReduceOp,
@@ -25,6 +26,7 @@ from ray_elastic.collective import (
     broadcast,
     broadcast_,
     broadcast_object,
+    set_argument_checks,
 )
 from ray_elastic.elastic import run
 from ray_elastic.events import Event
@@ -95,6 +97,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "Average",
+    "CollectiveMismatchError",
     "ElasticTrainer",
     "Event",
     "HorovodInternalError",
@@ -123,5 +126,6 @@ __all__ = [
     "rank",
     "report",
     "run",
+    "set_argument_checks",
     "size",
 ]

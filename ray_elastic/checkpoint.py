@@ -30,6 +30,7 @@ import pickle
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -126,8 +127,16 @@ class CheckpointWriter:
     the last checkpoint is durable.
     """
 
-    def __init__(self, store: CheckpointStore, attempts: int = 3, backoff_s: float = 1.0) -> None:
+    def __init__(
+        self,
+        store: CheckpointStore,
+        attempts: int = 3,
+        backoff_s: float = 1.0,
+        fence: Callable[[dict[str, Any]], str | None] | None = None,
+    ) -> None:
+        """`fence(meta)`: why this snapshot must not be written at all (its generation is stale), or None."""
         self.store = store
+        self.fence = fence
         self.attempts = attempts
         self.backoff_s = backoff_s
         self._thread: threading.Thread | None = None
@@ -151,6 +160,11 @@ class CheckpointWriter:
 
     def _write(self, state: Any, meta: dict[str, Any]) -> None:
         started = time.perf_counter()
+        fenced = self.fence(meta) if self.fence is not None else None
+        if fenced is not None:
+            self.last_error = f"the checkpoint {meta} was not written: {fenced}"
+            logger.warning("%s", self.last_error)
+            return
         delay = self.backoff_s
         for attempt in range(1, self.attempts + 1):
             try:

@@ -156,9 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
     hosts.add_argument(
         "--liveness-timeout",
         type=float,
-        default=30.0,
+        default=5.0,
         metavar="S",
-        help="a worker not answering a ping within S seconds is killed and counted as failed (30)",
+        help="a worker not answering a ping within S seconds, and not computing, is killed as failed (5)",
     )
     hosts.add_argument(
         "--collective-timeout",

@@ -46,7 +46,7 @@ class RunConfig:
     cooldown_range: tuple[float, float] = (10.0, 300.0)
     discovery_interval: float = 1.0
     discovery_timeout: float = 30.0
-    liveness_timeout: float = 30.0
+    liveness_timeout: float = 5.0
     collective_timeout: float = 300.0
     max_failures: int = 0
     checkpoint_dir: str | None = None

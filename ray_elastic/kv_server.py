@@ -156,6 +156,12 @@ class KVServer:
         self._check_generation(generation)
         self._put(generation, key, value)
 
+    async def note(self, generation: int, key: str, value: bytes) -> None:
+        """`set` for a caller that does not wait for the answer: a superseded generation's write is dropped."""
+        self._calls += 1
+        if generation >= self._generation:
+            self._put(generation, key, value)
+
     async def multi_set(self, generation: int, items: list[tuple[str, bytes]]) -> None:
         self._calls += 1
         self._check_generation(generation)

@@ -55,10 +55,11 @@ class DriverState(_StrEnum):
 # ---- how a worker's run() ends (never by raising, for the expected endings) ----
 @dataclass(frozen=True)
 class Finished:
-    """`train_fn` returned; rank 0 ships its value."""
+    """`train_fn` returned; rank 0 ships its value, pickled (`fit()` unpickles it)."""
 
     rank: int | None
     value: Any = None
+    checkpoint_error: str | None = None  # rank 0's last durable checkpoint could not be written: why
 
 
 @dataclass(frozen=True)
@@ -75,10 +76,16 @@ class CoordinatorLost:
 
 @dataclass(frozen=True)
 class UserError:
-    """`train_fn` raised: the user's exception with its traceback."""
+    """`train_fn` raised: the user's exception with its traceback.
+
+    `retryable` is False for a mistake that running again would repeat (an
+    unpicklable return value, a `train_fn` that never joined the ring):
+    `max_failures` does not retry it.
+    """
 
     error: str
     traceback: str
+    retryable: bool = True
 
 
 WorkerOutcome = Finished | Removed | CoordinatorLost | UserError
@@ -109,3 +116,4 @@ class RunOutcome:
     metrics_from: int = 0  # the run-wide index of metrics[0]
     events: list[dict[str, Any]] = field(default_factory=list)
     resets: int = 0
+    checkpoint_error: str | None = None  # why the last durable checkpoint was not written, if it was not

@@ -24,6 +24,7 @@ from typing import Any
 
 import ray
 
+from ray_elastic.auth import Authed, RunToken, with_token_check
 from ray_elastic.exceptions import CoordinatorDiedError, RendezvousTimeoutError
 from ray_elastic.kv_server import KVServer, unpack_family
 
@@ -62,12 +63,13 @@ class KVStore(KVServer):
         return share_family(packed)
 
 
-def create_kv_actor(run_id: str, namespace: str, scheduling_strategy: Any = None) -> ray.actor.ActorHandle:
-    """Start the run's KV actor, named `kv` in the run's own namespace."""
-    actor_cls = ray.remote(num_cpus=0, max_restarts=0)(KVStore)
-    return actor_cls.options(
+def create_kv_actor(run_id: str, namespace: str, token: RunToken, scheduling_strategy: Any = None) -> Authed:
+    """Start the run's KV actor, named `kv` in the run's own namespace; it answers only calls carrying `token`."""
+    actor_cls = ray.remote(num_cpus=0, max_restarts=0)(with_token_check(KVStore, exempt=("share_reply",)))
+    handle = actor_cls.options(
         name="kv", namespace=namespace, max_concurrency=100_000, scheduling_strategy=scheduling_strategy
-    ).remote(run_id)
+    ).remote(token, run_id)
+    return Authed(handle, token)
 
 
 class KVClient:
@@ -77,7 +79,7 @@ class KVClient:
     a margin for the round trip, so no call blocks without a deadline.
     """
 
-    def __init__(self, handle: ray.actor.ActorHandle) -> None:
+    def __init__(self, handle: Authed) -> None:
         self.handle = handle
 
     def _call(self, method: str, *args: Any, timeout: float = 60.0) -> Any:
@@ -96,6 +98,10 @@ class KVClient:
 
     def set(self, generation: int, key: str, value: bytes) -> None:
         self._call("set", generation, key, value)
+
+    def post(self, generation: int, key: str, value: bytes) -> None:
+        """`set` without waiting for it (this caller's later calls still come after it); dropped if stale."""
+        self.handle.note.remote(generation, key, value)
 
     def get(self, generation: int, key: str, timeout: float) -> bytes:
         return self._call("get", generation, key, timeout, timeout=timeout)
@@ -133,3 +139,6 @@ class KVClient:
 
     def num_keys(self, generation: int) -> int:
         return self._call("num_keys", generation)
+
+    def current_generation(self, timeout: float = 10.0) -> int:
+        return self._call("current_generation", timeout=timeout)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import inspect
 import logging
 import os
+import pickle
 import threading
 import time
 import uuid
@@ -25,6 +26,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ray_elastic import autoscale
+from ray_elastic.auth import RunToken
 from ray_elastic.checkpoint import CheckpointError, CheckpointStore
 from ray_elastic.config import RunConfig
 from ray_elastic.discovery import alive_ray_nodes, check_discovery_spec, slots_for_resources
@@ -56,6 +58,10 @@ class Result:
     - `run_id`: the run's id, the `run_id` tag of its Ray metrics.
     - `metrics_dropped`: reports not kept (older than the newest
       `keep_metrics`); `metrics` holds the newest ones.
+    - `checkpoint_error`: None, or why the last durable checkpoint (to
+      `checkpoint_dir`) could not be written after its retries; training
+      finished and `return_value` is rank 0's, but a later run resumes from
+      an older checkpoint.
     """
 
     return_value: Any
@@ -65,6 +71,7 @@ class Result:
     resets: int = 0
     run_id: str = ""
     metrics_dropped: int = 0
+    checkpoint_error: str | None = None
 
     def plot_timeline(self, path: str | os.PathLike) -> Path:
         """Save a PNG of world size and steps/s over time with the events marked; returns its path."""
@@ -102,7 +109,9 @@ class ElasticTrainer:
             fails the run; later ones are retried with a warning until
             `elastic_timeout` passes without a success.
         liveness_timeout: a worker that does not answer a ping within this
-            many seconds is killed and treated as failed.
+            many seconds and uses no CPU is killed and treated as failed; one
+            busy in a long C call that holds the GIL is spared up to
+            `collective_timeout`.
         collective_timeout: seconds one collective (or forming one ring) may take.
         max_failures: how many exceptions raised by `train_fn` to retry as a
             failure of that worker (for flaky hardware); 0 (default) fails the
@@ -134,7 +143,7 @@ class ElasticTrainer:
         cooldown_range: tuple[float, float] = (10.0, 300.0),
         discovery_interval: float = 1.0,
         discovery_timeout: float = 30.0,
-        liveness_timeout: float = 30.0,
+        liveness_timeout: float = 5.0,
         collective_timeout: float = 300.0,
         max_failures: int = 0,
         checkpoint_dir: str | os.PathLike | None = None,
@@ -206,21 +215,26 @@ class ElasticTrainer:
         reports = _Reports(self.run_config.keep_metrics)
         try:
             here = NodeAffinitySchedulingStrategy(_coordinator_node(), soft=False)
-            kv = create_kv_actor(run_id, namespace, here)
-            driver = create_driver_actor(run_id, namespace, kv, self._payload, self.discovery, self.run_config, here)
+            token = RunToken()  # the run's actors answer only calls carrying it (see auth.py)
+            kv = create_kv_actor(run_id, namespace, token, here)
+            driver = create_driver_actor(
+                run_id, namespace, token, kv, self._payload, self.discovery, self.run_config, here
+            )
             outcome = self._follow(driver, driver.run.remote(), reports)
         finally:
             _cleanup(driver, kv, run_id, namespace, graceful=outcome is not None)
+        value = None if outcome.value is None else pickle.loads(outcome.value)
         if not outcome.ok:
-            raise TrainingFailedError(outcome.error or "training failed", outcome.value)
+            raise TrainingFailedError(outcome.error or "training failed", value)
         return Result(
-            return_value=outcome.value,
+            return_value=value,
             metrics=[m for _, m in reports.kept],
             metric_times=[t for t, _ in reports.kept],
             events=[Event(**e) for e in outcome.events],
             resets=outcome.resets,
             run_id=run_id,
             metrics_dropped=reports.dropped,
+            checkpoint_error=outcome.checkpoint_error,
         )
 
     def _check_cluster_can_hold_a_worker(self) -> None:
@@ -347,9 +361,9 @@ def _cleanup(driver: Any, kv: Any, run_id: str, namespace: str, graceful: bool) 
                     ray.get(driver.stop.remote("fit() was interrupted"), timeout=_STOP_TIMEOUT_S)
                 except Exception:  # noqa: BLE001 - a dead driver is cleaned up below
                     pass
-            ray.kill(driver, no_restart=True)
+            ray.kill(driver.handle, no_restart=True)
         if kv is not None:
-            ray.kill(kv, no_restart=True)
+            ray.kill(kv.handle, no_restart=True)
         _remove_run_actors(namespace)
         _remove_run_placement_groups(namespace)
         autoscale.withdraw(run_id)

@@ -20,9 +20,11 @@ import traceback
 from typing import Any
 
 import ray
+from ray import cloudpickle
 
+from ray_elastic.auth import with_token_check
 from ray_elastic.config import WorkerConfig
-from ray_elastic.exceptions import CoordinatorDiedError, WorkerRemovedError
+from ray_elastic.exceptions import CollectiveMismatchError, CoordinatorDiedError, WorkerRemovedError
 from ray_elastic.payload import unpack
 from ray_elastic.protocol import CoordinatorLost, Finished, Removed, UserError, WorkerOutcome
 from ray_elastic.worker_context import WorkerContext, set_current
@@ -36,8 +38,8 @@ class WorkerActor:
     def __init__(
         self,
         worker_id: str,
-        kv: ray.actor.ActorHandle,
-        driver: ray.actor.ActorHandle,
+        kv: Any,
+        driver: Any,
         settings: WorkerConfig,
     ) -> None:
         self.worker_id = worker_id
@@ -48,18 +50,26 @@ class WorkerActor:
         try:
             train_fn, config = unpack(payload)
             value = train_fn(config)
-            rank = self.ctx.slot.rank if self.ctx.slot is not None else None
-            if rank == 0:
-                note = self.ctx.flush_checkpoint()
-                if note is not None:  # the result still goes back: a storage blip must not lose it
-                    logger.warning("train_fn finished, but the last durable checkpoint was not written: %s", note)
-            return Finished(rank, value if rank == 0 else None)
+            if self.ctx.slot is None:
+                return UserError(_NEVER_JOINED, "", retryable=False)
+            rank = self.ctx.slot.rank
+            if rank != 0:
+                return Finished(rank)
+            note = self.ctx.flush_checkpoint()
+            if note is not None:  # the result still goes back: a storage blip must not lose it
+                logger.warning("train_fn finished, but the last durable checkpoint was not written: %s", note)
+            blob, unpicklable = _pickled(value)
+            if unpicklable is not None:
+                return UserError(unpicklable, "", retryable=False)
+            return Finished(rank, blob, checkpoint_error=note)
         except WorkerRemovedError:
             return Removed()
         except CoordinatorDiedError as e:
-            return CoordinatorLost(str(e))
+            return CoordinatorLost(describe_exception(e))
+        except CollectiveMismatchError as e:  # the same code meets the same mismatch again: never retried
+            return UserError(describe_exception(e), _format_traceback(e), retryable=False)
         except BaseException as e:  # noqa: BLE001 - every user failure is reported, with its traceback
-            return UserError(f"{type(e).__name__}: {e}", traceback.format_exc())
+            return UserError(describe_exception(e), _format_traceback(e))
         finally:
             try:
                 self.ctx.shutdown()
@@ -75,6 +85,11 @@ class WorkerActor:
         self.ctx.notify(generation)
 
     @ray.method(concurrency_group="control")
+    def abandon(self, generation: int, reason: str) -> None:
+        """The driver lost a member of `generation`: leave its ring now, even from inside a collective."""
+        self.ctx.abandon(generation, reason)
+
+    @ray.method(concurrency_group="control")
     def activity(self) -> dict[str, Any]:
         """Seconds since this worker last entered or left a collective, and whether it is in one."""
         return {"idle_s": time.time() - self.ctx.last_activity, "in_collective": self.ctx.in_collective}
@@ -84,9 +99,49 @@ class WorkerActor:
         return os.getpid()
 
 
+_NEVER_JOINED = (
+    "train_fn returned without joining the ring: no function decorated with @ray_elastic.run was called "
+    "and no collective was used, so this worker had no rank and its return value and report() metrics "
+    "had nowhere to go. Wrap the training loop in an @ray_elastic.run function called from train_fn."
+)
+
+
+def describe_exception(e: BaseException) -> str:
+    """`Type: message`, even for an exception whose `__str__` raises (it must not pass for a death)."""
+    try:
+        text = str(e)
+    except Exception as inner:  # noqa: BLE001 - the user's __str__ may raise anything
+        text = f"<str() of the exception raised {type(inner).__name__}>"
+    return f"{type(e).__name__}: {text}"
+
+
+def _format_traceback(e: BaseException) -> str:
+    try:
+        return "".join(traceback.format_exception(type(e), e, e.__traceback__))
+    except Exception:  # noqa: BLE001 - formatting calls the exception's __str__, which may raise
+        return "".join(traceback.format_tb(e.__traceback__)) + describe_exception(e)
+
+
+def _pickled(value: Any) -> tuple[bytes | None, str | None]:
+    """`(value pickled, None)`, or `(None, a user error saying why it cannot be pickled)`.
+
+    Pickled here, once, rather than by Ray on the way back: a failure is then
+    the user's clear error, not the actor's death (which would be taken for a
+    fault of rank 0's node). `fit()` unpickles it.
+    """
+    try:
+        return cloudpickle.dumps(value), None
+    except Exception as e:  # noqa: BLE001 - pickling may raise anything
+        return None, (
+            f"train_fn's return value on rank 0 ({type(value).__name__}) cannot be pickled, so it cannot go back "
+            f"to fit(): {describe_exception(e)}. Return something picklable (e.g. a state_dict, numbers, "
+            "paths); training itself finished"
+        )
+
+
 def actor_class() -> Any:
-    """`WorkerActor` as a Ray actor class with its control thread group."""
+    """`WorkerActor` as a Ray actor class with its control thread group, taking the run's token first."""
     return ray.remote(
         max_restarts=0,
         concurrency_groups={"control": 2},
-    )(WorkerActor)
+    )(with_token_check(WorkerActor))

@@ -28,7 +28,7 @@ from ray_elastic.config import WorkerConfig
 from ray_elastic.rendezvous import KVClient
 from ray_elastic.runtime.checkpoint_cadence import CheckpointCadence
 from ray_elastic.runtime.membership import Membership
-from ray_elastic.runtime.metrics_shipper import MetricsShipper
+from ray_elastic.runtime.metrics_shipper import MetricsShipper, snapshot
 from ray_elastic.runtime.process import ActivityMarks, current, maybe_current, set_current
 
 __all__ = ["WorkerContext", "current", "maybe_current", "set_current"]
@@ -56,8 +56,9 @@ class WorkerContext:
         self.settings = settings
         self.activity = ActivityMarks()
         self.membership = Membership(worker_id, KVClient(kv), driver, settings)
-        self.checkpoints = CheckpointCadence(worker_id, driver, settings)
+        self.checkpoints = CheckpointCadence(worker_id, driver, settings, self.membership.kv)
         self.metrics = MetricsShipper(worker_id, driver)
+        self._before_join: list[tuple[float, dict[str, Any]]] = []  # report()s made before this worker had a rank
         self.commits = 0  # commits the state holds (rank 0's after each sync): where training resumes
 
     # ---- the membership's view ---------------------------------------------
@@ -94,6 +95,9 @@ class WorkerContext:
 
     def notify(self, generation: int) -> None:
         self.membership.notify(generation)
+
+    def abandon(self, generation: int, reason: str) -> None:
+        self.membership.abandon(generation, reason)
 
     def agree_on_notice(self, pending: bool) -> None:
         self.membership.agree_on_notice(pending)
@@ -145,12 +149,28 @@ class WorkerContext:
 
     # ---- metrics --------------------------------------------------------------
     def report(self, values: dict[str, Any]) -> None:
-        """Buffer rank 0's metrics for the driver (the other ranks' are not kept)."""
-        slot = self.slot
-        if slot is not None and slot.rank == 0:
-            self.metrics.add(values)
+        """Buffer rank 0's metrics for the driver (the other ranks' are not kept).
+
+        Every rank checks and copies them at the call (`snapshot`), so a bad
+        value fails the same way whichever rank is 0. Reports made before the
+        worker joined the ring wait until it knows its rank.
+        """
+        stamped = snapshot(values)
+        if self.slot is None:
+            self._before_join.append(stamped)
+            return
+        self._ship_before_join()
+        if self.slot.rank == 0:
+            self.metrics.add(stamped)
+
+    def _ship_before_join(self) -> None:
+        early, self._before_join = self._before_join, []
+        if self.slot is not None and self.slot.rank == 0:
+            for stamped in early:
+                self.metrics.add(stamped)
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Deliver the last metrics, then leave the ring, before the worker returns."""
+        self._ship_before_join()
         self.metrics.shutdown(timeout)
         self.membership.close_group()

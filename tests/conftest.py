@@ -37,6 +37,14 @@ def run_namespaces_alive() -> list[dict]:
     return [a for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"].startswith("ray_elastic_")]
 
 
+def actor_pid(name: str, namespace: str) -> int:
+    """The process id of a run's named actor, from Ray's actor table (its own methods want the run's token)."""
+    import ray
+
+    actor_id = ray.get_actor(name, namespace=namespace)._actor_id.hex()
+    return ray._private.state.actors(actor_id)["Pid"]
+
+
 def run_placement_groups_alive() -> list[str]:
     from ray.util.placement_group import placement_group_table
 

@@ -161,12 +161,9 @@ class NetnsCluster:
         _ip("link", "set", "lo", "up", netns=netns)
         _ip("addr", "add", f"{ip}/24", "dev", node_veth, netns=netns)
         _ip("link", "set", node_veth, "up", netns=netns)
-        env = {
-            **self.head.env,
-            # WORKAROUND, to remove once ray_elastic binds Gloo to the Ray node's IP by itself: left alone,
-            # Gloo advertises the address the hostname resolves to (loopback), which the other nodes cannot reach
-            "GLOO_SOCKET_IFNAME": node_veth,
-        }
+        # no GLOO_SOCKET_IFNAME: the rings must find the node's address by themselves (the hostname resolves
+        # to loopback here, as on many Debian/Ubuntu hosts)
+        env = dict(self.head.env)
         cmd = [
             "ip", "netns", "exec", netns,  # execs ray in place: the PID is ray start's own
             os.path.join(VENV_BIN, "ray"), "start", "--block",

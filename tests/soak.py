@@ -142,15 +142,13 @@ class Chaos:
         return sum(len(f.read_text().splitlines()) for f in Path(self.ledger_dir).glob("*.jsonl"))
 
     def _workers(self) -> list[tuple[str, int]]:
-        import ray
-        from conftest import run_namespaces_alive
+        from conftest import actor_pid, run_namespaces_alive
 
         out = []
         for entry in run_namespaces_alive():
             if entry["name"].startswith("w"):
                 try:
-                    handle = ray.get_actor(entry["name"], namespace=entry["namespace"])
-                    out.append((entry["name"], ray.get(handle.pid.remote(), timeout=2)))
+                    out.append((entry["name"], actor_pid(entry["name"], entry["namespace"])))
                 except Exception:  # noqa: BLE001 - stopped, dying or gone: not a target
                     continue
         return out
@@ -202,9 +200,8 @@ def run_soak(cluster: object, events: int, seed: int = 0, epochs: int = 40) -> d
 
     ledger_dir = tempfile.mkdtemp(prefix="ray-elastic-soak-")
     config = {"seed": seed, "lr": 0.05, "epochs": epochs, "ledger_dir": ledger_dir}
-    trainer = elastic.ElasticTrainer(
-        soak_train_fn, 2, 8, config=config, cooldown_range=(1, 4), liveness_timeout=2, verbose=0
-    )
+    # liveness_timeout at its default: the soak measures its false positives on a loaded 2-core machine
+    trainer = elastic.ElasticTrainer(soak_train_fn, 2, 8, config=config, cooldown_range=(1, 4), verbose=0)
     box: dict = {}
     fit_done = threading.Event()
 
@@ -237,6 +234,12 @@ def run_soak(cluster: object, events: int, seed: int = 0, epochs: int = 40) -> d
     for event in chaos.done:
         if "worker" in event:
             assert any(f"worker {event['worker']} " in e.detail for e in failed), f"no event for {event}"
+    # a worker declared failed that chaos did not touch and whose node was not removed: a false positive
+    touched = {f"worker {event['worker']} " for event in chaos.done if "worker" in event}
+    unexplained = [
+        e.detail for e in failed if not any(t in e.detail for t in touched) and "its node is gone" not in e.detail
+    ]
+    assert not unexplained, f"healthy workers were declared failed: {unexplained}"
     recoveries = [e.reset_duration for e in failed if e.reset_duration is not None]
     clean_dir = tempfile.mkdtemp(prefix="ray-elastic-soak-clean-")
     clean = (
@@ -248,6 +251,7 @@ def run_soak(cluster: object, events: int, seed: int = 0, epochs: int = 40) -> d
         events=len(chaos.done),
         actions=dict(collections.Counter(e["action"] for e in chaos.done)),
         worker_failed_events=len(failed),
+        false_positive_failures=len(unexplained),
         worst_recovery_s=max(recoveries) if recoveries else None,
         final_loss=value["final_loss"],
         clean_final_loss=clean["final_loss"],

@@ -20,6 +20,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from soak import check_ledger, soak_train_fn
@@ -176,6 +177,30 @@ def test_object_state_round_trips_the_commit_not_the_live_values():
     fresh = elastic.ObjectState(step=0, w=[])
     fresh.load_checkpoint(payload)
     assert (fresh.step, fresh.w) == (3, [1.0])
+
+
+def test_checkpoint_of_another_experiment_is_refused_naming_what_differs():
+    payload = elastic.ObjectState(step=3, w=np.zeros((2, 3), np.float32), best=None).checkpoint_payload()
+    with pytest.raises(ValueError, match=r"holds \['best', 'step', 'w'\], this state holds \['epoch', 'step', 'w'\]"):
+        elastic.ObjectState(step=0, w=np.zeros((2, 3), np.float32), epoch=0).load_checkpoint(payload)
+    with pytest.raises(ValueError, match=r"w: this state holds shape \(3, 2\) float32, the checkpoint shape \(2, 3\)"):
+        elastic.ObjectState(step=0, w=np.zeros((3, 2), np.float32), best=None).load_checkpoint(payload)
+    with pytest.raises(ValueError, match="step: this state holds a str, the checkpoint a int"):
+        elastic.ObjectState(step="a", w=np.zeros((2, 3), np.float32), best=None).load_checkpoint(payload)
+    # what a later commit of the same experiment may legitimately hold still loads
+    fresh = elastic.ObjectState(step=0.0, w=np.ones((2, 3), np.float32), best=1.5)
+    fresh.load_checkpoint(payload)
+    assert fresh.step == 3 and fresh.best is None and not fresh.w.any()
+
+
+def test_torch_state_names_the_attribute_a_checkpoint_does_not_fit():
+    model, opt = _model_and_adam(0)
+    sampler = ElasticSampler(list(range(50)))
+    payload = elastic.torch.TorchState(model=model, sampler=sampler, tag="a").checkpoint_payload()
+    with pytest.raises(ValueError, match="'sampler': the checkpoint's sampler covers 50 samples, this one 40"):
+        elastic.torch.TorchState(model=model, sampler=ElasticSampler(list(range(40))), tag="a").load_checkpoint(payload)
+    with pytest.raises(ValueError, match="'tag': .*holds a int, the checkpoint a str"):
+        elastic.torch.TorchState(model=model, sampler=ElasticSampler(list(range(50))), tag=1).load_checkpoint(payload)
 
 
 def test_bad_checkpoint_options_are_refused_before_anything_starts():

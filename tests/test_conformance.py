@@ -34,6 +34,7 @@ import ray
 from conftest import wait_until
 
 from ray_elastic import HorovodInternalError
+from ray_elastic.auth import RunToken
 from ray_elastic.collective.base import Average, Max, Min, ReduceOp, Sum
 from ray_elastic.exceptions import RendezvousTimeoutError
 from ray_elastic.rendezvous import KVClient, create_kv_actor
@@ -162,9 +163,9 @@ def pools(ray_instance):
 @pytest.fixture
 def kv(ray_instance):
     namespace = f"ray_elastic_test_conf_{uuid.uuid4().hex[:8]}"
-    handle = create_kv_actor(f"run-{namespace}", namespace)
+    handle = create_kv_actor(f"run-{namespace}", namespace, RunToken())
     yield handle
-    ray.kill(handle)
+    ray.kill(handle.handle)
 
 
 def members_for(pools, backend: str, size: int) -> list:

@@ -95,6 +95,23 @@ def test_deaths_arriving_together_join_one_reset():
     assert [a.name for a in s.of(m.RecordMetric)] == ["recovery", "recovery"]
 
 
+def test_a_members_death_tells_every_survivor_the_ring_is_dead_before_any_new_generation():
+    """A rank blocked in a ring allreduce waits only on its neighbours: it must hear of a non-neighbour's death."""
+    s = Script(min_workers=1)
+    s.start({"A": 1, "B": 1, "C": 1})
+    actions = s.send(m.WorkerDied("w2", "SIGKILL", node_alive=True), m.WorkerDied("w3", "SIGKILL", node_alive=True))
+    abandon = [a for a in actions if isinstance(a, m.Abandon)]
+    # once per generation, to every member not yet known dead (w3's death comes after w2's in the batch)
+    assert abandon == [m.Abandon(1, ("w1", "w3"), "worker w2 (rank 1) of generation 1 died")]
+    assert actions.index(abandon[0]) < actions.index(s.of(m.Publish)[0]), "before the next generation is published"
+    s.sync(s.of(m.Publish)[0])
+    s.send(m.HostsDiscovered({"A": 1, "B": 1, "C": 1, "D": 1}))
+    [newcomer] = s.of(m.Spawn)
+    assert s.send(m.WorkerDied(newcomer.worker_id, "failed to boot", node_alive=True)) == [
+        m.Release(newcomer.worker_id)
+    ], "a newcomer that never joined breaks no ring"
+
+
 def test_a_death_during_a_reset_supersedes_it_and_late_syncs_are_ignored():
     s = Script(min_workers=1)
     s.start({"A": 1, "B": 1, "C": 1})
@@ -266,6 +283,24 @@ def test_max_failures_retries_user_errors_as_worker_failures_then_fails():
     assert s.core.state is DriverState.FAILED and "OSError: flaky" in s.core.failure
 
 
+def test_a_mistake_that_would_repeat_is_not_retried_even_with_max_failures():
+    s = Script(max_failures=3, min_workers=1)
+    s.start({"A": 1, "B": 1})
+    s.send(m.WorkerExited("w1", UserError("train_fn's return value on rank 0 cannot be pickled", "", retryable=False)))
+    assert s.core.state is DriverState.FAILED and s.of(m.Publish) == []
+    assert s.core.failure == "worker w1 (rank 0 on node A): train_fn's return value on rank 0 cannot be pickled"
+
+
+def test_losing_every_worker_says_what_each_died_of():
+    s = Script(max_failures=2, min_workers=1)
+    s.start({"A": 1, "B": 1})
+    s.send(m.WorkerExited("w1", UserError("ValueError: bad batch", "tb")))
+    s.send(m.WorkerExited("w2", UserError("ValueError: bad batch", "tb")))
+    assert s.core.state is DriverState.FAILED
+    assert "no survivor holds the training state" in s.core.failure
+    assert s.core.failure.count("ValueError: bad batch") == 2, s.core.failure
+
+
 def test_a_broken_ring_with_every_member_alive_asks_once_and_kills_the_member_stuck_in_user_code():
     s = Script()
     s.start({"A": 1, "B": 1, "C": 1})
@@ -343,7 +378,7 @@ def test_a_silent_member_that_computes_is_spared_until_collective_timeout():
     for _ in range(3):  # silent since its first missed ping was sent: 5.5 s, 12.5 s, 19.5 s
         assert missed_ping(s, {"w2": COMPUTING}) == []
     assert s.core.workers["w2"].spared and s.core.resets == 0
-    assert missed_ping(s, {"w2": COMPUTING}) == [m.Kill("w2", failed=True)]  # 26.5 s: past the peers' own limit
+    assert missed_ping(s, {"w2": COMPUTING})[0] == m.Kill("w2", failed=True)  # 26.5 s: past the peers' own limit
 
 
 def test_a_member_that_answers_again_starts_a_new_silence():
@@ -361,12 +396,16 @@ def test_a_silent_member_without_cpu_use_or_without_a_reading_is_killed_at_once(
     s = Script(min_workers=1, max_workers=3)
     s.start({"A": 1, "B": 1, "C": 1})
     actions = missed_ping(s, {"w2": IDLE, "w3": "no reading within 5 s (its node may be unreachable)"})
-    assert actions == [m.Kill("w2", failed=True), m.Kill("w3", failed=True)]
+    assert [a for a in actions if isinstance(a, m.Kill)] == [m.Kill("w2", failed=True), m.Kill("w3", failed=True)]
+    # the survivor hears at once that the ring is dead, once, before any new generation is published
+    assert [a for a in actions if isinstance(a, m.Abandon)] == [
+        m.Abandon(1, ("w1", "w3"), "worker w2 (rank 1) of generation 1 was killed")
+    ]
     # a silent member that computed before and stops using the CPU is hung from then on
     s = Script()
     s.start({"A": 1, "B": 1})
     assert missed_ping(s, {"w2": COMPUTING}) == []
-    assert missed_ping(s, {"w2": IDLE}) == [m.Kill("w2", failed=True)]
+    assert missed_ping(s, {"w2": IDLE})[0] == m.Kill("w2", failed=True)
 
 
 def test_a_worker_not_ready_within_elastic_timeout_is_killed_as_failed():

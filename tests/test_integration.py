@@ -16,7 +16,7 @@ from concurrent.futures import Future
 
 import pytest
 import ray
-from conftest import run_namespaces_alive, wait_until
+from conftest import actor_pid, run_namespaces_alive, wait_until
 from workloads import FileDiscovery, counting_train_fn
 
 import ray_elastic as elastic
@@ -310,7 +310,7 @@ def test_hung_worker_is_killed_by_the_liveness_check(cluster, no_leaks, tmp_path
         cooldown_range=(60, 60),
     )
     [victim] = [a for a in run_namespaces_alive() if a["name"] == "w3"]
-    pid = ray.get(ray.get_actor("w3", namespace=victim["namespace"]).pid.remote(), timeout=30)
+    pid = actor_pid("w3", victim["namespace"])
     os.kill(pid, signal.SIGSTOP)
     result = fut.result(timeout=120)
     assert sizes(result) == [4, 3]

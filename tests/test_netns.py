@@ -20,6 +20,8 @@ import pytest
 from conftest import wait_until
 from netns_cluster import NetnsCluster, unavailable_reason
 
+from ray_elastic.checkpoint import CheckpointStore
+
 pytestmark = pytest.mark.integration
 
 FIT_SCRIPT = str(Path(__file__).parent / "netns_fit.py")
@@ -97,34 +99,61 @@ def test_sigkill_of_a_worker_recovers_at_once(netns_cluster, tmp_path):
     assert_same_state(result)
 
 
-def test_silent_cut_of_a_node_the_survivors_go_on(netns_cluster, tmp_path):
-    """netem loss 100% (or blackhole) on a node's veth: no RST, the survivors learn it from timeouts."""
-    signal_file = tmp_path / "signal"
+def test_silent_cut_of_rank0s_node_survivors_go_on_in_seconds_and_the_healed_are_fenced(netns_cluster, tmp_path):
+    """netem loss 100% (or blackhole) on rank 0's node: no RST. Default settings (collective_timeout=300 s).
+
+    The driver declares the cut-off workers dead from its pings (their node's
+    probe is silent too) and tells the survivors the ring is dead, which
+    takes them out of their blocked collective. Then the network heals while
+    the cut-off workers still run: they must not act for the run any more
+    (metrics as rank 0, a durable checkpoint over the new rank 0's).
+    """
+    signal_file, after_cut = tmp_path / "signal", tmp_path / "after-cut"
     config = {
         "signal_file": str(signal_file),
         "signal_step": 20,
+        "world_signal_file": str(after_cut),
+        "world_signal": 2,
         "until_world": 2,
         "min_steps": 21,  # the goal is training on the two survivors after the cut, not before
-        "extra_steps": 20,
+        "extra_steps": 60,
+        "step_time": 0.05,
         "deadline_s": 150,
     }
-    proc = start_fit(netns_cluster, tmp_path, config, min_workers=2, collective_timeout=10, liveness_timeout=5)
-    victim = netns_cluster.nodes[-1]
+    ckpt = tmp_path / "ckpt"
+    # no newcomer on the healed node meanwhile (its cool-down outlasts the run): the world stays at 2
+    proc = start_fit(
+        netns_cluster,
+        tmp_path,
+        config,
+        min_workers=2,
+        checkpoint_dir=str(ckpt),
+        checkpoint_every=1,
+        cooldown_range=[600, 600],
+    )
     try:
         wait_until(lambda: signal_file.exists() or proc.poll() is not None, 90, "rank 0 to reach step 20")
         assert proc.poll() is None, f"the driver ended early: {proc.communicate()[1][-3000:]}"
+        rank0_ip = (tmp_path / "ips" / "w1").read_text()  # w1, the oldest, is rank 0 of generation 1
+        [victim] = [n for n in netns_cluster.nodes if n.ip == rank0_ip]
         how = netns_cluster.cut(victim)
         cut_at = time.time()
+        wait_until(lambda: after_cut.exists() or proc.poll() is not None, 60, "the survivors to train on their own")
+        netns_cluster.heal(victim)  # the cut-off workers come back, with their old generation's state
         result = finish(proc, timeout=150)
     finally:
         netns_cluster.heal(victim)
-    at_cut = [m["world_size"] for m, t in zip(result["metrics"], result["metric_times"], strict=True) if t < cut_at]
-    assert at_cut[-1] == 4, "the cut should hit a world of 4"
-    next_step_at = next(
-        t for m, t in zip(result["metrics"], result["metric_times"], strict=True) if t > cut_at and m["world_size"] == 2
-    )
+    times = result["metric_times"]
+    at_cut = [m for m, t in zip(result["metrics"], times, strict=True) if t < cut_at]
+    assert at_cut[-1]["world_size"] == 4 and at_cut[-1]["rank0"] == "w1", "the cut should hit rank 0 in a world of 4"
+    after = [m for m, t in zip(result["metrics"], times, strict=True) if t > cut_at]
+    next_step_at = next(t for m, t in zip(result["metrics"], times, strict=True) if t > cut_at and m["world_size"] == 2)
     print(f"cut with {how}: the survivors' next step came {next_step_at - cut_at:.2f} s after the cut")
-    assert result["return_value"]["world_size"] == 2
+    assert next_step_at - cut_at < 30, "the survivors waited on their blocked collective (collective_timeout is 300 s)"
+    victims = {w for w, ip in result["worker_ips"].items() if ip == victim.ip}
+    assert not {m["rank0"] for m in after if m["world_size"] == 2} & victims, "a cut-off worker reported as rank 0"
+    assert result["return_value"]["world_size"] == 2 and result["return_value"]["rank0"] not in victims
     assert_same_state(result)
-    survivors = {ip for ip in result["worker_ips"].values()} - {victim.ip}
-    assert survivors, "the survivors ran on the other node"
+    # the durable checkpoint is the new rank 0's, of the last generation: never overwritten by a healed one
+    meta = CheckpointStore(str(ckpt)).meta()
+    assert meta["generation"] == max(e["generation"] for e in result["events"]), meta

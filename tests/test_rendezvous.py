@@ -21,6 +21,7 @@ import pytest
 import ray
 import torch.distributed as dist
 
+from ray_elastic.auth import RunToken
 from ray_elastic.collective.torch_store import KVTorchStore, torch_store
 from ray_elastic.exceptions import GenerationSupersededError, RendezvousTimeoutError
 from ray_elastic.rendezvous import KVClient, create_kv_actor, decode_family
@@ -36,7 +37,7 @@ STILL_BLOCKED_S = 0.3
 
 def new_kv() -> ray.actor.ActorHandle:
     namespace = f"ray_elastic_test_kv_{uuid.uuid4().hex[:8]}"
-    handle = create_kv_actor(f"run-{namespace}", namespace)
+    handle = create_kv_actor(f"run-{namespace}", namespace, RunToken())
     ray.get(handle.current_generation.remote(), timeout=60)  # started and answering
     return handle
 
@@ -45,7 +46,7 @@ def new_kv() -> ray.actor.ActorHandle:
 def kv(cluster):
     handle = new_kv()
     yield handle
-    ray.kill(handle)
+    ray.kill(handle.handle)
 
 
 def assert_ref_blocked(ref: ray.ObjectRef) -> None:
@@ -240,7 +241,17 @@ def test_two_runs_in_different_namespaces_do_not_see_each_others_keys(kv):
         ray.get(other.publish.remote(5, {}), timeout=10)
         assert ray.get(kv.current_generation.remote(), timeout=10) == 0
     finally:
-        ray.kill(other)
+        ray.kill(other.handle)
+
+
+def test_a_call_without_the_runs_token_is_refused(kv):
+    """Any job on the cluster can find a run's named KV actor; it must not be able to publish on it."""
+    with pytest.raises(PermissionError, match="KVStore.publish refused a call without this run's token"):
+        ray.get(kv.handle.publish.remote(7, {"world_size": 99}), timeout=10)
+    with pytest.raises(PermissionError, match="without this run's token"):
+        ray.get(kv.handle.publish.remote("a guessed token", 7, {"world_size": 99}), timeout=10)
+    assert ray.get(kv.current_generation.remote(), timeout=10) == 0
+    assert "hidden" in repr(kv._token) and kv._token.value not in repr(kv)
 
 
 # ---- the torch.distributed.Store adapter ------------------------------------------

@@ -120,13 +120,14 @@ def test_concurrent_runs_autoscaler_requests_add_up_and_are_withdrawn(cluster, n
 class SlowToStopDriver:
     """Stands in for a driver whose stop() takes a while, so a second Ctrl-C lands during the clean-up."""
 
-    def stop(self, reason: str) -> None:
+    def stop(self, token: str, reason: str) -> None:
         time.sleep(3)
 
 
 def test_a_second_ctrl_c_during_cleanup_still_frees_everything(cluster, no_leaks):
     from ray.util.placement_group import placement_group
 
+    from ray_elastic.auth import Authed, RunToken
     from ray_elastic.trainer import _cleanup
 
     namespace = "ray_elastic_ctrlc_test"
@@ -137,7 +138,7 @@ def test_a_second_ctrl_c_during_cleanup_still_frees_everything(cluster, no_leaks
     timer = threading.Timer(0.5, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT))
     timer.start()
     with pytest.raises(KeyboardInterrupt):
-        _cleanup(driver, None, "ctrlc-test", namespace, graceful=False)
+        _cleanup(Authed(driver, RunToken()), None, "ctrlc-test", namespace, graceful=False)
     # the interrupt reached the caller only once the clean-up was done: the placement groups are gone already
     assert not [name for name in run_placement_groups_alive() if name.startswith(namespace)]
 

@@ -111,7 +111,9 @@ def counting_train_fn(config: dict) -> dict:
     at which the world has `until_world` workers.
 
     `signal_file`/`signal_step`: rank 0 creates the file when it reaches that
-    step (the test waits on it, then changes the cluster). `deadline_s` bounds
+    step (the test waits on it, then changes the cluster); `world_signal_file`
+    likewise once the world has `world_signal` workers. `payload`: the
+    float32 elements of one more allreduce per step (throughput benchmarks). `deadline_s` bounds
     the run, failing it with a clear message instead of training forever.
     """
     started = time.monotonic()
@@ -146,11 +148,15 @@ def counting_train_fn(config: dict) -> dict:
                 raise TimeoutError(f"training did not reach its goal within {config.get('deadline_s', 120)} s")
             grad = 2 * x.T @ (x @ state.w - y) / len(y)
             grad = elastic.allreduce(grad, elastic.Average)
+            if config.get("payload"):  # a bigger allreduce per step, for throughput measurements
+                elastic.allreduce_(np.ones(config["payload"], dtype=np.float32), elastic.Sum)
             state.w = state.w - 0.01 * grad
             state.step += 1
             elastic.report({"step": state.step, "world_size": elastic.size(), "rank0": current().worker_id})
             if config.get("signal_file") and state.step == config.get("signal_step") and elastic.rank() == 0:
                 Path(config["signal_file"]).touch()
+            if config.get("world_signal_file") and elastic.size() == config["world_signal"] and elastic.rank() == 0:
+                Path(config["world_signal_file"]).touch()  # the world came to that size (e.g. after a loss)
             _fire_faults(config, state.step)
             if state.step == config.get("rank0_returns_at") and elastic.rank() == 0:
                 return {"steps": state.step, "rank0": current().worker_id}  # the others go on: uneven shards

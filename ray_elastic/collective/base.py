@@ -47,6 +47,21 @@ class CollectiveGroup(ABC):
     def __init__(self, rank: int, size: int) -> None:
         self.rank = rank
         self.size = size
+        self.abandoned: str | None = None  # why, once the driver said this generation's ring is dead
+
+    def abandon(self, reason: str) -> None:
+        """The driver says this generation's ring is dead (a member was lost). Called from another thread.
+
+        Every later collective fails at once with `HorovodInternalError`;
+        backends that can (torch Gloo) also release a collective blocked in
+        the ring right now, whether or not this rank was connected to the
+        lost one. The others (pygloo, NCCL) leave it to their own timeout.
+        """
+        self.abandoned = reason
+
+    def check_abandoned(self, what: str) -> None:
+        if self.abandoned is not None:
+            raise HorovodInternalError(f"{what} not started: {self.abandoned}")
 
     @abstractmethod
     def allreduce_(self, value: T, op: ReduceOp = Average) -> T:

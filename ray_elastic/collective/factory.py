@@ -7,7 +7,11 @@ at module level: a numpy-only worker never loads torch.
 
 from __future__ import annotations
 
+import ray
+
+from ray_elastic.collective import address
 from ray_elastic.collective.base import CollectiveGroup
+from ray_elastic.exceptions import HorovodInternalError, RendezvousTimeoutError
 from ray_elastic.rendezvous import KVClient
 
 # the backends whose rings are torch.distributed process groups (what torch helpers may rely on)
@@ -41,17 +45,11 @@ def load_backend(backend: str) -> None:
 def make_group(
     backend: str, kv: KVClient, generation: int, rank: int, size: int, timeout: float, local_rank: int = 0
 ) -> CollectiveGroup:
-    """Build the ring for `generation` with the chosen backend (`local_rank` picks an NCCL worker's GPU)."""
-    if backend == "gloo":
-        # optional dependency (torch)
-        from ray_elastic.collective.torch_gloo import TorchGlooGroup
-        from ray_elastic.collective.torch_store import torch_store
+    """Build the ring for `generation` with the chosen backend (`local_rank` picks an NCCL worker's GPU).
 
-        return TorchGlooGroup(torch_store(kv, generation, timeout, size), rank, size, timeout)
-    if backend == "pygloo":
-        from ray_elastic.collective.pygloo_backend import PyglooGroup  # optional dependency (pygloo)
-
-        return PyglooGroup(kv, generation, rank, size, timeout)
+    Gloo rings (torch's and pygloo) listen on the Ray node's IP (see `address`);
+    one that does not form says where each rank listened.
+    """
     if backend == "nccl":
         # optional dependency (torch)
         from ray_elastic.collective.nccl import TorchNcclGroup
@@ -60,4 +58,35 @@ def make_group(
         # no one-call family reads: NCCL's unique id is one key `<prefix>/0` that only rank 0 writes,
         # which the family read (made for Gloo's every-rank addresses) would wait on with N-1 keys missing
         return TorchNcclGroup(torch_store(kv, generation, timeout), rank, size, timeout, local_rank)
-    raise ValueError(f"unknown backend {backend!r}")
+    if backend not in ("gloo", "pygloo"):
+        raise ValueError(f"unknown backend {backend!r}")
+    binding = address.gloo_binding(ray.util.get_node_ip_address())
+    if size > 1:
+        kv.post(generation, address.address_key(rank), binding.describe().encode())  # read only on failure
+    try:
+        if backend == "gloo":
+            # optional dependency (torch)
+            from ray_elastic.collective.torch_gloo import TorchGlooGroup
+            from ray_elastic.collective.torch_store import torch_store
+
+            with address.socket_ifname(binding):
+                return TorchGlooGroup(torch_store(kv, generation, timeout, size), rank, size, timeout)
+        from ray_elastic.collective.pygloo_backend import PyglooGroup  # optional dependency (pygloo)
+
+        return PyglooGroup(kv, generation, rank, size, timeout, binding)
+    except (HorovodInternalError, RendezvousTimeoutError) as e:
+        hint = address.ring_failure_hint(binding, rank, _advertised(kv, generation, size))
+        raise type(e)(f"{e}; {hint}") from e
+
+
+def _advertised(kv: KVClient, generation: int, size: int) -> dict[int, str]:
+    """The addresses the ranks of `generation` wrote so far (a failure path: never waits long)."""
+    found: dict[int, str] = {}
+    for r in range(size):
+        key = address.address_key(r)
+        try:
+            if kv.check(generation, [key]):
+                found[r] = kv.get(generation, key, 1.0).decode()
+        except Exception:  # noqa: BLE001 - the KV actor may be the thing that failed: say what is known
+            break
+    return found

@@ -21,8 +21,8 @@ from typing import Any, TypeVar
 
 import numpy as np
 import pygloo
-import ray
 
+from ray_elastic.collective.address import GlooBinding
 from ray_elastic.collective.base import CollectiveGroup, ReduceOp, guarded_call
 from ray_elastic.rendezvous import KVClient
 
@@ -75,6 +75,15 @@ class KVGlooStore:
         return True
 
 
+def _device_attr(binding: GlooBinding) -> Any:
+    """The TCP device's attributes: the user's interface where GLOO_SOCKET_IFNAME is set, else the node IP."""
+    if binding.user_set:
+        attr = pygloo.transport.tcp.attr()
+        attr.iface = binding.interface
+        return attr
+    return pygloo.transport.tcp.attr(binding.ip)
+
+
 def _view(value: Any) -> np.ndarray:
     """A numpy array sharing `value`'s memory (a numpy array, or a torch CPU tensor)."""
     if isinstance(value, np.ndarray):
@@ -111,12 +120,14 @@ class PyglooGroup(CollectiveGroup):
 
     name = "pygloo"
 
-    def __init__(self, kv: KVClient, generation: int, rank: int, size: int, timeout: float) -> None:
+    def __init__(
+        self, kv: KVClient, generation: int, rank: int, size: int, timeout: float, binding: GlooBinding
+    ) -> None:
         super().__init__(rank, size)
         # pygloo keeps raw pointers into these: they live exactly as long as the group
         self._py_store = KVGlooStore(kv, generation, timeout)
         self._store = pygloo.rendezvous.CustomStore(self._py_store)
-        self._device = pygloo.transport.tcp.CreateDevice(pygloo.transport.tcp.attr(ray.util.get_node_ip_address()))
+        self._device = pygloo.transport.tcp.CreateDevice(_device_attr(binding))
         self._context = pygloo.rendezvous.Context(rank, size)
         self._call("connectFullMesh", lambda: self._context.connectFullMesh(self._store, self._device))
         self._int_buf = np.zeros(1, dtype=np.int64)

@@ -1,7 +1,17 @@
 """A torch.distributed process group over the run's KV actor: what Gloo and NCCL share.
 
 The process group is created over a `Store` of one generation, destroyed on
-reset and created again in the same process (tens of milliseconds). A backend
+reset and created again in the same process (tens of milliseconds).
+
+Gloo collectives can be abandoned: each one is started asynchronously and
+waited on through its future and an event that `abandon()` (the driver
+saying a member of this generation was lost) also sets, so a rank blocked in
+the ring leaves it at once instead of after `collective_timeout`, even when
+it was not connected to the lost rank (a ring allreduce waits on its
+neighbours only). torch cannot cancel the Gloo operation itself: it stays
+pending on Gloo's thread until its own timeout, and the abandoned process
+group (with the buffers it holds) is kept referenced until then, because
+dropping it would block in its destructor until the operation ends. A backend
 subclass says which torch backend it runs and on which device values must
 live; `_stage` moves a caller's value there and back. numpy arrays go through
 `torch.from_numpy`, which shares their memory, so on CPU in-place operations
@@ -11,6 +21,8 @@ write straight into the caller's array.
 from __future__ import annotations
 
 import math
+import pickle
+import threading
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -20,8 +32,12 @@ import torch
 import torch.distributed as dist
 
 from ray_elastic.collective.base import CollectiveGroup, CollectiveWork, ReduceOp, guarded_call
+from ray_elastic.exceptions import HorovodInternalError
 
 T = TypeVar("T")
+
+# abandoned process groups, kept with their pending works until Gloo's timeout ends those
+_graveyard: list[tuple[Any, list[Any]]] = []
 
 _TORCH_OPS = {
     ReduceOp.SUM: dist.ReduceOp.SUM,
@@ -46,12 +62,17 @@ class TorchDistGroup(CollectiveGroup):
     """One generation's torch.distributed default process group."""
 
     backend = "abstract"
+    abortable = False  # its collectives can be abandoned while blocked (Gloo); NCCL waits on its own watchdog
 
     def __init__(
         self, store: dist.Store, rank: int, size: int, timeout: float, device: torch.device | None = None
     ) -> None:
         super().__init__(rank, size)
         self.device = device or torch.device("cpu")
+        self._timeout_s = timeout
+        self._lock = threading.Lock()
+        self._waiting: set[threading.Event] = set()
+        self._inflight: list[Any] = []  # works started and maybe not finished (abandoned, or never waited on)
         self._store = store  # torch calls back into this Python object: keep it alive with the group
         if not dist.is_initialized():
             # torch names the default group from a counter that only a successful destroy resets;
@@ -71,11 +92,57 @@ class TorchDistGroup(CollectiveGroup):
 
     _call = staticmethod(guarded_call)
 
+    # ---- waiting, abandonably -------------------------------------------------------
+    def abandon(self, reason: str) -> None:
+        super().abandon(reason)
+        with self._lock:
+            for event in self._waiting:
+                event.set()
+
+    def _start(self, what: str, start: Callable[[], Any]) -> Any:
+        """Start one asynchronous torch collective (its `Work`), unless this generation was abandoned."""
+        self.check_abandoned(what)
+        work = self._call(what, start)
+        if len(self._inflight) >= 64:
+            self._inflight = [w for w in self._inflight if not w.is_completed()]
+        self._inflight.append(work)
+        return work
+
+    def _wait(self, what: str, work: Any) -> None:
+        """Block until `work` is done, or this generation is abandoned (then `HorovodInternalError`)."""
+        if not self.abortable:
+            work.wait()
+            return
+        done = threading.Event()
+        finished: list[bool] = []  # the future's callback ran: the work ended (Work.is_completed() may lag it)
+
+        def on_done(_: Any) -> None:
+            finished.append(True)
+            done.set()
+
+        with self._lock:
+            self._waiting.add(done)
+        try:
+            work.get_future().add_done_callback(on_done)
+            if self.abandoned is None and not done.wait(self._timeout_s + 5.0):
+                raise HorovodInternalError(f"{what} did not finish within collective_timeout={self._timeout_s:g} s")
+        finally:
+            with self._lock:
+                self._waiting.discard(done)
+        if not finished:
+            raise HorovodInternalError(f"{what} abandoned: {self.abandoned}")
+        work.wait()  # done: returns at once, or raises the ring's error
+
+    def _run(self, what: str, start: Callable[[], Any]) -> None:
+        """Start one collective and wait for it, abandonably."""
+        work = self._start(what, start)
+        self._call(what, lambda: self._wait(what, work))
+
     def allreduce_(self, value: T, op: ReduceOp = ReduceOp.AVERAGE) -> T:
         t, write_back = self._stage(value)
         if t.numel() == 0 or self.size == 1:
             return value
-        self._call("allreduce", lambda: dist.all_reduce(t, op=_TORCH_OPS[op]))
+        self._run("allreduce", lambda: dist.all_reduce(t, op=_TORCH_OPS[op], async_op=True))
         self._finish_allreduce(t, op, write_back)
         return value
 
@@ -84,8 +151,10 @@ class TorchDistGroup(CollectiveGroup):
         t, write_back = self._stage(value)
         if t.numel() == 0 or self.size == 1:
             return CollectiveWork()
-        work = self._call("allreduce", lambda: dist.all_reduce(t, op=_TORCH_OPS[op], async_op=True))
-        return CollectiveWork("allreduce", work.wait, lambda: self._finish_allreduce(t, op, write_back))
+        work = self._start("allreduce", lambda: dist.all_reduce(t, op=_TORCH_OPS[op], async_op=True))
+        return CollectiveWork(
+            "allreduce", lambda: self._wait("allreduce", work), lambda: self._finish_allreduce(t, op, write_back)
+        )
 
     def _finish_allreduce(self, t: torch.Tensor, op: ReduceOp, write_back: Callable[[], None] | None) -> None:
         """Turn the reduced sum into the op's result and hand it back to the caller's value."""
@@ -101,7 +170,7 @@ class TorchDistGroup(CollectiveGroup):
         t, write_back = self._stage(value)
         if t.numel() == 0 or self.size == 1:
             return value
-        self._call("broadcast", lambda: dist.broadcast(t, src=root_rank))
+        self._run("broadcast", lambda: dist.broadcast(t, src=root_rank, async_op=True))
         if write_back is not None:
             write_back()
         return value
@@ -119,7 +188,7 @@ class TorchDistGroup(CollectiveGroup):
     def _allgather(self, t: torch.Tensor) -> torch.Tensor:
         lengths = torch.zeros(self.size, dtype=torch.int64, device=self.device)
         lengths[self.rank] = t.shape[0] if t.dim() else 1
-        self._call("allgather", lambda: dist.all_reduce(lengths, op=dist.ReduceOp.SUM))
+        self._run("allgather", lambda: dist.all_reduce(lengths, op=dist.ReduceOp.SUM, async_op=True))
         counts = lengths.tolist()
         flat = t.reshape(-1) if t.dim() else t.reshape(1)
         # elements per row from the shape, so a rank with zero rows pads like the others
@@ -129,38 +198,60 @@ class TorchDistGroup(CollectiveGroup):
         padded[: flat.numel()] = flat
         parts = [torch.empty_like(padded) for _ in range(self.size)]
         if padded.numel():
-            self._call("allgather", lambda: dist.all_gather(parts, padded))
+            self._run("allgather", lambda: dist.all_gather(parts, padded, async_op=True))
         pieces = [p[: int(n) * row] for p, n in zip(parts, counts, strict=False)]
         return torch.cat(pieces).reshape(-1, *t.shape[1:]) if t.dim() else torch.cat(pieces)
 
     def broadcast_object(self, obj: Any, root_rank: int = 0) -> Any:
+        """Root's object, pickled into a byte tensor: two broadcasts (length, then bytes), both abandonable."""
         if self.size == 1:
             return obj
-        box = [obj if self.rank == root_rank else None]
-        self._call("broadcast_object", lambda: dist.broadcast_object_list(box, src=root_rank))
-        return box[0]
+        payload = pickle.dumps(obj) if self.rank == root_rank else b""
+        length = torch.tensor([len(payload)], dtype=torch.int64, device=self.device)
+        self._run("broadcast_object", lambda: dist.broadcast(length, src=root_rank, async_op=True))
+        if self.rank == root_rank:
+            data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(self.device)
+        else:
+            data = torch.empty(int(length.item()), dtype=torch.uint8, device=self.device)
+        if data.numel():
+            self._run("broadcast_object", lambda: dist.broadcast(data, src=root_rank, async_op=True))
+        return obj if self.rank == root_rank else pickle.loads(data.cpu().numpy().tobytes())
 
     def allgather_object(self, obj: Any) -> list[Any]:
         if self.size == 1:
             return [obj]
-        out: list[Any] = [None] * self.size
-        self._call("allgather_object", lambda: dist.all_gather_object(out, obj))
-        return out
+        payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(self.device)
+        lengths = torch.zeros(self.size, dtype=torch.int64, device=self.device)
+        lengths[self.rank] = payload.numel()
+        self._run("allgather_object", lambda: dist.all_reduce(lengths, op=dist.ReduceOp.SUM, async_op=True))
+        counts = lengths.tolist()
+        padded = torch.zeros(max(counts), dtype=torch.uint8, device=self.device)
+        padded[: payload.numel()] = payload
+        parts = [torch.empty_like(padded) for _ in range(self.size)]
+        self._run("allgather_object", lambda: dist.all_gather(parts, padded, async_op=True))
+        return [pickle.loads(p[: int(n)].cpu().numpy().tobytes()) for p, n in zip(parts, counts, strict=True)]
 
     def barrier(self) -> None:
         if self.size > 1:
-            self._call("barrier", lambda: dist.barrier())
+            self._run("barrier", lambda: dist.barrier(async_op=True))
 
     def max_int(self, value: int) -> int:
         """Max of one integer over all ranks, on a buffer allocated once."""
         if self.size == 1:
             return value
         self._max_buf.fill_(value)
-        self._call("check_host_updates", lambda: dist.all_reduce(self._max_buf, op=dist.ReduceOp.MAX))
+        self._run("check_host_updates", lambda: dist.all_reduce(self._max_buf, op=dist.ReduceOp.MAX, async_op=True))
         return int(self._max_buf.item())
 
     def close(self) -> None:
+        _graveyard[:] = [(pg, works) for pg, works in _graveyard if not all(w.is_completed() for w in works)]
+        pending = [w for w in self._inflight if not w.is_completed()]
+        self._inflight = []
         if dist.is_initialized():
+            # a gradient bucket never waited on after an earlier one failed, or an abandoned collective:
+            # dropping the group now would block in its destructor until Gloo times the operation out
+            if pending:
+                _graveyard.append((dist.distributed_c10d._get_default_group(), pending))
             try:
                 dist.destroy_process_group()
             except Exception:  # noqa: BLE001 - a broken ring may fail to tear down; it is dropped either way

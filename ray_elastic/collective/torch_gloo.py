@@ -19,10 +19,11 @@ class TorchGlooGroup(TorchDistGroup):
 
     name = "gloo"
     backend = "gloo"
+    abortable = True
 
     def bitwise_or_(self, value: np.ndarray) -> np.ndarray:
         if self.size == 1:
             return value
         tensor = torch.from_numpy(value)
-        self._call("bitwise or", lambda: dist.all_reduce(tensor, op=dist.ReduceOp.BOR))
+        self._run("bitwise or", lambda: dist.all_reduce(tensor, op=dist.ReduceOp.BOR, async_op=True))
         return value

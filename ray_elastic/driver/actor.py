@@ -40,6 +40,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from ray_elastic import autoscale, metrics
+from ray_elastic.auth import Authed, RunToken, with_token_check
 from ray_elastic.checkpoint import CheckpointStore
 from ray_elastic.config import RunConfig
 from ray_elastic.discovery import DiscoveryError, DiscoveryPoller, alive_ray_nodes, make_discovery
@@ -94,7 +95,8 @@ class DriverActor:
     # ---- the loop ----------------------------------------------------------------
     async def run(self) -> RunOutcome:
         """Drive the run to its end; returns the outcome the trainer turns into a Result."""
-        self._self_handle = ray.get_runtime_context().current_actor
+        # the handle workers call back on: carrying the run's token (`with_token_check` set it)
+        self._self_handle = Authed(ray.get_runtime_context().current_actor, self._run_token)
         try:
             poller = DiscoveryPoller(
                 make_discovery(self._discovery_spec, self.config.resources_per_worker, self.config.discovery_timeout),
@@ -136,6 +138,7 @@ class DriverActor:
             metrics_from=first,
             events=[e.to_dict() for e in self.core.events],
             resets=self.core.resets,
+            checkpoint_error=self.core.checkpoint_error,
         )
 
     async def _next_batch(self) -> list[m.Message]:
@@ -189,6 +192,11 @@ class DriverActor:
                 self._release(action.worker_id)
             elif isinstance(action, m.Publish):
                 await self._publish(action)
+            elif isinstance(action, m.Abandon):
+                for worker_id in action.worker_ids:
+                    handle = self._handles.get(worker_id)
+                    if handle is not None:
+                        handle.abandon.remote(action.generation, action.reason)
             elif isinstance(action, m.QueryActivity):
                 self._tasks.append(asyncio.create_task(self._query_activity(action)))
             elif isinstance(action, m.LookForCheckpoint):
@@ -226,10 +234,11 @@ class DriverActor:
                 memory=res.pop("memory", None),
                 resources=res or None,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
-            ).remote(worker_id, self.kv, self._self_handle, self.worker_config)
+            ).remote(self._run_token, worker_id, self.kv, self._self_handle, self.worker_config)
         except Exception as e:  # noqa: BLE001 - Ray refused the actor's options: say so now, not after a timeout
             self._queue.put_nowait(m.WorkerStartFailed(worker_id, f"{type(e).__name__}: {_first_line(e)}"))
             return
+        handle = Authed(handle, self._run_token)
         self._handles[worker_id] = handle
         try:
             # no deadline: this call lasts as long as training; the liveness pings bound a hang
@@ -242,7 +251,7 @@ class DriverActor:
     def _kill(self, action: m.Kill) -> None:
         handle = self._handles.get(action.worker_id)
         if handle is not None:
-            ray.kill(handle, no_restart=True)
+            ray.kill(handle.handle, no_restart=True)
             if action.failed:
                 return  # its run() call fails and reports the death
         task = self._runs.get(action.worker_id)
@@ -366,21 +375,43 @@ class DriverActor:
             await asyncio.sleep(self.config.discovery_interval)
 
     async def _liveness_loop(self) -> None:
-        """Ping every live worker each round; read the CPU time of those that did not answer in time."""
+        """Ping every live worker, and the probe of each node they run on, each round.
+
+        A worker that did not answer in time is judged on its CPU time, read
+        by its node's probe; when that probe did not answer the same round
+        either, its node is unreachable (cut off, or lost without a word) and
+        there is nothing to wait for. So a silent node costs at most one
+        round: a third of `liveness_timeout` plus `liveness_timeout`.
+        """
         interval = max(0.2, self.config.liveness_timeout / 3)
         while True:
             await asyncio.sleep(interval)
             ids = [w for w in self.core.alive_ids() if w in self._handles]
+            nodes = sorted({h for w in ids if (h := self._host_of(w)) is not None})
+            for node in nodes:
+                if node not in self._probes:
+                    self._probes[node] = start_probe(node)
             sent_at = time.monotonic()
-            pings = [asyncio.wait_for(self._ping(w), self.config.liveness_timeout) for w in ids]
-            results = dict(zip(ids, await asyncio.gather(*pings, return_exceptions=True), strict=True))
+            timeout = self.config.liveness_timeout
+            answers = await asyncio.gather(
+                *[asyncio.wait_for(self._ping(w), timeout) for w in ids],
+                *[asyncio.wait_for(self._probes[n].ping.remote(), timeout) for n in nodes],
+                return_exceptions=True,
+            )
+            results = dict(zip(ids, answers[: len(ids)], strict=True))
+            silent_nodes = set()
+            for node, answer in zip(nodes, answers[len(ids) :], strict=True):
+                if isinstance(answer, asyncio.TimeoutError):
+                    silent_nodes.add(node)
+                elif isinstance(answer, BaseException):  # the probe died: a fresh one reads CPU time if needed
+                    self._kill_probe(node)
             timed_out = frozenset(w for w, r in results.items() if isinstance(r, asyncio.TimeoutError))
             self._queue.put_nowait(
                 m.PingResults(
                     answered=frozenset(w for w, r in results.items() if not isinstance(r, BaseException)),
                     timed_out=timed_out,
                     sent_at=sent_at,
-                    samples=await self._read_cpu(timed_out) if timed_out else {},
+                    samples=await self._read_cpu(timed_out, silent_nodes) if timed_out else {},
                 )
             )
 
@@ -392,7 +423,7 @@ class DriverActor:
         else:
             self._pids[worker_id] = await handle.pid.remote()
 
-    async def _read_cpu(self, worker_ids: frozenset[str]) -> dict[str, m.CpuSample | str]:
+    async def _read_cpu(self, worker_ids: frozenset[str], silent_nodes: set[str]) -> dict[str, m.CpuSample | str]:
         """Each worker's CPU use over a short window, read by its node's `ProcessProbe`, or why there is none.
 
         One call per node, under `liveness_timeout` in all (the probe's start
@@ -406,6 +437,8 @@ class DriverActor:
             host = self._host_of(worker_id)
             if worker_id not in self._pids or host is None:
                 samples[worker_id] = "its process id is not known yet"
+            elif host in silent_nodes:
+                samples[worker_id] = f"its node did not answer within {self.config.liveness_timeout:g} s either"
             else:
                 by_node.setdefault(host, []).append(worker_id)
 
@@ -460,6 +493,9 @@ class DriverActor:
         self._queue.put_nowait(m.ResetRequested(worker_id, generation, reason))
 
     async def add_metrics(self, worker_id: str, batch: list[tuple[float, dict]]) -> None:
+        if worker_id in self.core.fenced:  # declared dead (e.g. cut off, then healed): it no longer speaks for rank 0
+            logger.info("dropped %d metric reports of worker %s, declared dead", len(batch), worker_id)
+            return
         self.metrics.add(batch)
 
     async def stop(self, reason: str = "stopped by the user") -> None:
@@ -488,7 +524,7 @@ class DriverActor:
         """Kill every worker still running, free every placement group, withdraw the autoscaler request."""
         for worker_id, handle in self._handles.items():
             try:
-                ray.kill(handle, no_restart=True)
+                ray.kill(handle.handle, no_restart=True)
             except Exception:  # noqa: BLE001 - already dead
                 pass
             self._release(worker_id)
@@ -517,14 +553,16 @@ def _first_line(e: BaseException) -> str:
 def create_driver_actor(
     run_id: str,
     namespace: str,
-    kv: Any,
+    token: RunToken,
+    kv: Authed,
     payload: bytes,
     discovery: Callable | str | None,
     config: RunConfig,
     scheduling_strategy: Any = None,
 ) -> Any:
-    """Start the run's driver actor, named `driver` in the run's namespace."""
-    cls = ray.remote(num_cpus=0, max_restarts=0)(DriverActor)
-    return cls.options(
+    """Start the run's driver actor, named `driver` in the run's namespace; it answers only calls carrying `token`."""
+    cls = ray.remote(num_cpus=0, max_restarts=0)(with_token_check(DriverActor))
+    handle = cls.options(
         name="driver", namespace=namespace, max_concurrency=1000, scheduling_strategy=scheduling_strategy
-    ).remote(run_id, namespace, kv, payload, discovery, config)
+    ).remote(token, run_id, namespace, kv, payload, discovery, config)
+    return Authed(handle, token)

@@ -88,6 +88,7 @@ class DriverCore:
         self.events: list[Event] = []
         self.failure: str | None = None
         self.return_value: Any = None
+        self.checkpoint_error: str | None = None  # rank 0 finished but its last durable checkpoint was not written
         self._final: DriverState | None = None
         self._waiting_since: float | None = started_at
         self._unbound: list[Event] = []  # changes not yet absorbed by a generation
@@ -103,6 +104,8 @@ class DriverCore:
         self._failure_places: list[int] = []  # per failure-driven reset: the commit training resumed from
         self._failure_reasons: list[str] = []
         self._causes: list[str] = []  # what broke the members since the last failure-driven reset synced
+        self._abandoned = 0  # the newest generation whose members were told its ring is dead
+        self.fenced: set[str] = set()  # workers declared dead: nothing they still send counts (metrics, results)
         self._actions: list[m.Action] = []
 
     # ---- derived state -------------------------------------------------------
@@ -309,8 +312,27 @@ class DriverCore:
     def _kill(self, rec: WorkerRecord, failed: bool = False) -> None:
         """Stop a worker. With `failed`, its death comes back as `WorkerDied` and takes the failure path."""
         self._actions.append(m.Kill(rec.worker_id, failed))
-        if not failed:
+        if failed:
+            self.fenced.add(rec.worker_id)
+            self._abandon(rec, "was killed")
+        else:
             rec.status = WorkerStatus.GONE
+
+    def _abandon(self, lost: WorkerRecord, what: str) -> None:
+        """A member of the current ring is lost: tell the others at once, before any new generation exists.
+
+        A rank blocked in a collective waits only on its ring neighbours, which
+        may not include the lost one: without this word it would wait out
+        `collective_timeout`. Once per generation.
+        """
+        slot = self.plan.get(lost.worker_id)
+        if slot is None or self._abandoned >= self.generation:
+            return
+        self._abandoned = self.generation
+        others = tuple(w for w in self.plan if w != lost.worker_id and self.workers[w].status in ALIVE)
+        reason = f"worker {lost.worker_id} (rank {slot.rank}) of generation {self.generation} {what}"
+        if others:
+            self._actions.append(m.Abandon(self.generation, others, reason))
 
     def _check_deadlines(self, now: float) -> None:
         timeout = self.config.elastic_timeout
@@ -332,6 +354,9 @@ class DriverCore:
         rec = self.workers.get(msg.worker_id)
         if rec is None:
             return
+        if msg.worker_id in self.fenced:  # declared dead, yet it ran on (cut off, then healed): its word is void
+            logger.info("worker %s, declared dead, ended with %s; ignored", msg.worker_id, type(msg.outcome).__name__)
+            return
         outcome = msg.outcome
         if isinstance(outcome, CoordinatorLost):
             self.fail(outcome.error)
@@ -339,10 +364,11 @@ class DriverCore:
         if isinstance(outcome, UserError):
             slot = self.plan.get(rec.worker_id)
             where = f"rank {slot.rank} " if slot is not None else ""
-            text = f"train_fn raised in worker {rec.worker_id} ({where}on node {rec.host[:8]}): {outcome.error}"
-            retry, reason = decide_user_error(self._user_failures, self.config.max_failures)
+            said = "train_fn raised in worker" if outcome.retryable else "worker"
+            text = f"{said} {rec.worker_id} ({where}on node {rec.host[:8]}): {outcome.error}"
+            retry, reason = decide_user_error(self._user_failures, self.config.max_failures, outcome.retryable)
             if not retry:
-                self.fail(f"{text}\n{outcome.traceback}")
+                self.fail(f"{text}\n{outcome.traceback}".rstrip())
                 return
             # the user asked for retries (flaky hardware): handle it as this worker's failure
             self._user_failures += 1
@@ -358,6 +384,7 @@ class DriverCore:
         if finished:
             if outcome.rank == 0:
                 self.return_value = outcome.value
+                self.checkpoint_error = outcome.checkpoint_error
             for other in self.live(WorkerStatus.STARTING, WorkerStatus.READY):
                 self._kill(other)
         if self.finishing and not self.live(WorkerStatus.MEMBER, WorkerStatus.LEAVING):
@@ -368,6 +395,8 @@ class DriverCore:
         if rec is None or rec.status not in ALIVE:
             return
         was_member = rec.status in (WorkerStatus.MEMBER, WorkerStatus.LEAVING)
+        self.fenced.add(worker_id)
+        self._abandon(rec, what)
         rec.status = WorkerStatus.GONE
         self._actions.append(m.Release(worker_id))
         if node_alive:
@@ -541,9 +570,10 @@ class DriverCore:
             self._waiting_since = now
 
     def _fail_all_lost(self, why: str) -> None:
+        causes = "".join(f"\n  {cause}" for cause in self._causes)
         self.fail(
             f"all {len(self.plan)} workers of generation {self.generation} failed; no survivor holds the training "
-            f"state, so the run cannot continue ({why})"
+            f"state, so the run cannot continue ({why}){': ' + causes if causes else ''}"
         )
 
     def _publish(self, ready: Sequence[str], now: float) -> None:

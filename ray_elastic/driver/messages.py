@@ -207,6 +207,14 @@ class Publish(NamedTuple):
     notify: tuple[str, ...]
 
 
+class Abandon(NamedTuple):
+    """Tell the live members of `generation` that its ring is dead: they leave even a blocked collective now."""
+
+    generation: int
+    worker_ids: tuple[str, ...]
+    reason: str
+
+
 class QueryActivity(NamedTuple):
     """Ask each member whether it is inside a collective, with `liveness_timeout`; answer with `ActivityReport`."""
 
@@ -233,4 +241,6 @@ class RecordMetric(NamedTuple):
     value: float = 0.0
 
 
-Action = Spawn | Kill | Release | Publish | QueryActivity | LookForCheckpoint | RequestResources | RecordMetric
+Action = (
+    Spawn | Kill | Release | Publish | Abandon | QueryActivity | LookForCheckpoint | RequestResources | RecordMetric
+)

@@ -64,8 +64,13 @@ def decide_publish(
     return PublishVerdict.NOW, f"{what}: {len(ready)} worker(s) form the next generation"
 
 
-def decide_user_error(failures_so_far: int, max_failures: int) -> tuple[bool, str]:
-    """Retry a `train_fn` exception as the worker's failure while `max_failures` allows it."""
+def decide_user_error(failures_so_far: int, max_failures: int, retryable: bool = True) -> tuple[bool, str]:
+    """Retry a `train_fn` exception as the worker's failure while `max_failures` allows it.
+
+    A mistake that running again would repeat (`retryable=False`) is never retried.
+    """
+    if not retryable:
+        return False, "not retried: running again would repeat it"
     if failures_so_far < max_failures:
         return True, f"retry {failures_so_far + 1} of max_failures={max_failures}"
     if max_failures:

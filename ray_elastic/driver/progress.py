@@ -82,6 +82,9 @@ class ProcessProbe:
     def sample(self, pids: list[int], window: float) -> dict[int, CpuSample | str]:
         return sample_cpu(pids, window)
 
+    def ping(self) -> None:
+        """Answered with every liveness round: a node whose probe is silent too is unreachable, not busy."""
+
 
 def start_probe(node_id: str) -> ray.actor.ActorHandle:
     """A `ProcessProbe` pinned to `node_id` (num_cpus=0: it takes no worker's slot)."""

@@ -16,6 +16,7 @@ import ray
 from ray_elastic.assignment import WorkerSlot
 from ray_elastic.checkpoint import CheckpointStore, CheckpointWriter
 from ray_elastic.config import WorkerConfig
+from ray_elastic.rendezvous import KVClient
 
 logger = logging.getLogger(__name__)
 
@@ -30,14 +31,35 @@ class CheckpointCadence:
             (the bound of one checkpoint write and of the final flush).
     """
 
-    def __init__(self, worker_id: str, driver: ray.actor.ActorHandle, settings: WorkerConfig) -> None:
+    def __init__(
+        self, worker_id: str, driver: ray.actor.ActorHandle, settings: WorkerConfig, kv: KVClient | None = None
+    ) -> None:
         self.worker_id = worker_id
         self.driver = driver
         self.settings = settings
+        self._kv = kv
         self._writer: CheckpointWriter | None = None
         if settings.checkpoint_dir is not None:
-            self._writer = CheckpointWriter(CheckpointStore(settings.checkpoint_dir))
+            self._writer = CheckpointWriter(CheckpointStore(settings.checkpoint_dir), fence=self._stale)
         self._resume_checked = False
+
+    def _stale(self, meta: dict[str, Any]) -> str | None:
+        """Why a checkpoint of `meta`'s generation must not be written (a newer generation exists), or None.
+
+        A rank 0 cut off from the run (a partition) is replaced while it is
+        away; when the network heals it must not write its stale state over
+        the new rank 0's checkpoints. The KV actor knows the newest
+        generation; a worker that cannot reach it writes nothing either.
+        """
+        if self._kv is None:
+            return None
+        try:
+            newest = self._kv.current_generation(timeout=10.0)
+        except Exception as e:  # noqa: BLE001 - unreachable or gone: this worker cannot vouch for its generation
+            return f"the run's KV actor could not confirm generation {meta['generation']} is current ({e})"
+        if newest > meta["generation"]:
+            return f"generation {meta['generation']} was superseded by {newest}: this worker is no longer a member"
+        return None
 
     def after_commit(self, state: Any, slot: WorkerSlot | None, generation: int, commits: int) -> None:
         """Rank 0 hands every `checkpoint_every`-th commit (the run's `commits`-th) to the checkpoint writer."""

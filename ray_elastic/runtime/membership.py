@@ -65,6 +65,7 @@ class Membership:
         self.fault_hook: Callable[[str], None] | None = None
         self._agreed: tuple[int, bool] | None = None  # (generation, any notice) from the last gradient allreduce
         self._announced = False
+        self._abandoned: tuple[int, str] = (0, "")  # the newest generation the driver declared dead, and why
 
     # ---- joining and leaving -------------------------------------------------
     def ensure_joined(self) -> None:
@@ -117,6 +118,8 @@ class Membership:
                 continue
             self.generation = generation
             self.slot = slot
+            if generation <= self._abandoned[0]:  # declared dead while its ring formed
+                self.group.abandon(self._abandoned[1])
             return
 
     def reset(self, failed: bool) -> None:
@@ -137,6 +140,19 @@ class Membership:
         if self.synced_generation != self.generation:
             self.synced_generation = self.generation
             self.driver.worker_synced.remote(self.worker_id, self.generation, time.time(), commits)
+
+    def abandon(self, generation: int, reason: str) -> None:
+        """Called by the driver (on a control thread): `generation`'s ring lost a member.
+
+        The ring's collectives fail from now on, a blocked one at once (see
+        `CollectiveGroup.abandon`), so this rank rolls back and joins the
+        next generation without waiting out `collective_timeout`.
+        """
+        if generation > self._abandoned[0]:
+            self._abandoned = (generation, reason)
+        group = self.group
+        if group is not None and self.generation == generation:
+            group.abandon(reason)
 
     # ---- host-change notices ---------------------------------------------------
     def notify(self, generation: int) -> None:

@@ -4,18 +4,47 @@
 under a lock; a daemon thread sends what accumulated every 0.25 s
 (`driver.add_metrics`, not awaited), and `shutdown()` delivers the rest,
 waiting for the driver's answer at most `timeout` seconds.
+
+`snapshot()` pickles a report at the call (a few µs for a dict of numbers):
+what is kept is a deep copy, so a list the code mutates afterwards does not
+change the reported value, and a value that cannot be shipped fails at the
+`report()` that passed it, naming its key, instead of in the background.
 """
 
 from __future__ import annotations
 
+import logging
+import pickle
 import threading
 import time
 from collections import deque
 from typing import Any
 
 import ray
+from ray import cloudpickle
+
+logger = logging.getLogger(__name__)
 
 _FLUSH_INTERVAL_S = 0.25
+
+
+def snapshot(metrics: dict[str, Any]) -> tuple[float, dict[str, Any]]:
+    """`(now, a deep copy of metrics)`; a TypeError naming the key whose value cannot be pickled."""
+    if not isinstance(metrics, dict):
+        raise TypeError(f"report() takes a dict of metrics, got {type(metrics).__name__}")
+    try:
+        blob = cloudpickle.dumps(metrics)
+    except Exception as e:  # noqa: BLE001 - pickling may raise anything; find the culprit
+        for key, value in metrics.items():
+            try:
+                cloudpickle.dumps(value)
+            except Exception:  # noqa: BLE001
+                raise TypeError(
+                    f"report(): the value of {key!r} ({type(value).__name__}) cannot be pickled, so it cannot "
+                    f"reach fit(): {type(e).__name__}: {e}"
+                ) from e
+        raise TypeError(f"report(): the metrics cannot be pickled: {type(e).__name__}: {e}") from e
+    return time.time(), pickle.loads(blob)
 
 
 class MetricsShipper:
@@ -35,10 +64,10 @@ class MetricsShipper:
         self._flusher = threading.Thread(target=self._flush_loop, name="ray-elastic-metrics", daemon=True)
         self._flusher.start()
 
-    def add(self, metrics: dict[str, Any]) -> None:
-        """Buffer a copy of `metrics`, stamped with the time; never blocks on the driver."""
+    def add(self, stamped: tuple[float, dict[str, Any]]) -> None:
+        """Buffer a `(time, snapshot(metrics))`; never blocks on the driver."""
         with self._lock:
-            self._buffer.append((time.time(), dict(metrics)))
+            self._buffer.append(stamped)
 
     def _drain(self) -> list[tuple[float, dict[str, Any]]]:
         with self._lock:
@@ -50,7 +79,10 @@ class MetricsShipper:
         while not self._stop.wait(_FLUSH_INTERVAL_S):
             batch = self._drain()
             if batch:
-                self.driver.add_metrics.remote(self.worker_id, batch)
+                try:
+                    self.driver.add_metrics.remote(self.worker_id, batch)
+                except Exception:  # noqa: BLE001 - the thread must outlive one failed send
+                    logger.exception("worker %s could not ship %d reports", self.worker_id, len(batch))
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the thread and deliver the last metrics, waiting up to `timeout` s for the driver."""

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import copy
+import numbers
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -111,8 +112,37 @@ class ObjectState(State):
         return self._saved  # save() replaces the dict rather than mutating it
 
     def load_checkpoint(self, payload: dict[str, Any]) -> None:
-        missing = set(self._keys) - set(payload)
-        if missing:
-            raise ValueError(f"the checkpoint lacks attributes {sorted(missing)} of this ObjectState")
+        if not isinstance(payload, dict) or set(payload) != set(self._keys):
+            held = sorted(payload) if isinstance(payload, dict) else type(payload).__name__
+            raise ValueError(
+                f"the checkpoint does not fit this ObjectState: it holds {held}, this state holds "
+                f"{sorted(self._keys)} (a checkpoint_dir of another experiment?)"
+            )
+        differ = [f"{k}: {d}" for k in self._keys if (d := mismatch(self._saved[k], payload[k])) is not None]
+        if differ:
+            raise ValueError(f"the checkpoint does not fit this ObjectState: {'; '.join(differ)}")
         self._saved = {k: payload[k] for k in self._keys}
         self.restore()
+
+
+def mismatch(ours: Any, theirs: Any) -> str | None:
+    """None if a checkpointed value `theirs` can stand for `ours`, else what differs.
+
+    Compatible: either is None (an attribute not set yet), both numbers (an
+    int counter saved as a float), one's type a subclass of the other's, and
+    for arrays and tensors the same shape and dtype.
+    """
+    if ours is None or theirs is None:
+        return None
+    if isinstance(ours, numbers.Number) and isinstance(theirs, numbers.Number):
+        return None
+    if not (isinstance(theirs, type(ours)) or isinstance(ours, type(theirs))):
+        return f"this state holds a {type(ours).__name__}, the checkpoint a {type(theirs).__name__}"
+    shape, dtype = getattr(ours, "shape", None), getattr(ours, "dtype", None)
+    if shape is not None and dtype is not None:
+        if tuple(shape) != tuple(theirs.shape) or dtype != theirs.dtype:
+            return (
+                f"this state holds shape {tuple(shape)} {dtype}, "
+                f"the checkpoint shape {tuple(theirs.shape)} {theirs.dtype}"
+            )
+    return None

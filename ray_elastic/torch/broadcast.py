@@ -13,7 +13,8 @@ from typing import Any
 
 import torch
 
-from ray_elastic.collective import broadcast_
+from ray_elastic.collective import group
+from ray_elastic.collective.checked import root_rank_in
 
 
 def broadcast_tensors_(tensors: Iterable[torch.Tensor], root_rank: int = 0) -> None:
@@ -22,12 +23,14 @@ def broadcast_tensors_(tensors: Iterable[torch.Tensor], root_rank: int = 0) -> N
     for t in tensors:
         if t.numel():
             by_dtype.setdefault(t.dtype, []).append(t)
+    ring = group()  # every rank holds the same tensors here: the ring's own broadcast, no cross-rank check
+    root_rank = root_rank_in(root_rank, ring.size)
     with torch.no_grad():
-        for group in by_dtype.values():
-            flat = torch.cat([t.detach().reshape(-1) for t in group])
-            broadcast_(flat, root_rank)
+        for same_dtype in by_dtype.values():
+            flat = torch.cat([t.detach().reshape(-1) for t in same_dtype])
+            ring.broadcast_(flat, root_rank)
             offset = 0
-            for t in group:
+            for t in same_dtype:
                 n = t.numel()
                 t.copy_(flat[offset : offset + n].view_as(t))
                 offset += n

@@ -28,10 +28,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from ray_elastic.collective import broadcast_, broadcast_object
+from ray_elastic.collective import broadcast_object
 from ray_elastic.collective import group as current_ring
 from ray_elastic.runtime.process import maybe_current
-from ray_elastic.state.state import State
+from ray_elastic.state.state import State, mismatch
 from ray_elastic.torch.broadcast import broadcast_tensors_
 from ray_elastic.torch.optimizer import DistributedOptimizer
 from ray_elastic.torch.sampler import ElasticSampler
@@ -272,6 +272,9 @@ class SamplerHandler(StateHandler):
         return self._saved  # state_dict() copies the bitmap, and save() replaces the dict
 
     def load_snapshot(self, snapshot: dict[str, Any]) -> None:
+        n = self.value.state_dict()["n"]
+        if snapshot.get("n") != n:
+            raise ValueError(f"the checkpoint's sampler covers {snapshot.get('n')} samples, this one {n}")
         self._saved = snapshot
         self.restore()
 
@@ -282,8 +285,8 @@ class SamplerHandler(StateHandler):
         if state["bitmap"].size != (meta["n"] + 7) // 8:
             state["bitmap"] = np.zeros((meta["n"] + 7) // 8, dtype=np.uint8)
         self.value.load_state_dict(state)
-        broadcast_(self.value.bitmap, 0)  # in place: the live bitmap becomes rank 0's
         ring = current_ring()
+        ring.broadcast_(self.value.bitmap, 0)  # in place: the live bitmap becomes rank 0's
         self.value.set_world(ring.rank, ring.size)
 
 
@@ -307,6 +310,9 @@ class ObjectHandler(StateHandler):
         return self._saved  # save() replaces it with a fresh deep copy
 
     def load_snapshot(self, snapshot: Any) -> None:
+        differ = mismatch(self._saved, snapshot)
+        if differ is not None:
+            raise ValueError(f"the checkpoint does not fit this attribute: {differ}")
         self._saved = snapshot
         self.restore()
 
@@ -382,4 +388,7 @@ class TorchState(State):
         if set(payload) != set(self._handlers):
             raise ValueError(f"the checkpoint holds {sorted(payload)}, this TorchState holds {sorted(self._handlers)}")
         for name, handler in self._handlers.items():
-            handler.load_snapshot(payload[name])
+            try:
+                handler.load_snapshot(payload[name])
+            except ValueError as e:  # name the attribute: a checkpoint_dir of another experiment?
+                raise ValueError(f"the checkpoint does not fit this TorchState's {name!r}: {e}") from e
