@@ -63,7 +63,10 @@ def result_of(proc: subprocess.Popen, timeout: float = 300) -> dict:
     out, err = proc.communicate(timeout=timeout)
     if proc.returncode != 0:
         raise RuntimeError(f"the run failed: {err.decode()[-3000:]}")
-    return json.loads(out.decode().strip().splitlines()[-1])
+    lines = [line for line in out.decode().splitlines() if line.startswith("{")]
+    if not lines:
+        raise RuntimeError(f"the run printed no result: {out.decode()[-2000:]} {err.decode()[-2000:]}")
+    return json.loads(lines[-1])
 
 
 def wait_for(path: Path, proc: subprocess.Popen, timeout: float, what: str) -> None:
@@ -92,7 +95,7 @@ def silent_rep(cluster: NetnsCluster, workdir: Path, rng: random.Random) -> dict
     config = {**BASE, "signal_file": str(signal), "world_signal_file": str(after), "world_signal": 2, "until_world": 2}
     proc = fit(cluster.env, workdir, config, cooldown_range=[600, 600])
     wait_for(signal, proc, 120, "step 20")
-    worker = f"w{rng.randint(1, 4)}"
+    worker = rng.choice(sorted(p.name for p in (workdir / "ips").iterdir()))
     victim = next(n for n in cluster.nodes if n.ip == (workdir / "ips" / worker).read_text())
     how = cluster.cut(victim)
     cut_at = time.time()
@@ -161,6 +164,7 @@ def main() -> None:
     parser.add_argument("--payload", type=int, default=1_000_000, help="float32 elements allreduced per step")
     parser.add_argument("--steps", type=int, default=200, help="steps per throughput round")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--only", choices=["silent", "sigkill", "drain"], help="one kind of repetition, no throughput")
     args = parser.parse_args()
     reason = unavailable_reason()
     if reason:
@@ -174,9 +178,14 @@ def main() -> None:
         try:
             for rep in range(args.reps):
                 for kind, one in (("silent", silent_rep), ("sigkill", sigkill_rep), ("drain", drain_rep)):
+                    if args.only not in (None, kind):
+                        continue
                     row = one(cluster, work / f"{kind}-{rep}", rng)
                     rows[kind].append(row)
                     print(f"{kind} rep {rep}: {row}", flush=True)
+            if args.only:
+                print(json.dumps(rows, indent=1))
+                return
             loopback = RayStartCluster(num_cpus=4)
             try:
                 for r in range(args.rounds):

@@ -137,6 +137,16 @@ class KVServer:
     async def current_generation(self) -> int:
         return self._generation
 
+    async def restore(self, generation: int, assignment: dict[str, Any]) -> None:
+        """A restarted (empty) actor learns the current generation and its plan again; keys stay gone."""
+        if generation > self._generation:
+            self._generation = generation
+            self._assignment = assignment
+            waiters, self._generation_waiters = self._generation_waiters, set()
+            for fut in waiters:
+                if not fut.done():
+                    fut.set_result(None)
+
     # ---- keys ----------------------------------------------------------
     def _check_generation(self, generation: int) -> None:
         if generation < self._generation:

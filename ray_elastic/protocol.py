@@ -38,6 +38,7 @@ class EventKind(_StrEnum):
     RESET_REQUESTED = "reset_requested"  # a ring broke with every member alive: re-formed
     RESTARTED = "restarted"  # every member was lost: fresh workers resume from the durable checkpoint
     RESUMED = "resumed"  # rank 0 loaded the durable checkpoint
+    KV_RESTARTED = "kv_restarted"  # the rendezvous (KV) actor died and Ray restarted it: the generation was restored
 
 
 class DriverState(_StrEnum):

@@ -62,10 +62,21 @@ class KVStore(KVServer):
     def share_reply(self, packed: bytes) -> bytes | ray.ObjectRef:
         return share_family(packed)
 
+    @ray.method(max_task_retries=0)  # every other call is retried across a restart; this one must fail on a death
+    async def hold(self) -> None:
+        await super().hold()
+
 
 def create_kv_actor(run_id: str, namespace: str, token: RunToken, scheduling_strategy: Any = None) -> Authed:
-    """Start the run's KV actor, named `kv` in the run's own namespace; it answers only calls carrying `token`."""
-    actor_cls = ray.remote(num_cpus=0, max_restarts=0)(with_token_check(KVStore, exempt=("share_reply",)))
+    """Start the run's KV actor, named `kv` in the run's own namespace; it answers only calls carrying `token`.
+
+    Ray restarts it if its process dies (`max_restarts=-1`), and calls made
+    meanwhile wait for the new instance (`max_task_retries=-1`); the driver
+    then tells it the current generation (`restore`).
+    """
+    actor_cls = ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1)(
+        with_token_check(KVStore, exempt=("share_reply",))
+    )
     handle = actor_cls.options(
         name="kv", namespace=namespace, max_concurrency=100_000, scheduling_strategy=scheduling_strategy
     ).remote(token, run_id)

@@ -578,3 +578,21 @@ def test_ray_refusing_to_start_a_worker_fails_the_run_at_once_with_rays_message(
 def test_an_unknown_message_is_a_driver_bug_not_a_silent_drop():
     with pytest.raises(TypeError, match="unknown message"):
         Script().send(object())
+
+
+def test_a_restarted_kv_actor_is_told_the_generation_and_costs_a_reset_only_during_one():
+    s = Script()
+    publish = s.start({"A": 1, "B": 1})
+    actions = s.send(m.KVRestarted("SIGKILL"))
+    assert actions == [m.RestoreKV(1, dict(publish.plan))], "between resets: no new generation, no rollback"
+    assert s.kinds()[-1] == (EventKind.KV_RESTARTED, 1) and s.core.resets == 0
+    # during a reset the keys its ranks wrote are gone: the same members form the ring once more
+    s.send(m.HostsDiscovered({"A": 1, "B": 1, "C": 1}))
+    [spawn] = s.of(m.Spawn)
+    s.send(m.WorkerReady(spawn.worker_id))
+    [gen2] = s.of(m.Publish)
+    actions = s.send(m.KVRestarted("SIGKILL"))
+    restore = [a for a in actions if isinstance(a, m.RestoreKV)]
+    [gen3] = [a for a in actions if isinstance(a, m.Publish)]
+    assert restore == [m.RestoreKV(2, dict(gen2.plan))] and actions.index(restore[0]) < actions.index(gen3)
+    assert gen3.generation == 3 and set(gen3.plan) == set(gen2.plan)

@@ -226,12 +226,14 @@ def test_discovery_failing_at_start_fails_fit_with_its_reason(cluster, no_leaks,
     assert time.monotonic() - started < 30
 
 
-@pytest.mark.parametrize("mode", ["garbage", "fail", "hang"])
+# "fail" (a nonzero exit) takes the same path as "garbage" (both raise in the poller): it is covered on the
+# first call above and in tests/test_discovery.py; "hang" is the timeout path
+@pytest.mark.parametrize("mode", ["garbage", "hang"])
 def test_discovery_failing_mid_run_is_retried_while_training_goes_on(cluster, no_leaks, tmp_path, mode):
     script, paths = discovery_script(tmp_path, cluster, "ok")
     fut = start_and_reach_step(
         tmp_path,
-        config={"steps": 400, "step_time": 0.01},
+        config={"steps": 250, "step_time": 0.01},
         discovery=str(script),
         discovery_interval=0.2,
         discovery_timeout=1,
@@ -241,7 +243,7 @@ def test_discovery_failing_mid_run_is_retried_while_training_goes_on(cluster, no
     result = fut.result(timeout=120)
     broken_calls = len(paths["calls"].read_text().splitlines()) - calls_before
     assert broken_calls >= 2, "the broken discovery was polled while training went on"
-    assert result.return_value["steps"] == 400
+    assert result.return_value["steps"] == 250
     assert sizes(result) == [4], "no worker was lost or added because discovery broke"
     assert result.resets == 0
     assert_same_state(result)

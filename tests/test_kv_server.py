@@ -243,3 +243,20 @@ def test_pack_family_round_trips_and_compresses_padding():
     packed = pack_family(values)
     assert unpack_family(packed) == values
     assert len(packed) < sum(map(len, values)) // 10
+
+
+def test_a_restarted_server_learns_the_generation_and_refuses_older_writes():
+    async def scenario(_):
+        fresh = KVServer("test-run")  # what Ray's restart gives: empty, generation 0
+        joining = asyncio.ensure_future(fresh.wait_generation(0, 10.0, "w1"))
+        assert await blocked(joining), "a worker waiting for a generation waits for the restore"
+        await fresh.restore(4, {"w1": "slot"})
+        assert await asyncio.wait_for(joining, 1) == (4, {"w1": "slot"})
+        await fresh.restore(3, {})  # an older restore (late) changes nothing
+        assert await fresh.current_generation() == 4
+        with pytest.raises(GenerationSupersededError):
+            await fresh.set(3, "rank0/addr", b"stale")  # fencing by generation holds across the restart
+        await fresh.note(3, "gloo-address/0", b"stale")  # a write nobody waits for is dropped, not raised
+        assert await fresh.num_keys(3) == 0
+
+    run(scenario)

@@ -8,7 +8,8 @@ fired, and when), so a worker that replaces the victim does not repeat it.
 
 A fault is `{"rank", "step", "action", "marker", "phase"}`: the rank that
 fails (or "newcomer"), by `action` (sigkill, exit, raise, hang, deadlock,
-stuck_in_collective, gil_busy and gil_sleep for `seconds`), in `phase`:
+stuck_in_collective, gil_busy and gil_sleep for `seconds`, kill_kv: the
+run's KV actor's process is SIGKILLed), in `phase`:
 "step" (after the step's allreduce, the default; fires at exactly `step`),
 or, firing the first time the phase is reached once the state's step is at
 least `step`: "commit" (inside `save()`), "sync" (inside the sync
@@ -70,6 +71,11 @@ def _fire_faults(config: dict, step: int, phase: str = "step", newcomer: bool = 
             _compute_holding_the_gil(fault["seconds"])
         elif action == "gil_sleep":  # sleeps in a C call that keeps the GIL (ctypes.PyDLL does not release it)
             ctypes.PyDLL(None).sleep(int(fault["seconds"]))
+        elif action == "kill_kv":  # SIGKILL the run's KV (rendezvous) actor's process: Ray restarts it
+            import ray
+
+            actor_id = ctx.membership.kv.handle.handle._actor_id.hex()
+            os.kill(ray._private.state.actors(actor_id)["Pid"], signal.SIGKILL)
         elif action == "stuck_in_collective":
             ctx.in_collective = True  # as if blocked in a collective its peers never enter
             threading.Event().wait()

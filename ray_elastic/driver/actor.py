@@ -55,6 +55,7 @@ from ray_elastic.worker_actor import actor_class
 logger = logging.getLogger(__name__)
 
 _TICK_S = 0.5
+_KV_BACK_S = 60.0  # how long a restarting KV actor may take to answer again
 
 
 class _Died:
@@ -192,6 +193,8 @@ class DriverActor:
                 self._release(action.worker_id)
             elif isinstance(action, m.Publish):
                 await self._publish(action)
+            elif isinstance(action, m.RestoreKV):
+                await self._restore_kv(action)
             elif isinstance(action, m.Abandon):
                 for worker_id in action.worker_ids:
                     handle = self._handles.get(worker_id)
@@ -271,17 +274,21 @@ class DriverActor:
             except Exception:  # noqa: BLE001 - already removed
                 pass
 
+    async def _restore_kv(self, action: m.RestoreKV) -> None:
+        try:
+            await asyncio.wait_for(self.kv.restore.remote(action.generation, dict(action.plan)), _KV_BACK_S)
+        except Exception as e:  # noqa: BLE001 - a timeout or a KV actor dead again
+            self._queue.put_nowait(m.PublishFailed(action.generation, f"restoring it failed: {_first_line(e)}"))
+
     async def _publish(self, action: m.Publish) -> None:
         try:
             await asyncio.wait_for(
-                self.kv.publish.remote(action.generation, dict(action.plan)), self.config.liveness_timeout
+                # a KV actor restarting meanwhile takes the call when it is back
+                self.kv.publish.remote(action.generation, dict(action.plan)),
+                _KV_BACK_S,
             )
         except Exception as e:  # noqa: BLE001 - a timeout or a dead KV actor: the run cannot form rings
-            reason = (
-                f"no answer within {self.config.liveness_timeout:g} s"
-                if isinstance(e, asyncio.TimeoutError)
-                else _first_line(e)
-            )
+            reason = f"no answer within {_KV_BACK_S:g} s" if isinstance(e, asyncio.TimeoutError) else _first_line(e)
             self._queue.put_nowait(m.PublishFailed(action.generation, reason))
             return
         for worker_id in action.notify:
@@ -472,11 +479,25 @@ class DriverActor:
                 pass
 
     async def _watch_kv(self) -> None:
-        """The KV actor cannot be replaced mid-run (the rings' keys live there): its death ends the run."""
-        try:
-            await self.kv.hold.remote()  # no deadline: it answers only when the actor dies
-        except Exception as e:  # noqa: BLE001 - ActorDiedError and kin
-            self._queue.put_nowait(m.KVLost(_first_line(e)))
+        """Learn of the KV actor's death at once (a `hold` call pending on it), and of its restart by Ray.
+
+        A restarted KV actor is empty: the core has it told the current
+        generation (`RestoreKV`). One it cannot reach again within
+        `_KV_BACK_S` ends the run.
+        """
+        while True:
+            try:
+                await self.kv.hold.remote()  # no deadline: it answers only when the actor dies
+            except Exception as e:  # noqa: BLE001 - ActorDiedError, ActorUnavailableError and kin
+                reason = _first_line(e)
+            try:
+                await asyncio.wait_for(self.kv.current_generation.remote(), _KV_BACK_S)
+            except Exception as e:  # noqa: BLE001 - gone for good, or not back in time
+                why = "no answer" if isinstance(e, asyncio.TimeoutError) else _first_line(e)
+                self._queue.put_nowait(m.KVLost(f"{reason}; not back within {_KV_BACK_S:g} s: {why}"))
+                return
+            logger.warning("the KV actor restarted (%s); restoring generation %d", reason, self.core.generation)
+            self._queue.put_nowait(m.KVRestarted(reason))
 
     # ---- called by workers and the trainer --------------------------------------------
     async def worker_ready(self, worker_id: str) -> None:

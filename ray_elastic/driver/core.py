@@ -185,6 +185,8 @@ class DriverCore:
             self._check_deadlines(now)
         elif isinstance(msg, m.PublishFailed):
             self.fail(f"the rendezvous (KV) actor did not take generation {msg.generation}: {msg.reason}")
+        elif isinstance(msg, m.KVRestarted):
+            self._on_kv_restarted(msg, now)
         elif isinstance(msg, m.KVLost):
             self.fail(f"the run's rendezvous (KV) actor died ({msg.reason}); workers cannot form rings")
         elif isinstance(msg, (m.DiscoveryFailed, m.Stop)):
@@ -508,6 +510,23 @@ class DriverCore:
             self._causes.append(f"worker {msg.worker_id}: {msg.reason}")
             self._last_timeout_reset = now
             self._unbound.append(self._event(EventKind.RESET_REQUESTED, f"worker {msg.worker_id}: {msg.reason}", now))
+            self._force = True
+
+    def _on_kv_restarted(self, msg: m.KVRestarted, now: float) -> None:
+        """The KV actor came back empty. Between resets that costs nothing: the rings need no keys.
+
+        During a reset (a generation whose ranks still sync, or form their
+        ring) the keys its ranks wrote are gone: the ring is formed once more,
+        in a new generation with the same members.
+        """
+        ev = self._event(EventKind.KV_RESTARTED, f"the rendezvous (KV) actor restarted ({msg.reason})", now)
+        ev.reset_duration = 0.0
+        self.events.append(ev)
+        if self.generation == 0:
+            return
+        self._actions.append(m.RestoreKV(self.generation, dict(self.plan)))
+        if self._syncing:
+            logger.warning("the KV actor restarted during a reset: generation %d forms again", self.generation)
             self._force = True
 
     # ---- generations ---------------------------------------------------------------

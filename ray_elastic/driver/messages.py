@@ -148,6 +148,13 @@ class KVLost:
 
 
 @dataclass(frozen=True)
+class KVRestarted:
+    """The KV actor died and Ray restarted it, empty: it must learn the current generation again."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
 class Tick:
     """Periodic: deadlines, cool-downs ending."""
 
@@ -173,6 +180,7 @@ Message = (
     | CheckpointFound
     | PublishFailed
     | KVLost
+    | KVRestarted
     | Tick
     | Stop
 )
@@ -215,6 +223,13 @@ class Abandon(NamedTuple):
     reason: str
 
 
+class RestoreKV(NamedTuple):
+    """Tell a restarted KV actor the current generation and its plan (no reset: the rings need no keys)."""
+
+    generation: int
+    plan: Mapping[str, WorkerSlot]
+
+
 class QueryActivity(NamedTuple):
     """Ask each member whether it is inside a collective, with `liveness_timeout`; answer with `ActivityReport`."""
 
@@ -242,5 +257,14 @@ class RecordMetric(NamedTuple):
 
 
 Action = (
-    Spawn | Kill | Release | Publish | Abandon | QueryActivity | LookForCheckpoint | RequestResources | RecordMetric
+    Spawn
+    | Kill
+    | Release
+    | Publish
+    | Abandon
+    | RestoreKV
+    | QueryActivity
+    | LookForCheckpoint
+    | RequestResources
+    | RecordMetric
 )
