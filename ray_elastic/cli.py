@@ -1,10 +1,22 @@
-"""`ray-elastic run FILE.py:FUNCTION`: an `ElasticTrainer` from the command line.
+"""`ray-elastic run`: an `ElasticTrainer` from the command line, and the counterpart of `horovodrun`.
 
-The counterpart of `horovodrun --host-discovery-script`: it loads the
-training function from a file (or a module), builds an `ElasticTrainer` from
-the options, connects to a Ray cluster (or starts a local one), trains, and
-prints a summary: the membership events, rank 0's last metrics and what
-rank 0's function returned. Every argument is checked before anything is
+Two forms:
+
+- `ray-elastic run FILE.py:FUNCTION --min-workers N ...` loads the training
+  function from a file (or a module) and calls `FUNCTION(config)` in every
+  worker.
+- `ray-elastic run SCRIPT.py -np N [--min-np N --max-np N ...] -- ARGS` runs
+  a Horovod-style script whole in every worker, as `horovodrun` does (see
+  `ray_elastic.horovod`): `horovodrun`'s elastic options are accepted
+  (`-np`, `--min-np`, `--max-np`, `--host-discovery-script`,
+  `--slots-per-host`, `--reset-limit`, `--blacklist-cooldown-range`,
+  `--elastic-timeout`), and every line the workers print comes out prefixed
+  by its rank, `[RANK]<stdout>:`.
+
+Either way it builds an `ElasticTrainer` from the options, connects to a Ray
+cluster (or starts a local one), trains, and prints a summary: the
+membership events, and for a function rank 0's last metrics and its return
+value. Every argument is checked (a script is compiled) before anything is
 spawned; bad input exits with status 2 and says what is wrong.
 """
 
@@ -28,6 +40,7 @@ from typing import Any
 EXAMPLES = """\
 examples:
   ray-elastic run examples/digits.py:train_fn --min-workers 2 --max-workers 4
+  ray-elastic run train.py -np 2 --min-np 1 --max-np 4 --host-discovery-script ./discover.sh -- --epochs 5
   ray-elastic run examples/digits.py:train_fn --min-workers 2 --max-workers 8 \\
       --discovery-script ./discover.sh --config epochs=5 lr=0.05 --address 10.0.0.1:6379
   ray-elastic run mypkg.train:main --min-workers 1 --max-workers 4 --resources-per-worker CPU=4
@@ -37,6 +50,12 @@ dict built from --config. A discovery script prints one 'host' or 'host:slots'
 line per host that may run workers (hosts: Ray node IDs or unique IPs), as
 Horovod's --host-discovery-script does; it is run again every
 --discovery-interval seconds, so hosts can come and go.
+
+SCRIPT.py (no :FUNCTION) is a Horovod-style script run whole in every worker,
+with the arguments after -- as its own; import ray_elastic.horovod.torch as hvd
+is its one changed line. -np N with no --min-np/--max-np runs between N and N
+workers; training starts once --min-np are ready and grows to --max-np as
+discovery offers slots.
 """
 
 
@@ -68,10 +87,17 @@ def _resources(text: str) -> list[tuple[str, float]]:
 
 
 def _target(text: str) -> str:
+    if is_script(text):
+        return text
     path, sep, function = text.rpartition(":")
     if not sep or not path or not function.isidentifier():
-        raise argparse.ArgumentTypeError(f"expected FILE.py:FUNCTION or MODULE:FUNCTION, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected FILE.py:FUNCTION, MODULE:FUNCTION or SCRIPT.py, got {text!r}")
     return text
+
+
+def is_script(target: str) -> bool:
+    """Whether `target` names a whole script (`train.py`) rather than a function (`train.py:main`)."""
+    return target.endswith(".py")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -82,21 +108,29 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     run = commands.add_parser(
         "run",
-        help="train FUNCTION(config) on elastic Ray workers",
-        usage="ray-elastic run FILE.py:FUNCTION --min-workers N [--max-workers N] [options]",
-        description="Train FUNCTION(config) on between --min-workers and --max-workers Ray actors,\n"
-        "growing and shrinking with the cluster and surviving the loss of workers.",
+        help="train FUNCTION(config), or run a Horovod-style SCRIPT.py, on elastic Ray workers",
+        usage="ray-elastic run FILE.py:FUNCTION --min-workers N [--max-workers N] [options]\n"
+        "       ray-elastic run SCRIPT.py -np N [--min-np N] [--max-np N] [options] [-- SCRIPT_ARGS]",
+        description="Train FUNCTION(config), or run SCRIPT.py whole as horovodrun does, on between\n"
+        "--min-workers and --max-workers Ray actors, growing and shrinking with the cluster\n"
+        "and surviving the loss of workers.",
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     run.set_defaults(error=run.error)  # bad input found after parsing is reported with run's usage
     run.add_argument(
-        "target", type=_target, metavar="FILE.py:FUNCTION", help="the training function (or MODULE:FUNCTION)"
+        "target",
+        type=_target,
+        metavar="FILE.py:FUNCTION",
+        help="the training function (or MODULE:FUNCTION), or SCRIPT.py: a Horovod-style script run whole "
+        "in every worker, taking the arguments after --",
     )
 
     workers = run.add_argument_group("workers")
-    workers.add_argument("--min-workers", type=int, required=True, metavar="N", help="wait for at least N workers")
-    workers.add_argument("--max-workers", type=int, metavar="N", help="never grow past N (default: --min-workers)")
+    workers.add_argument("--min-workers", type=int, metavar="N", help="wait for at least N workers (required, or -np)")
+    workers.add_argument(
+        "--max-workers", type=int, metavar="N", help="never grow past N (default: -np, else --min-workers)"
+    )
     workers.add_argument(
         "--resources-per-worker",
         type=_resources,
@@ -173,6 +207,34 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         metavar="N",
         help="exceptions of FUNCTION to retry as that worker's failure; 0 fails at the first (0)",
+    )
+
+    horovodrun = run.add_argument_group(
+        "horovodrun's names", "horovodrun's elastic options, each the same as the option it names"
+    )
+    horovodrun.add_argument(
+        "-np",
+        "--num-proc",
+        dest="num_proc",
+        type=int,
+        metavar="N",
+        help="the default of --min-workers and --max-workers, and within them",
+    )
+    aliases = (
+        ("--min-np", "--min-num-proc", "min_workers", {"type": int, "metavar": "N"}),
+        ("--max-np", "--max-num-proc", "max_workers", {"type": int, "metavar": "N"}),
+        ("--host-discovery-script", None, "discovery_script", {"metavar": "PATH"}),
+        ("--blacklist-cooldown-range", None, "cooldown_range", {"type": float, "nargs": 2, "metavar": ("MIN", "MAX")}),
+    )
+    for name, long_name, dest, kwargs in aliases:
+        names = [name] + ([long_name] if long_name else [])
+        option = "--" + dest.replace("_", "-")
+        horovodrun.add_argument(*names, dest=dest, default=argparse.SUPPRESS, help=f"same as {option}", **kwargs)
+    horovodrun.add_argument(
+        "--slots-per-host",
+        type=int,
+        metavar="N",
+        help="slots of a host that --discovery-script prints without ':slots' (1)",
     )
 
     durable = run.add_argument_group("durable checkpoints")
@@ -253,15 +315,76 @@ def _takes_one_argument(fn: Callable[..., Any]) -> bool:
     return True
 
 
+def load_script(target: str, script_args: Sequence[str]) -> Any:
+    """`target` read and compiled here, as the `ScriptRun` every worker runs; ValueError naming what is wrong."""
+    from ray_elastic.horovod.script import ScriptRun
+
+    path = os.path.abspath(target)
+    if not os.path.isfile(path):
+        raise ValueError(f"no such file: {target}")
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+        source = importlib.util.decode_source(raw)
+    except (OSError, SyntaxError, UnicodeDecodeError) as e:
+        raise ValueError(f"cannot read {target}: {e}") from e
+    try:
+        compile(source, path, "exec")
+    except SyntaxError as e:
+        raise ValueError(f"{target} does not compile: {e.msg} (line {e.lineno})") from e
+    return ScriptRun(path, source, tuple(script_args), os.getcwd())
+
+
+def world_bounds(args: argparse.Namespace) -> tuple[int, int]:
+    """(min_workers, max_workers) from --min-workers/--min-np, --max-workers/--max-np and -np."""
+    num_proc, low, high = args.num_proc, args.min_workers, args.max_workers
+    if low is None:
+        low = num_proc
+    if low is None:
+        raise ValueError("the following arguments are required: --min-workers (or -np, or --min-np)")
+    if high is None:
+        high = max(low, num_proc if num_proc is not None else low)
+    if num_proc is not None and not low <= num_proc <= high:
+        raise ValueError(f"-np ({num_proc}) must lie between --min-workers ({low}) and --max-workers ({high})")
+    return low, high
+
+
+def _discovery(args: argparse.Namespace) -> Any:
+    """The discovery script's path, or with --slots-per-host a source that gives bare hosts that many slots."""
+    if args.slots_per_host is None:
+        return args.discovery_script
+    if args.discovery_script is None:
+        raise ValueError("--slots-per-host applies to the lines of --host-discovery-script: give one")
+    if isinstance(args.slots_per_host, bool) or args.slots_per_host < 1:
+        raise ValueError(f"--slots-per-host must be an integer >= 1, got {args.slots_per_host}")
+    from ray_elastic.discovery import ScriptDiscovery, check_discovery_spec
+
+    check_discovery_spec(args.discovery_script)
+    per_worker = dict(args.resources_per_worker) if args.resources_per_worker else {"CPU": 1.0}
+    return ScriptDiscovery(
+        args.discovery_script, per_worker, default_slots=args.slots_per_host, timeout=args.discovery_timeout
+    )
+
+
 def make_trainer(args: argparse.Namespace) -> Any:
     """The `ElasticTrainer` the options describe; ValueError on bad input, before anything is spawned."""
+    script_args = getattr(args, "script_args", [])
+    if is_script(args.target):
+        if args.config:
+            raise ValueError("--config is for FILE.py:FUNCTION; SCRIPT.py takes its own arguments after --")
+        train_fn = load_script(args.target, script_args)
+    else:
+        if script_args:
+            raise ValueError("arguments after -- are for a SCRIPT.py; FILE.py:FUNCTION takes --config KEY=VALUE")
+        train_fn = load_function(args.target)
+    min_workers, max_workers = world_bounds(args)
     return _trainer_class()(
-        load_function(args.target),
-        min_workers=args.min_workers,
-        max_workers=args.max_workers if args.max_workers is not None else args.min_workers,
+        train_fn,
+        min_workers=min_workers,
+        max_workers=max_workers,
         config=dict(args.config or []),
         resources_per_worker=dict(args.resources_per_worker) if args.resources_per_worker else None,
-        discovery=args.discovery_script,
+        discovery=_discovery(args),
         backend=args.backend,
         elastic_timeout=args.elastic_timeout,
         reset_limit=args.reset_limit,
@@ -292,7 +415,7 @@ def _trainer_class() -> type:
     return ElasticTrainer
 
 
-def summary(result: Any, seconds: float) -> str:
+def summary(result: Any, seconds: float, return_value: bool = True) -> str:
     """What a user wants to see at the end: events, the last metrics, the return value (truncated)."""
     short = reprlib.Repr()
     short.maxstring = short.maxother = 200
@@ -303,7 +426,8 @@ def summary(result: Any, seconds: float) -> str:
         lines.append(f"  {ev.kind:15s} world size {ev.world_size}  reset {took:>7s}  {ev.detail}")
     if result.metrics:
         lines.append(f"last metrics ({len(result.metrics)} reported): {short.repr(result.metrics[-1])}")
-    lines.append(f"return value: {short.repr(result.return_value)}")
+    if return_value:
+        lines.append(f"return value: {short.repr(result.return_value)}")
     return "\n".join(lines)
 
 
@@ -324,9 +448,40 @@ def _unreachable(address: str | None, timeout: float = 5.0) -> str | None:
     return None
 
 
+def split_script_args(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+    """The launcher's arguments, and the script's: those after the first `--`."""
+    argv = list(argv)
+    if "--" not in argv:
+        return argv, []
+    cut = argv.index("--")
+    return argv[:cut], argv[cut + 1 :]
+
+
+def _print_script_lines_as_they_are() -> None:
+    """Print the workers' output without Ray's `(WorkerActor pid=...)` prefix and deduplication.
+
+    The script's lines already carry their rank, and Ray's deduplication
+    would merge lines that differ only in numbers (the rank, a loss). This
+    swaps the one handler `ray.init` installs in Ray's (internal) dispatcher
+    of forwarded output; where that is missing, Ray's own printing stays.
+    """
+    try:
+        from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
+    except ImportError:
+        return
+    from ray_elastic.horovod.script import print_worker_lines
+
+    names = [name for name, _ in dispatcher.handlers]
+    if "ray_print_logs" in names:
+        dispatcher.remove_handler("ray_print_logs")
+        dispatcher.add_handler("ray_elastic_script_lines", print_worker_lines)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
+    argv, script_args = split_script_args(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
+    args.script_args = script_args
     try:
         trainer = make_trainer(args)
     except ValueError as e:
@@ -348,6 +503,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConnectionError, RuntimeError) as e:
         print(f"ray-elastic: cannot connect to the Ray cluster at {args.address!r}: {e}", file=sys.stderr)
         return 1
+    script = is_script(args.target)
+    if script:
+        _print_script_lines_as_they_are()
     start = time.monotonic()
     try:
         result = trainer.fit()
@@ -359,7 +517,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     finally:
         ray.shutdown()
-    print(summary(result, time.monotonic() - start))
+    print(summary(result, time.monotonic() - start, return_value=not script))
     return 0
 
 

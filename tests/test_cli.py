@@ -61,7 +61,7 @@ def target(tmp_path) -> str:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["{file}"], "expected FILE.py:FUNCTION"),
+        (["{dir}/cli_target"], "expected FILE.py:FUNCTION, MODULE:FUNCTION or SCRIPT.py"),
         (["{file}:train"], "the following arguments are required: --min-workers"),
         (["{dir}/missing.py:train", "--min-workers", "2"], "no such file"),
         (["{file}:nothing", "--min-workers", "2"], "has no 'nothing'"),

@@ -1,0 +1,1 @@
+"""`horovod.common`'s importable names: `exceptions` and `elastic`."""

@@ -1,0 +1,11 @@
+"""Horovod's exceptions under the module path Horovod scripts import them from.
+
+    from ray_elastic.horovod.common.exceptions import HorovodInternalError, HostsUpdatedInterrupt
+
+They are ray-elastic's own classes (not copies), so `except` clauses in a
+script catch what the library raises.
+"""
+
+from ray_elastic.exceptions import HorovodInternalError, HostsUpdatedInterrupt
+
+__all__ = ["HorovodInternalError", "HostsUpdatedInterrupt"]

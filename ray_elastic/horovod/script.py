@@ -1,0 +1,175 @@
+"""A whole Python script as a worker's training function, as `horovodrun` runs it in every process.
+
+`ScriptRun(path, source, args, cwd)` is what `ray-elastic run SCRIPT.py`
+hands to `ElasticTrainer` as `train_fn`. In each worker actor it runs the
+script's source (shipped from the launcher, so the workers need not see the
+file) as `__main__`, with `sys.argv = [path, *args]`, in the launcher's
+working directory and with the script's directory first on `sys.path` where
+those exist on the worker's machine. The script's top level calls
+`hvd.init()` and its `@hvd.elastic.run` function; a newcomer runs it from
+the top and receives the state at the sync, as in Horovod.
+
+While the script runs, its `sys.stdout` and `sys.stderr` prefix every line
+with the worker's current rank, `[RANK]<stdout>:` and `[RANK]<stderr>:`
+(`[?]` before it joins), as horovodrun's Gloo launcher does; the launcher
+prints those lines as they are (see `print_worker_lines`).
+
+`sys.exit(0)` (or `sys.exit()`) ends the script normally; another status is
+the script's failure. A script that ends without having joined the ring (no
+`hvd.init()`) is an error that says so.
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import io
+import linecache
+import os
+import re
+import sys
+import threading
+import types
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, TextIO
+
+from ray_elastic.runtime.process import maybe_current
+
+# a line printed by a script's worker, as `RankPrefixedStream` writes it
+LINE_PREFIX = re.compile(r"^\[(\d+|\?)\]<(stdout|stderr)>:")
+
+
+class ScriptExitError(RuntimeError):
+    """The script called `sys.exit()` with a status other than 0."""
+
+
+@dataclass(frozen=True)
+class ScriptRun:
+    """A script to run whole in every worker: `ScriptRun(path, source, args, cwd)(config)`.
+
+    Args:
+        path: the script's absolute path on the launcher's machine (`__file__`,
+            `sys.argv[0]`, tracebacks).
+        source: its text, compiled in the worker.
+        args: the script's command-line arguments (`sys.argv[1:]`).
+        cwd: the launcher's working directory, used where it exists.
+    """
+
+    path: str
+    source: str
+    args: tuple[str, ...] = ()
+    cwd: str = ""
+
+    def __call__(self, config: dict[str, Any]) -> None:
+        with rank_prefixed_output():
+            self._execute()
+        ctx = maybe_current()
+        if ctx is not None and ctx.slot is None:
+            raise RuntimeError(
+                f"{self.path} finished without joining the ring: call hvd.init() at its top level "
+                "(import ray_elastic.horovod.torch as hvd)"
+            )
+
+    def _execute(self) -> None:
+        if self.cwd and os.path.isdir(self.cwd):
+            os.chdir(self.cwd)
+        script_dir = os.path.dirname(self.path)
+        if os.path.isdir(script_dir) and script_dir not in sys.path:
+            sys.path.insert(0, script_dir)  # as `python SCRIPT.py` does: sibling modules import
+        # tracebacks show the script's lines even where the file is not on this machine
+        linecache.cache[self.path] = (len(self.source), None, self.source.splitlines(True), self.path)
+        code = compile(self.source, self.path, "exec")
+        main = types.ModuleType("__main__")
+        main.__file__ = self.path
+        main.__builtins__ = builtins
+        saved_main, saved_argv = sys.modules.get("__main__"), sys.argv
+        # objects of classes the script defines pickle as __main__.X and unpickle on every rank
+        sys.modules["__main__"] = main
+        sys.argv = [self.path, *self.args]
+        try:
+            exec(code, main.__dict__)
+        except SystemExit as e:
+            if e.code not in (None, 0):
+                raise ScriptExitError(f"{self.path} called sys.exit({e.code!r})") from None
+        finally:
+            sys.argv = saved_argv
+            if saved_main is not None:
+                sys.modules["__main__"] = saved_main
+
+
+class RankPrefixedStream(io.TextIOBase):
+    """A text stream that writes each complete line as `[RANK]<NAME>:line` to `target`, flushed."""
+
+    def __init__(self, target: TextIO, name: str) -> None:
+        super().__init__()
+        self.target = target
+        self.name = name
+        self._pending = ""
+        self._lock = threading.Lock()
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        with self._lock:
+            lines = (self._pending + text).split("\n")
+            self._pending = lines.pop()
+            if lines:
+                prefix = f"[{_rank_text()}]<{self.name}>:"
+                self.target.write("".join(f"{prefix}{line}\n" for line in lines))
+                self.target.flush()
+        return len(text)
+
+    def flush(self) -> None:
+        with self._lock:
+            if self._pending:
+                self.target.write(f"[{_rank_text()}]<{self.name}>:{self._pending}\n")
+                self._pending = ""
+            self.target.flush()
+
+    def isatty(self) -> bool:
+        return False
+
+    def fileno(self) -> int:
+        return self.target.fileno()
+
+
+def _rank_text() -> str:
+    ctx = maybe_current()
+    slot = ctx.slot if ctx is not None else None
+    return "?" if slot is None else str(slot.rank)
+
+
+@contextlib.contextmanager
+def rank_prefixed_output() -> Iterator[None]:
+    """Route `sys.stdout` and `sys.stderr` through `RankPrefixedStream`s while the block runs."""
+    saved = sys.stdout, sys.stderr
+    sys.stdout = RankPrefixedStream(saved[0], "stdout")
+    sys.stderr = RankPrefixedStream(saved[1], "stderr")
+    try:
+        yield
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        sys.stdout, sys.stderr = saved
+
+
+def print_worker_lines(data: dict[str, Any]) -> None:
+    """Print one batch of worker output Ray forwarded to the launcher: the scripts' lines as they are.
+
+    A line of a script (`[RANK]<stdout>:...`) is printed unchanged, to stdout
+    or stderr as the worker wrote it; any other line (Ray's own, the library's
+    actors') keeps a short `(NAME pid=PID)` prefix; the autoscaler's status
+    reports are left out.
+    """
+    if data.get("pid") == "autoscaler":
+        return  # its status reports are not the job's output (Ray's own printer filters them too)
+    sink = sys.stderr if data.get("is_err") else sys.stdout
+    who = data.get("actor_name") or data.get("task_name") or "ray"
+    out = []
+    for line in data.get("lines", []):
+        out.append(line if LINE_PREFIX.match(line) else f"({who} pid={data.get('pid')}) {line}")
+    if out:
+        sink.write("\n".join(out) + "\n")
+        sink.flush()
