@@ -1,0 +1,313 @@
+"""Recovery against model size: a failure and a scale-up with 10M to 300M parameters + Adam.
+
+On a local multi-node cluster (a head without CPUs, nodes A and B of 2 CPUs
+each), `ElasticTrainer(min 2, max 3)` trains an MLP of `--sizes` million
+parameters (width 1024, batch 1) with `TorchState` + `DistributedOptimizer`
+around Adam, committing every 2 steps. Discovery is a callable reading a JSON
+file, so the benchmark decides when a host comes. One run per size:
+
+1. Two workers on A start. Once both hold the state, they time a broadcast of
+   `min(state, 512 MB)` from rank 0 to rank 1 (three times, the best): the
+   loopback bandwidth of this machine at that moment, the ceiling for a sync.
+2. Scale-up, one newcomer: B is offered one slot; the newcomer boots and builds
+   its model while A trains, then all three reset. Measured: the reset round
+   (the driver's `reset_duration` of the `hosts_added` event), the newcomer's
+   `state.sync()` (time and GB/s against the loopback bandwidth), and the
+   survivors' pause (rank 0's longest gap between steps around it, beside its
+   median step).
+3. Failure, no newcomer: the newcomer (rank 2) SIGKILLs itself one step after
+   a commit; B is then cooling down, so the two survivors go on alone.
+   Measured: the reset round (`worker_failed`'s `reset_duration`),
+   SIGKILL-to-next-step (the kill's time, written by the killed process, to
+   rank 0's next completed step; it includes one step) and the steps redone.
+
+Every rank also records its commits (`state.commit()`, beside a plain
+`copy_` of the same number of bytes at this process's measured copy speed)
+and its peak RSS over its RSS before the model existed, in copies of the
+state (model + Adam). A size whose three workers would not fit the memory
+available now (about 3.5 copies of the state per worker) is skipped and
+said so.
+
+Prints a table and writes bench/results/state_size.json (or `--out NAME`).
+Reports, never asserts.
+
+    .venv/bin/python bench/state_size.py [--sizes 10,100,300] [--out state_size]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import resource
+import signal
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import ray
+import torch
+from own_dashboard import own_dashboard
+from ray.cluster_utils import Cluster
+from results_file import write_results
+
+import ray_elastic as elastic
+
+GB = 1e9
+WIDTH = 1024
+COMMIT_EVERY = 2
+COPIES_PER_WORKER = 3.5  # model + Adam, its commit, the gradients, and slack: what a worker may need at peak
+
+
+class FileDiscovery:
+    """Discovery callable: the hosts are whatever the benchmark wrote into `path`."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __call__(self) -> dict[str, int]:
+        return json.loads(Path(self.path).read_text())
+
+
+def log(workdir: str, **row) -> None:
+    with open(os.path.join(workdir, f"log-{os.getpid()}.jsonl"), "a") as f:
+        f.write(json.dumps({"time": time.time(), "pid": os.getpid(), **row}) + "\n")
+
+
+def peak_rss() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0
+
+
+def make_model(params_m: int) -> torch.nn.Module:
+    layers = max(1, round(params_m * 1e6 / (WIDTH * WIDTH + WIDTH)))
+    model = torch.nn.Sequential(*[torch.nn.utils.skip_init(torch.nn.Linear, WIDTH, WIDTH) for _ in range(layers)])
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.uniform_(-0.03, 0.03, generator=gen)
+    return model
+
+
+def copy_speed() -> float:
+    """Bytes per second of `copy_` between two 256 MB tensors in this process."""
+    a, b = torch.ones(64 * 2**20), torch.empty(64 * 2**20)
+    b.copy_(a)
+    best = min(_timed(lambda: b.copy_(a)) for _ in range(3))
+    return a.numel() * 4 / best
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def train_fn(config: dict) -> int:
+    torch.set_num_threads(1)
+    workdir = config["workdir"]
+    base_rss = psutil.Process().memory_info().rss
+    model = make_model(config["params_m"])
+    opt = elastic.torch.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-4))
+    state = elastic.torch.TorchState(model=model, optimizer=opt, step=0)
+    n_params = sum(p.numel() for p in model.parameters())
+    state_bytes = 3 * 4 * n_params  # float32 parameters and Adam's two moments
+    bytes_per_s = copy_speed()
+    measured_bw = []
+
+    def timed_sync(sync=state.sync) -> None:
+        started = time.perf_counter()
+        sync()
+        log(workdir, kind="sync", rank=elastic.rank(), size=elastic.size(), sync_s=time.perf_counter() - started)
+
+    state.sync = timed_sync  # the run loop calls state.sync(): time it as the newcomer sees it
+
+    @elastic.run
+    def train(state) -> int:
+        if elastic.size() == 2 and not measured_bw:
+            buf = torch.zeros(min(state_bytes, 512 * 2**20) // 4)
+            elastic.broadcast_(buf, 0)  # connections and pages first
+            best = min(_timed(lambda: elastic.broadcast_(buf, 0)) for _ in range(3))
+            measured_bw.append(buf.numel() * 4 / best)
+            if elastic.rank() == 0:
+                log(workdir, kind="bandwidth", bytes_per_s=measured_bw[0], message_bytes=buf.numel() * 4)
+            del buf
+        gen = torch.Generator().manual_seed(elastic.rank())
+        while not os.path.exists(config["stop"]) and state.step < config["max_steps"]:
+            x = torch.randn(1, WIDTH, generator=gen)
+            opt.zero_grad()
+            model(x).square().mean().backward()
+            opt.step()
+            state.step += 1
+            elastic.report({"step": state.step, "world_size": elastic.size()})
+            if elastic.rank() == 0:
+                Path(config["progress"]).write_text(json.dumps({"step": state.step, "world_size": elastic.size()}))
+            if elastic.rank() == 2 and os.path.exists(config["kill"]) and state.step % COMMIT_EVERY == 1:
+                Path(config["killed"]).write_text(json.dumps({"time": time.time(), "step": state.step}))
+                os.kill(os.getpid(), signal.SIGKILL)
+            if state.step % COMMIT_EVERY == 0:
+                started = time.perf_counter()
+                state.commit()
+                log(
+                    workdir,
+                    kind="commit",
+                    rank=elastic.rank(),
+                    commit_s=time.perf_counter() - started,
+                    copy_s=state_bytes / bytes_per_s,
+                    peak_over_state=(peak_rss() - base_rss) / state_bytes,
+                    state_bytes=state_bytes,
+                )
+            else:
+                state.check_host_updates()
+        return state.step
+
+    return train(state)
+
+
+def read_logs(workdir: str) -> list[dict]:
+    rows = []
+    for path in Path(workdir).glob("log-*.jsonl"):
+        rows.extend(json.loads(line) for line in path.read_text().splitlines())
+    return sorted(rows, key=lambda r: r["time"])
+
+
+def wait_progress(path: str, what: str, predicate, timeout: float = 600) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            p = json.loads(Path(path).read_text())
+        except (FileNotFoundError, json.JSONDecodeError):
+            p = None
+        if p is not None and predicate(p):
+            return p
+        time.sleep(0.05)
+    raise TimeoutError(f"timed out after {timeout:g} s waiting for {what}")
+
+
+def one_size(params_m: int, node_a: str, node_b: str, workdir: str) -> dict:
+    workdir = os.path.join(workdir, f"{params_m}m")
+    os.makedirs(workdir)
+    hosts = os.path.join(workdir, "hosts.json")
+    paths = {k: os.path.join(workdir, k) for k in ("progress", "stop", "kill", "killed")}
+    Path(hosts).write_text(json.dumps({node_a: 2}))
+    trainer = elastic.ElasticTrainer(
+        train_fn,
+        min_workers=2,
+        max_workers=3,
+        config={"params_m": params_m, "workdir": workdir, "max_steps": 10_000, **paths},
+        discovery=FileDiscovery(hosts),
+        discovery_interval=0.5,
+        cooldown_range=(600, 600),
+        verbose=0,
+    )
+    box: dict = {}
+    runner = threading.Thread(target=lambda: box.setdefault("result", trainer.fit()))
+    runner.start()
+    try:
+        wait_progress(paths["progress"], "two workers training", lambda p: p["step"] >= 3)
+        Path(hosts).write_text(json.dumps({node_a: 2, node_b: 1}))
+        seen = wait_progress(paths["progress"], "the newcomer to join", lambda p: p["world_size"] == 3)
+        wait_progress(paths["progress"], "steps at 3", lambda p, s=seen["step"]: p["step"] >= s + 3)
+        Path(paths["kill"]).touch()
+        seen = wait_progress(paths["progress"], "the survivors after the kill", lambda p: p["world_size"] == 2)
+        wait_progress(paths["progress"], "steps at 2 again", lambda p, s=seen["step"]: p["step"] >= s + 2)
+    finally:
+        Path(paths["stop"]).touch()
+        runner.join(300)
+    result = box["result"]
+    logs = read_logs(workdir)
+    times, metrics = result.metric_times, result.metrics
+    ev_up = next(e for e in result.events if e.kind == "hosts_added")
+    ev_fail = next(e for e in result.events if e.kind == "worker_failed")
+    killed = json.loads(Path(paths["killed"]).read_text())
+    first3 = next(i for i, m in enumerate(metrics) if m["world_size"] == 3)
+    after_kill = next(i for i, t in enumerate(times) if t > killed["time"] and metrics[i]["world_size"] == 2)
+    steps2 = [b - a for a, b in zip(times[1:first3], times[2:first3], strict=False)]
+    steps3 = [
+        times[i + 1] - times[i]
+        for i in range(len(times) - 1)
+        if metrics[i]["world_size"] == metrics[i + 1]["world_size"] == 3
+    ]
+    syncs = [r for r in logs if r["kind"] == "sync"]
+    newcomer_sync = next(r for r in syncs if r["size"] == 3 and r["rank"] == 2)
+    commits = [r for r in logs if r["kind"] == "commit"]
+    state_bytes = commits[0]["state_bytes"]
+    bw = next(r for r in logs if r["kind"] == "bandwidth")["bytes_per_s"]
+    newcomer_bps = state_bytes / newcomer_sync["sync_s"]
+    by_pid: dict[int, float] = {}
+    for r in commits:
+        by_pid[r["pid"]] = max(by_pid.get(r["pid"], 0.0), r["peak_over_state"])
+    return {
+        "params_m": params_m,
+        "state_gb": state_bytes / GB,
+        "loopback_broadcast_gbps": bw / GB,
+        "up_reset_s": ev_up.reset_duration,
+        "up_newcomer_sync_s": newcomer_sync["sync_s"],
+        "up_newcomer_gbps": newcomer_bps / GB,
+        "up_newcomer_over_loopback": newcomer_bps / bw,
+        "up_survivor_pause_s": times[first3] - times[first3 - 1],
+        "step_s_at_2": statistics.median(steps2) if steps2 else None,
+        "step_s_at_3": statistics.median(steps3) if steps3 else None,
+        "fail_reset_s": ev_fail.reset_duration,
+        "fail_kill_to_next_step_s": times[after_kill] - killed["time"],
+        "fail_steps_redone": killed["step"] - (metrics[after_kill]["step"] - 1),
+        "commit_s": statistics.median(r["commit_s"] for r in commits),
+        "commit_over_copy": statistics.median(r["commit_s"] / r["copy_s"] for r in commits),
+        "worker_peak_over_state": sorted(by_pid.values()),
+        "events": [(e.kind, e.world_size, e.reset_duration) for e in result.events],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="10,100,300", help="millions of model parameters")
+    parser.add_argument("--out", default="state_size", help="results file name under bench/results/")
+    args = parser.parse_args()
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, **own_dashboard()})
+    node_a, node_b = cluster.add_node(num_cpus=2), cluster.add_node(num_cpus=2)
+    ray.init(address=cluster.address, logging_level=logging.ERROR)
+    cluster.wait_for_nodes()
+    rows, skipped = [], []
+    try:
+        with tempfile.TemporaryDirectory() as workdir:
+            for size in [int(s) for s in args.sizes.split(",")]:
+                need = 3 * COPIES_PER_WORKER * 12 * size * 1e6
+                available = psutil.virtual_memory().available
+                if need > available:
+                    note = f"{size}M: skipped, 3 workers need ~{need / GB:.1f} GB, {available / GB:.1f} GB available"
+                    print(note, flush=True)
+                    skipped.append(note)
+                    continue
+                row = one_size(size, node_a.node_id, node_b.node_id, workdir)
+                rows.append(row)
+                print(
+                    f"{size}M ({row['state_gb']:.2f} GB): failure reset {row['fail_reset_s']:.3f} s, kill->next step "
+                    f"{row['fail_kill_to_next_step_s']:.3f} s; scale-up reset {row['up_reset_s']:.3f} s, newcomer "
+                    f"sync {row['up_newcomer_sync_s']:.3f} s ({row['up_newcomer_over_loopback']:.0%} of loopback)",
+                    flush=True,
+                )
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+    print(
+        f"{'params':>7} {'state':>7} {'fail reset':>10} {'kill->step':>10} {'step@2':>7} {'up reset':>9} "
+        f"{'newcomer':>9} {'GB/s':>6} {'loopbk':>6} {'%':>5} {'pause':>7} {'commit':>7} {'/copy':>6} {'peak/state':>14}"
+    )
+    for r in rows:
+        print(
+            f"{r['params_m']:>6}M {r['state_gb']:>5.2f}GB {r['fail_reset_s']:>9.3f}s "
+            f"{r['fail_kill_to_next_step_s']:>9.3f}s {r['step_s_at_2']:>6.2f}s {r['up_reset_s']:>8.3f}s "
+            f"{r['up_newcomer_sync_s']:>8.3f}s {r['up_newcomer_gbps']:>6.2f} {r['loopback_broadcast_gbps']:>6.2f} "
+            f"{r['up_newcomer_over_loopback']:>5.0%} {r['up_survivor_pause_s']:>6.2f}s {r['commit_s']:>6.3f}s "
+            f"{r['commit_over_copy']:>5.2f}x {'/'.join(f'{p:.2f}' for p in r['worker_peak_over_state']):>14}"
+        )
+    for note in skipped:
+        print(note)
+    write_results(args.out, rows, sizes=args.sizes, skipped=skipped, commit_every=COMMIT_EVERY, width=WIDTH)
+
+
+if __name__ == "__main__":
+    main()
