@@ -46,7 +46,7 @@ logger = logging.getLogger(__name__)
 
 
 class _HorovodOptimizer(_ElasticOptimizer):
-    """ray-elastic's optimizer plus Horovod's `skip_synchronize()` and double-synchronize guard."""
+    """ray-elastic's optimizer plus Horovod's `skip_synchronize()`; a step never reduces the gradients twice."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, **kwargs: Any) -> None:
         super().__init__(optimizer, **kwargs)
@@ -68,15 +68,18 @@ class _HorovodOptimizer(_ElasticOptimizer):
             self._skip_synchronize = False
 
     def step(self, closure: Any = None) -> Any:
-        if self._skip_synchronize:
+        if self._synchronized and not self._skip_synchronize:
+            # Horovod warns and reduces again; the gradients are reduced already, so step on them as they are
+            logger.warning(
+                "optimizer.step() after optimizer.synchronize() outside `with optimizer.skip_synchronize():`; "
+                "the gradients were reduced already and are used as they are"
+            )
+        if self._synchronized or self._skip_synchronize:
             self._synchronized = False
             return self.optimizer.step(closure)
-        if self._synchronized:
-            raise RuntimeError(
-                "optimizer.step() after optimizer.synchronize() would reduce the gradients twice: "
-                "step inside `with optimizer.skip_synchronize():`"
-            )
-        return super().step(closure)
+        result = super().step(closure)
+        self._synchronized = False  # super().step() went through synchronize()
+        return result
 
 
 def DistributedOptimizer(  # noqa: N802 - Horovod's name for a factory
