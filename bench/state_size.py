@@ -136,7 +136,10 @@ def train_fn(config: dict) -> int:
                 log(workdir, kind="bandwidth", bytes_per_s=measured_bw[0], message_bytes=buf.numel() * 4)
             del buf
         gen = torch.Generator().manual_seed(elastic.rank())
-        while not os.path.exists(config["stop"]) and state.step < config["max_steps"]:
+        while state.step < config["max_steps"]:
+            # every rank leaves at the same step: agree on the stop file
+            if elastic.allreduce(int(os.path.exists(config["stop"])), op="max"):
+                break
             x = torch.randn(1, WIDTH, generator=gen)
             opt.zero_grad()
             model(x).square().mean().backward()
