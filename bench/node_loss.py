@@ -87,7 +87,15 @@ def first_step_after(result: dict, since: float, world: int) -> tuple[float, dic
     )
 
 
-BASE = {"signal_step": 20, "min_steps": 21, "extra_steps": 10, "step_time": 0.02, "deadline_s": 200}
+# the trigger waits for the whole world of 4: a run may reach step 20 before its last workers joined
+BASE = {
+    "signal_step": 20,
+    "signal_world_size": 4,
+    "min_steps": 21,
+    "extra_steps": 10,
+    "step_time": 0.02,
+    "deadline_s": 200,
+}
 
 
 def silent_rep(cluster: NetnsCluster, workdir: Path, rng: random.Random) -> dict:
@@ -110,8 +118,8 @@ def silent_rep(cluster: NetnsCluster, workdir: Path, rng: random.Random) -> dict
 
 def sigkill_rep(cluster: NetnsCluster, workdir: Path, rng: random.Random) -> dict:
     rank = rng.randint(0, 3)
-    fault = {"rank": rank, "step": 20, "action": "sigkill", "marker": str(workdir / "fault")}
-    config = {**BASE, "faults": [fault], "until_world": 3}
+    fault = {"rank": rank, "step": 40, "action": "sigkill", "marker": str(workdir / "fault")}
+    config = {**BASE, "faults": [fault], "until_world": 3, "min_steps": 41}
     result = result_of(fit(cluster.env, workdir, config, cooldown_range=[600, 600]))
     killed = json.loads(Path(fault["marker"]).read_text())
     t, m = first_step_after(result, killed["time"], 3)
@@ -123,8 +131,8 @@ def drain_rep(cluster: NetnsCluster, workdir: Path, rng: random.Random) -> dict:
     config = {**BASE, "signal_file": str(signal), "until_world": 2}
     proc = fit(cluster.env, workdir, config, cooldown_range=[600, 600])
     wait_for(signal, proc, 120, "step 20")
-    victim = rng.choice(cluster.nodes)
-    node_id = cluster.node_ids()[victim.ip]
+    alive = cluster.node_ids()  # {ip: node id}: a node Ray declared dead after an earlier cut is not among them
+    node_id = alive[rng.choice(sorted(alive))]
     drained_at = time.time()
     subprocess.run(
         [
@@ -180,6 +188,9 @@ def main() -> None:
                 for kind, one in (("silent", silent_rep), ("sigkill", sigkill_rep), ("drain", drain_rep)):
                     if args.only not in (None, kind):
                         continue
+                    while len(cluster.node_ids()) < 2:  # a node Ray declared dead after a cut: a fresh one
+                        print("a worker node is gone; adding a fresh one", flush=True)
+                        cluster.add_node()
                     row = one(cluster, work / f"{kind}-{rep}", rng)
                     rows[kind].append(row)
                     print(f"{kind} rep {rep}: {row}", flush=True)

@@ -13,10 +13,15 @@ the same way: `TorchTrainer` (4 workers, DDP) with
 after the kill it restarts every worker and resumes from the last
 checkpoint. Fewer repetitions (`--rt-reps`): each takes tens of seconds.
 
+A large model beside them (`--large-reps`, default 3): a 25.1M-parameter
+MLP (tests/workloads.py `large_model_train_fn`, gradients in several
+buckets) where rank 2, which is not a ring neighbour of rank 0, SIGKILLs
+itself in the middle of backward with buckets in flight.
+
 Prints p50/p95/max and writes bench/results/recovery.json. Reports, never
 asserts.
 
-    .venv/bin/python bench/recovery.py [--reps 10] [--rt-reps 3] [--seed 0]
+    .venv/bin/python bench/recovery.py [--reps 10] [--rt-reps 3] [--large-reps 3] [--seed 0]
 """
 
 from __future__ import annotations
@@ -181,6 +186,29 @@ def raytrain_rep(rng: random.Random, workdir: str, rep: int, every: int) -> dict
     }
 
 
+def large_rep(workdir: str, rep: int) -> dict:
+    """The 25.1M-parameter model, 4 workers; rank 2 dies mid-backward at step 5."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from workloads import large_model_train_fn
+
+    marker = os.path.join(workdir, f"large-killed-{rep}")
+    config = {"steps": 9, "kill_step": 5, "kill_rank": 2, "marker": marker}
+    result = elastic.ElasticTrainer(
+        large_model_train_fn, 2, 4, config=config, cooldown_range=(600, 600), verbose=0
+    ).fit()
+    killed = json.loads(Path(marker).read_text())
+    t_next = next(t for t, m in zip(result.metric_times, result.metrics, strict=True) if t > killed["time"])
+    return {
+        "kill_rank": 2,
+        "kill_step": killed["step"],
+        "recovery_s": t_next - killed["time"],
+        "steps_lost": 0,
+        "reset_s": next(e.reset_duration for e in result.events if e.kind == "worker_failed"),
+    }
+
+
 def summarize(rows: list[dict]) -> dict:
     rec = sorted(r["recovery_s"] for r in rows)
     return {
@@ -198,6 +226,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rt-reps", type=int, default=3, help="Ray Train repetitions (0 to skip)")
     parser.add_argument("--rt-every", type=int, default=50, help="Ray Train: steps between checkpoints")
+    parser.add_argument("--large-reps", type=int, default=3, help="25.1M-parameter repetitions (0 to skip)")
     args = parser.parse_args()
     import ray
     from ray.cluster_utils import Cluster
@@ -218,6 +247,15 @@ def main() -> None:
                 f"{row['recovery_s']:.3f} s (reset {row['reset_s']:.3f} s), {row['steps_lost']} steps redone",
                 flush=True,
             )
+        large_rows = []
+        for rep in range(args.large_reps):
+            row = large_rep(workdir, rep)
+            large_rows.append(row)
+            print(
+                f"25.1M parameters, rep {rep}: rank 2 killed mid-backward: next step after {row['recovery_s']:.3f} s "
+                f"(reset {row['reset_s']:.3f} s)",
+                flush=True,
+            )
         rt_rows = []
         rt_rng = random.Random(args.seed)
         for rep in range(args.rt_reps):
@@ -235,6 +273,12 @@ def main() -> None:
         f"ray-elastic, 4 -> 3 workers: recovery p50 {summary['p50_s']:.3f} s, p95 {summary['p95_s']:.3f} s, "
         f"max {summary['max_s']:.3f} s; median steps redone {summary['median_steps_lost']}"
     )
+    large_summary = summarize(large_rows) if large_rows else None
+    if large_summary:
+        print(
+            f"ray-elastic, 25.1M parameters, rank 2 of 4 killed mid-backward: recovery p50 "
+            f"{large_summary['p50_s']:.3f} s, max {large_summary['max_s']:.3f} s"
+        )
     rt_summary = summarize(rt_rows) if rt_rows else None
     if rt_summary:
         print(
@@ -251,6 +295,8 @@ def main() -> None:
         raytrain_rows=rt_rows,
         raytrain_summary=rt_summary,
         raytrain_checkpoint_every=args.rt_every,
+        large_rows=large_rows,
+        large_summary=large_summary,
     )
 
 

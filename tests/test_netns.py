@@ -112,6 +112,7 @@ def test_silent_cut_of_rank0s_node_survivors_go_on_in_seconds_and_the_healed_are
     config = {
         "signal_file": str(signal_file),
         "signal_step": 20,
+        "signal_world_size": 4,
         "world_signal_file": str(after_cut),
         "world_signal": 2,
         "until_world": 2,

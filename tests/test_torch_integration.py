@@ -6,6 +6,7 @@ optimizer state right after each sync, and again at the end.
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -50,3 +51,26 @@ def test_broadcast_helpers_and_gradient_averaging_in_real_workers(cluster, no_le
     assert value["distinct_after"] == 1, "broadcast_parameters + broadcast_optimizer_state made every rank equal"
     assert value["buckets"] > 1
     assert value["averaged_ok"] == [True, True, True]
+
+
+def test_a_25m_parameter_model_recovers_when_a_rank_no_neighbour_of_rank0_dies_mid_backward(
+    cluster, no_leaks, tmp_path
+):
+    """Rank 2 of 4 dies while gradient buckets are in flight: in a ring rank 0 talks only to ranks 1 and 3.
+
+    Every survivor must leave the broken ring at once (the driver says the
+    generation is dead), not after collective_timeout (here 120 s).
+    """
+    from workloads import large_model_train_fn
+
+    marker = tmp_path / "killed"
+    config = {"steps": 9, "kill_step": 5, "kill_rank": 2, "marker": str(marker)}
+    result = ElasticTrainer(
+        large_model_train_fn, 2, 4, config=config, cooldown_range=(600, 600), collective_timeout=120, verbose=0
+    ).fit()
+    killed = json.loads(marker.read_text())
+    next_step = next(t for t, m in zip(result.metric_times, result.metrics, strict=True) if t > killed["time"])
+    print(f"25M parameters, rank 2 killed mid-backward: the survivors' next step {next_step - killed['time']:.2f} s")
+    assert next_step - killed["time"] < 30, "a survivor waited on the dead ring"
+    value = result.return_value
+    assert value["steps"] == 9 and value["world_size"] == 3 and len(set(value["digests"])) == 1

@@ -112,18 +112,26 @@ class FaultyObjectState(elastic.ObjectState):
         super().sync()
 
 
+def _signal_due(config: dict, step: int) -> bool:
+    """At `signal_step`; with `signal_world_size`, at the first step from there on with a world of that size."""
+    if "signal_world_size" not in config:
+        return step == config.get("signal_step")
+    return step >= config.get("signal_step", 0) and elastic.size() == config["signal_world_size"]
+
+
 def counting_train_fn(config: dict) -> dict:
     """Trains until `steps`, or `extra_steps` past the first step >= `min_steps`
     at which the world has `until_world` workers.
 
     `signal_file`/`signal_step`: rank 0 creates the file when it reaches that
-    step (the test waits on it, then changes the cluster); `world_signal_file`
+    step (the test waits on it, then changes the cluster), or with
+    `signal_world_size` at the first step from there with that many workers; `world_signal_file`
     likewise once the world has `world_signal` workers. `payload`: the
     float32 elements of one more allreduce per step (throughput benchmarks). `deadline_s` bounds
     the run, failing it with a clear message instead of training forever.
     """
     started = time.monotonic()
-    state = FaultyObjectState(config, step=0, w=np.zeros(DIM), reached_at=None)
+    state = FaultyObjectState(config, step=0, w=np.zeros(DIM), reached_at=None, was_whole=False)
     reset_sizes: list[int] = []  # what reset callbacks saw, on this worker
 
     def on_reset() -> None:
@@ -141,7 +149,11 @@ def counting_train_fn(config: dict) -> dict:
         while True:
             if state.step >= config.get("steps", 10**9):
                 break
+            if elastic.size() == config.get("signal_world_size"):
+                state.was_whole = True  # in the state, so every rank agrees (and a rollback keeps it)
             at_goal = "until_world" in config and elastic.size() == config["until_world"]
+            if "signal_world_size" in config and not state.was_whole:
+                at_goal = False  # the goal counts only after the world was whole once (the signal's world)
             if at_goal and "until_rank0_not_in" in config:  # and rank 0 is none of these workers
                 rank0 = elastic.broadcast_object(current().worker_id)
                 at_goal = rank0 not in config["until_rank0_not_in"]
@@ -159,7 +171,7 @@ def counting_train_fn(config: dict) -> dict:
             state.w = state.w - 0.01 * grad
             state.step += 1
             elastic.report({"step": state.step, "world_size": elastic.size(), "rank0": current().worker_id})
-            if config.get("signal_file") and state.step == config.get("signal_step") and elastic.rank() == 0:
+            if config.get("signal_file") and elastic.rank() == 0 and _signal_due(config, state.step):
                 Path(config["signal_file"]).touch()
             if config.get("world_signal_file") and elastic.size() == config["world_signal"] and elastic.rank() == 0:
                 Path(config["world_signal_file"]).touch()  # the world came to that size (e.g. after a loss)
@@ -267,3 +279,49 @@ def torch_checks_train_fn(config: dict) -> dict:
         "averaged_ok": elastic.allgather_object(averaged_ok),
         "buckets": len(opt._buckets),
     }
+
+
+def large_model_train_fn(config: dict) -> dict:
+    """A 25.1M-parameter MLP (5 x Linear(2240, 2240)) with `DistributedOptimizer`: gradients go in several buckets.
+
+    `kill_rank` SIGKILLs itself in the middle of backward at step `kill_step`
+    (once, `marker` records when), while the buckets of the layers behind it
+    are already being reduced. Returns the steps and every rank's digest.
+    """
+    import torch
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(2240, 2240) for _ in range(5)])
+    opt = elastic.torch.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-4))
+    state = elastic.torch.TorchState(model=model, optimizer=opt, step=0)
+
+    def mid_backward(grad):
+        if state.step + 1 == config["kill_step"] and elastic.rank() == config["kill_rank"]:
+            try:
+                fd = os.open(config["marker"], os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            except FileExistsError:
+                return grad
+            with os.fdopen(fd, "w") as f:
+                f.write(json.dumps({"time": time.time(), "step": state.step + 1}))
+            os.kill(os.getpid(), signal.SIGKILL)
+        return grad
+
+    model[1].weight.register_hook(mid_backward)
+
+    @elastic.run
+    def train(state) -> dict:
+        while state.step < config["steps"]:
+            opt.zero_grad()
+            model(torch.randn(8, 2240)).pow(2).mean().backward()
+            opt.step()
+            state.step += 1
+            elastic.report({"step": state.step, "world_size": elastic.size()})
+            if state.step % 3 == 0:
+                state.commit()
+            else:
+                state.check_host_updates()
+        digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
+        return {"steps": state.step, "world_size": elastic.size(), "digests": elastic.allgather_object(digest)}
+
+    return train(state)
