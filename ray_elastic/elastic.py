@@ -53,7 +53,7 @@ def run(func: Callable[..., R]) -> Callable[..., R]:
                 failed, skip_sync = True, False
             except HostsUpdatedInterrupt as e:
                 # graceful change: keep the live state, which sync hands to newcomers
-                state.save()
+                state.keep_live()
                 failed, skip_sync = False, e.skip_sync
             ctx.reset(failed=failed)
             state.on_reset()

@@ -130,3 +130,63 @@ def test_user_types_get_their_registered_handler():
     counter.n = 9
     state.restore()
     assert counter.n == 5
+
+
+def test_a_restore_trades_storage_instead_of_copying_and_a_second_failure_still_returns_to_the_commit():
+    model, opt = make()
+    state = TorchState(model=model, optimizer=opt)
+    train_steps(model, opt, 2)
+    state.save()
+    committed = snapshot(model, opt)
+    train_steps(model, opt, 2, seed=3)
+    before = [p.data_ptr() for p in model.parameters()]
+    state.restore()
+    assert [p.data_ptr() for p in model.parameters()] != before, "parameters took the commit's storage"
+    assert_same(snapshot(model, opt), committed)
+    train_steps(model, opt, 3, seed=4)  # the next step waited for the commit's copy in the background
+    state.restore()
+    assert_same(snapshot(model, opt), committed)
+
+
+def test_a_restore_with_no_step_since_the_commit_moves_no_parameter_but_resets_batchnorm():
+    model, opt = make()
+    state = TorchState(model=model, optimizer=opt)
+    train_steps(model, opt, 2)
+    state.save()
+    committed = snapshot(model, opt)
+    ptrs = [p.data_ptr() for p in model.parameters()]
+    model(torch.randn(16, 6))  # a forward pass only: BatchNorm's running statistics move, no step
+    state.restore()
+    assert [p.data_ptr() for p in model.parameters()] == ptrs
+    assert_same(snapshot(model, opt), committed)
+
+
+def test_keep_live_makes_the_live_state_the_commit_and_gives_it_a_new_id():
+    model, opt = make()
+    state = TorchState(model=model, optimizer=opt, epoch=0)
+    first = state.commit_id
+    train_steps(model, opt, 2)
+    state.epoch = 4
+    state.keep_live()
+    assert state.commit_id == first.next()
+    kept = snapshot(model, opt)
+    train_steps(model, opt, 2, seed=6)
+    state.epoch = 9
+    state.restore()
+    assert_same(snapshot(model, opt), kept)
+    assert state.epoch == 4
+
+
+def test_every_save_gives_a_new_commit_id_and_a_loaded_checkpoint_a_new_lineage():
+    model, opt = make()
+    state = TorchState(model=model, optimizer=opt)
+    ids = [state.commit_id]
+    for _ in range(3):
+        state.save()
+        ids.append(state.commit_id)
+    assert [i.count for i in ids] == [ids[0].count + k for k in range(4)]
+    assert len({i.lineage for i in ids}) == 1
+    state.restore()
+    assert state.commit_id == ids[-1], "a restore returns to the last commit: same id"
+    state.load_checkpoint(state.checkpoint_payload())
+    assert state.commit_id.lineage != ids[0].lineage, "a loaded checkpoint is a state no other rank holds"

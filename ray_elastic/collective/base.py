@@ -126,6 +126,22 @@ class CollectiveGroup(ABC):
         np.bitwise_or.reduce(rows, axis=0, out=value.reshape(-1))
         return value
 
+    # point-to-point messages: a sync sends state to the ranks that need it, and only to them
+    point_to_point = False  # send_async / recv_async work on this backend
+
+    def send_async(self, value: T, dst: int) -> CollectiveWork:
+        """Start sending `value` to rank `dst`, which posts a matching `recv_async`; don't touch it before `wait()`.
+
+        Messages between two ranks arrive in the order they were sent. A
+        broken link raises `HorovodInternalError` at `wait()`, after at most
+        `collective_timeout`.
+        """
+        raise NotImplementedError(f"the {self.name} backend has no point-to-point messages")
+
+    def recv_async(self, value: T, src: int) -> CollectiveWork:
+        """Start receiving into `value` (same size as what `src` sends); it holds the message once `wait()` returned."""
+        raise NotImplementedError(f"the {self.name} backend has no point-to-point messages")
+
     def allreduce(self, value: T, op: ReduceOp = Average) -> T:
         """Like `allreduce_`, on a copy: `value` itself is left untouched."""
         return self.allreduce_(_copy(value), op)

@@ -175,6 +175,29 @@ class TorchDistGroup(CollectiveGroup):
             write_back()
         return value
 
+    point_to_point = True
+
+    def send_async(self, value: T, dst: int) -> CollectiveWork:
+        t, _ = self._stage(value)
+        what = f"send to rank {dst}"
+        work = self._start(what, lambda: dist.isend(t, dst))
+        return CollectiveWork(what, lambda: self._wait_message(what, work))
+
+    def recv_async(self, value: T, src: int) -> CollectiveWork:
+        t, write_back = self._stage(value)
+        what = f"receive from rank {src}"
+        work = self._start(what, lambda: dist.irecv(t, src))
+        return CollectiveWork(what, lambda: self._wait_message(what, work), write_back)
+
+    def _wait_message(self, what: str, work: Any) -> None:
+        """Wait for a send or receive: torch gives no future for those, so no early release on abandon.
+
+        A peer that died closes the link (an error within milliseconds); a
+        silent one is bounded by the process group's `collective_timeout`.
+        """
+        self.check_abandoned(what)
+        work.wait()
+
     def allgather(self, value: T) -> T:
         t, _ = self._stage(value)
         if self.size == 1:

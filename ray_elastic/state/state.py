@@ -4,6 +4,10 @@
   failure rolls back to, and the point where graceful host changes surface.
 - `restore()` returns to the last `save()`; `sync()` makes every rank hold
   rank 0's state (rank 0 is the oldest survivor, see `assignment.py`).
+- Every save gives the state a new `CommitId`. `ObjectState` and
+  `TorchState` sync by comparing ids first (one tiny allreduce): ranks that
+  already hold rank 0's commit, as every survivor of a failure does, receive
+  nothing; only the others (newcomers) get rank 0's values, point to point.
 - Reset callbacks run after every reset, once the new ring exists, e.g. to
   rescale the learning rate with the new world size.
 """
@@ -14,10 +18,23 @@ import copy
 import numbers
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
-from ray_elastic.collective import broadcast_object
+from ray_elastic.collective import group as current_ring
 from ray_elastic.runtime.process import current
+from ray_elastic.state.sync_plan import CommitId, fresh_commit_id
+from ray_elastic.state.transfer import agree, share_object
+
+
+@dataclass(frozen=True)
+class SyncReport:
+    """What one sync did: who held rank 0's commit, who received it, and this rank's share."""
+
+    holders: tuple[int, ...]
+    receivers: tuple[int, ...]
+    received_bytes: int  # tensor bytes this rank received (0 on a holder)
+    seconds: float
 
 
 class State:
@@ -25,6 +42,8 @@ class State:
 
     def __init__(self) -> None:
         self._reset_callbacks: list[Callable[[], None]] = []
+        self.commit_id: CommitId = fresh_commit_id()  # the commit this rank holds (see `ray_elastic.state.sync_plan`)
+        self.last_sync: SyncReport | None = None
 
     def register_reset_callbacks(self, callbacks: Iterable[Callable[[], None]]) -> None:
         """Callables run, in order, after each reset (the new ring already works)."""
@@ -60,6 +79,10 @@ class State:
     def save(self) -> None:
         raise NotImplementedError
 
+    def keep_live(self) -> None:
+        """Make the live state the commit, on a graceful reset (`save()` unless a subclass does it cheaper)."""
+        self.save()
+
     def restore(self) -> None:
         raise NotImplementedError
 
@@ -82,7 +105,7 @@ class State:
 
 
 class ObjectState(State):
-    """Picklable attributes, saved by deep copy and synced by one broadcast.
+    """Picklable attributes, saved by deep copy; a sync sends them only to the ranks that lack rank 0's commit.
 
     `ObjectState(epoch=0, batch=0, weights=w)` exposes `state.epoch` and so
     on. Right for small state (counters, numpy arrays of modest size); large
@@ -98,15 +121,23 @@ class ObjectState(State):
         self.save()
 
     def save(self) -> None:
+        after = self.commit_id.next()
         self._saved = {k: copy.deepcopy(getattr(self, k)) for k in self._keys}
+        self.commit_id = after
 
     def restore(self) -> None:
         for key, value in self._saved.items():
             setattr(self, key, copy.deepcopy(value))
 
     def sync(self) -> None:
-        self._saved = broadcast_object(self._saved, root_rank=0)
-        self.restore()
+        started = time.perf_counter()
+        ring = current_ring()
+        plan = agree(ring, self.commit_id)
+        shared = share_object(ring, plan, (self.commit_id, self._saved) if ring.rank == 0 else None)
+        if plan.receives:
+            self.commit_id, self._saved = shared
+            self.restore()
+        self.last_sync = SyncReport(plan.holders, plan.receivers, 0, time.perf_counter() - started)
 
     def checkpoint_payload(self) -> dict[str, Any]:
         return self._saved  # save() replaces the dict rather than mutating it
@@ -123,6 +154,7 @@ class ObjectState(State):
             raise ValueError(f"the checkpoint does not fit this ObjectState: {'; '.join(differ)}")
         self._saved = {k: payload[k] for k in self._keys}
         self.restore()
+        self.commit_id = fresh_commit_id()  # a state no other rank holds: the sync hands it to them
 
 
 def mismatch(ours: Any, theirs: Any) -> str | None:

@@ -1,20 +1,117 @@
-"""Copying rank 0's tensors to every rank: `broadcast_tensors_` and Horovod's `broadcast_parameters`.
+"""Moving tensors between ranks: `send_tensors_` for syncs, `broadcast_tensors_` and Horovod's `broadcast_parameters`.
 
-Tensors are coalesced per dtype (one flat broadcast each) through the
-current ring's `broadcast_`, so a model of many small tensors costs a few
-collectives, not one per tensor. `TorchState`'s sync and the user-facing
-helper share it.
+`send_tensors_` carries out a `SyncPlan` (see `ray_elastic.state.sync_plan`):
+the tensors' bytes go in chunks of at most `CHUNK_BYTES` from the ranks that
+hold the commit to the ranks that do not, and only to them. A chunk is a
+slice of one large tensor (sent from and received into the tensor itself, no
+copy) or several small tensors packed into one message; at most `WINDOW`
+chunks per rank are in flight, so the extra memory is bounded by
+`WINDOW * CHUNK_BYTES` whatever the model's size. With several holders,
+each sends its own contiguous share, so a receiver draws from all of them.
+
+`broadcast_tensors_` copies rank 0's tensors to every rank, coalesced per
+dtype (one flat broadcast each), for the user-facing helpers.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
 
 from ray_elastic.collective import group
+from ray_elastic.collective.base import CollectiveGroup, CollectiveWork
 from ray_elastic.collective.checked import root_rank_in
+from ray_elastic.state.sync_plan import Chunk, SyncPlan, order_transfers, schedule_chunks
+
+CHUNK_BYTES = 16 * 2**20
+WINDOW = 4
+
+
+def send_tensors_(
+    ring: CollectiveGroup,
+    plan: SyncPlan,
+    tensors: Sequence[torch.Tensor],
+    chunk_bytes: int = CHUNK_BYTES,
+    window: int = WINDOW,
+) -> int:
+    """Overwrite the receivers' `tensors` with the holders' (the same shapes and dtypes on every rank).
+
+    Every rank of the ring calls it with the same plan; a rank that neither
+    sends nor receives returns at once. Returns the bytes this rank received.
+    Without point-to-point messages on this backend, rank 0 broadcasts each
+    chunk to every rank instead (holders discard what they receive).
+    """
+    if not plan.moves_state:
+        return 0
+    pairs = [(t, t if t.is_contiguous() else t.contiguous()) for t in tensors if t.numel()]
+    views = [c.detach().reshape(-1).view(torch.uint8) for _, c in pairs]
+    p2p = ring.point_to_point
+    chunks = schedule_chunks([v.numel() for v in views], plan.holders if p2p else (0,), chunk_bytes)
+    if p2p:
+        mine = [(i, s, r) for i, s, r in order_transfers(chunks, plan.receivers) if ring.rank in (s, r)]
+    else:
+        mine = [(i, 0, ring.rank) for i in range(len(chunks))]
+    received = 0
+    inflight: deque[tuple[CollectiveWork, Callable[[], None] | None]] = deque()
+    with torch.no_grad():
+        for i, sender, receiver in mine:
+            chunk = chunks[i]
+            if ring.rank == sender:
+                message = _pack(chunk, views)
+                work = ring.send_async(message, receiver) if p2p else _broadcast(ring, message)
+                inflight.append((work, None))
+            else:
+                into, unpack = _landing(chunk, views, keep=plan.receives)
+                work = ring.recv_async(into, sender) if p2p else _broadcast(ring, into)
+                inflight.append((work, unpack))
+                received += chunk.nbytes if plan.receives else 0
+            while len(inflight) >= window:
+                _finish(inflight.popleft())
+        while inflight:
+            _finish(inflight.popleft())
+        if plan.receives:
+            for t, c in pairs:
+                if c is not t:
+                    t.copy_(c)
+    return received
+
+
+def _pack(chunk: Chunk, views: list[torch.Tensor]) -> torch.Tensor:
+    parts = [views[p.buffer][p.start : p.stop] for p in chunk.pieces]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _landing(chunk: Chunk, views: list[torch.Tensor], keep: bool) -> tuple[torch.Tensor, Callable[[], None] | None]:
+    """Where a chunk is received, and how its bytes then reach the tensors (None: received in place)."""
+    if not keep:
+        return torch.empty(chunk.nbytes, dtype=torch.uint8, device=views[0].device), None
+    parts = [views[p.buffer][p.start : p.stop] for p in chunk.pieces]
+    if len(parts) == 1:
+        return parts[0], None
+    staging = torch.empty(chunk.nbytes, dtype=torch.uint8, device=views[0].device)
+
+    def unpack() -> None:
+        offset = 0
+        for part in parts:
+            part.copy_(staging[offset : offset + part.numel()])
+            offset += part.numel()
+
+    return staging, unpack
+
+
+def _broadcast(ring: CollectiveGroup, message: torch.Tensor) -> CollectiveWork:
+    ring.broadcast_(message, 0)
+    return CollectiveWork()
+
+
+def _finish(entry: tuple[CollectiveWork, Callable[[], None] | None]) -> None:
+    work, unpack = entry
+    work.wait()
+    if unpack is not None:
+        unpack()
 
 
 def broadcast_tensors_(tensors: Iterable[torch.Tensor], root_rank: int = 0) -> None:

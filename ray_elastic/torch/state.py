@@ -1,4 +1,4 @@
-"""`TorchState`: models, optimizers and samplers that survive resets.
+"""`TorchState`: models, optimizers and samplers that survive resets, at a cost that does not grow with them.
 
 Each attribute gets a handler chosen by its type (`register_handler` lets
 users add their own types):
@@ -8,37 +8,68 @@ users add their own types):
   (momentum, Adam moments, step counts) and the param groups'
   hyper-parameters (learning rate ...);
 - `ElasticSampler`: its epoch and processed-sample bitmap;
-- anything else: deep copies and object broadcasts, as in `ObjectState`.
+- anything else: deep copies, as in `ObjectState`.
 
-`save()` (the first half of `commit()`) copies every tensor into a buffer
-allocated once and reused, so a commit costs about one tensor copy of the
-state: no deepcopy, no pickling. `restore()` copies back in place, so
-parameters keep their identity and the optimizer's references stay valid.
-`sync()` broadcasts rank 0's tensors with tensor collectives, coalesced per
-dtype, after a small object broadcast of the optimizer's structure (a
-newcomer's Adam has no moments yet).
+Commit: `save()` (the first half of `commit()`) copies every tensor into a
+buffer allocated once and reused, so a commit costs about one tensor copy of
+the state and holds one extra copy of it: no deepcopy, no pickling. Every
+commit carries a `CommitId` (see `ray_elastic.state.sync_plan`).
+
+Restore, after a failure: tensors that an optimizer of this state steps
+(its parameters and its moments) are not copied back: each live tensor
+trades its storage with its buffer (`tensor.data`, so parameters keep their
+identity and the optimizer's references stay valid), and the buffers are
+refilled from the restored tensors on a background thread. The optimizer's
+next `step()` waits for that copy (a step pre-hook), so the rollback never
+waits for a copy of the model, and the commit is whole again before anything
+changes the tensors. A rank whose optimizer did not step since the commit
+has nothing to restore. Other tensors (module buffers such as BatchNorm's
+running statistics, parameters no optimizer of this state steps) are copied
+back, as before. Tensors an optimizer steps must change only through it
+between a reset and its next step.
+
+Sync, after a reset: the ranks agree with one tiny allreduce on which of
+them hold rank 0's commit (`ray_elastic.state.transfer.agree`). Those move
+nothing. The others (newcomers, a rank whose last commit differs) receive a
+small description of rank 0's state (the optimizer's structure, the
+sampler's epoch, the plain values) and then its tensors in chunks, from all
+holders at once (`ray_elastic.torch.broadcast.send_tensors_`); their new
+commit is then copied on a background thread as after a restore. A handler
+takes part through `describe / receive / tensors / received / after_sync`;
+a user handler that implements only `sync()` is synced by it, on every
+rank, whenever some rank needs state.
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+import threading
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
-from ray_elastic.collective import broadcast_object
 from ray_elastic.collective import group as current_ring
+from ray_elastic.collective.base import CollectiveGroup
 from ray_elastic.runtime.process import maybe_current
-from ray_elastic.state.state import State, mismatch
-from ray_elastic.torch.broadcast import broadcast_tensors_
+from ray_elastic.state.state import State, SyncReport, mismatch
+from ray_elastic.state.sync_plan import SyncPlan, fresh_commit_id
+from ray_elastic.state.transfer import agree, share_object
+from ray_elastic.torch.broadcast import send_tensors_
 from ray_elastic.torch.optimizer import DistributedOptimizer
 from ray_elastic.torch.sampler import ElasticSampler
 
 
 class StateHandler:
-    """How one kind of value is saved, restored and synced."""
+    """How one kind of value is saved, restored and synced.
+
+    `save`, `restore` and `sync` are the minimum. To move state only to the
+    ranks that need it, also implement `describe`, `receive`, `tensors` and,
+    where needed, `received` and `after_sync` (`save` must then make no
+    collective call: only the receivers run it in a sync).
+    """
 
     def __init__(self, value: Any) -> None:
         self.value = value
@@ -50,7 +81,39 @@ class StateHandler:
         raise NotImplementedError
 
     def sync(self) -> None:
+        """Make every rank hold rank 0's value (every rank calls it)."""
         raise NotImplementedError
+
+    def describe(self) -> Any:
+        """On rank 0: a small picklable description of the saved value, for the ranks that receive it."""
+        raise NotImplementedError
+
+    def receive(self, description: Any) -> None:
+        """On a receiving rank: take `description`, and shape `tensors()` like rank 0's."""
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The live tensors a sync copies into the receivers, in the same order on every rank."""
+        return []
+
+    def received(self) -> None:
+        """On a receiving rank, once its tensors arrived: make what it now holds its commit."""
+        self.keep_live()
+
+    def keep_live(self) -> None:
+        """Make the live value the commit, where the next optimizer step waits for it (`save()` by default)."""
+        self.save()
+
+    def after_sync(self) -> None:
+        """On every rank, after each sync (e.g. to take the new world size)."""
+
+    def prepare_save(self) -> None:
+        """Collectives a save needs, run by every rank before any handler saves (a failure then tears nothing)."""
+
+    def touched(self) -> None:
+        """The state's optimizer is about to step: the live tensors stop being the commit."""
+
+    def guard(self, stepped: set[int]) -> None:
+        """`stepped`: ids of the tensors the state's optimizers step (whose step waits for a pending copy)."""
 
     def snapshot(self) -> Any:
         """A picklable copy of what `save()` kept, for a durable checkpoint."""
@@ -65,28 +128,128 @@ class StateHandler:
         )
 
 
+def _moves_only_what_is_needed(handler: StateHandler) -> bool:
+    return type(handler).describe is not StateHandler.describe
+
+
+def _sync_from_rank0(handler: StateHandler) -> None:
+    """The full broadcast of `handler`'s value from rank 0 (its `sync()`, as Horovod's helpers do)."""
+    ring = current_ring()
+    plan = SyncPlan(ring.rank, (0,), tuple(range(1, ring.size)))
+    description = share_object(ring, plan, handler.describe() if ring.rank == 0 else None)
+    if plan.receives:
+        handler.receive(description)
+    send_tensors_(ring, plan, handler.tensors())
+    if plan.receives:
+        handler.received()
+    handler.after_sync()
+
+
+def _swappable(t: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether `t` alone owns its storage, so trading it for `b`'s leaves nobody else's view behind."""
+    return (
+        t.shape == b.shape
+        and t.dtype == b.dtype
+        and t.device == b.device
+        and t._base is None
+        and t.is_contiguous()
+        and t.storage_offset() == 0
+        and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+    )
+
+
 class _TensorBuffers:
-    """Buffers that mirror a list of tensors, allocated once and reused."""
+    """Buffers that mirror a list of tensors: allocated once and reused, refilled in the background after a restore.
+
+    `guarded[i]` says that tensor i changes only through an optimizer step,
+    which calls `touched()` first: such a tensor is restored by trading
+    storages with its buffer and re-copied on a background thread.
+    """
 
     def __init__(self) -> None:
         self.buffers: list[torch.Tensor] = []
+        self.untouched = False  # the guarded live tensors still equal the buffers' commit (no step since)
+        self._copier: threading.Thread | None = None
+        self._copy_error: BaseException | None = None
 
-    def save(self, tensors: list[torch.Tensor]) -> None:
+    def _fit(self, tensors: Sequence[torch.Tensor]) -> None:
         if len(self.buffers) != len(tensors) or any(
-            b.shape != t.shape or b.dtype != t.dtype for b, t in zip(self.buffers, tensors, strict=True)
+            b.shape != t.shape or b.dtype != t.dtype or b.device != t.device
+            for b, t in zip(self.buffers, tensors, strict=True)
         ):
             self.buffers = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
+
+    def save(self, tensors: Sequence[torch.Tensor]) -> None:
+        self.wait()
+        self._fit(tensors)
         with torch.no_grad():
             for b, t in zip(self.buffers, tensors, strict=True):
                 b.copy_(t)
+        self.untouched = True
 
-    def restore(self, tensors: list[torch.Tensor]) -> None:
+    def save_later(self, tensors: Sequence[torch.Tensor], guarded: Sequence[bool]) -> None:
+        """Like `save`, but the guarded tensors are copied on a background thread."""
+        self.wait()
+        self._fit(tensors)
+        later = []
         with torch.no_grad():
-            for t, b in zip(tensors, self.buffers, strict=True):
-                t.copy_(b)
+            for b, t, g in zip(self.buffers, tensors, guarded, strict=True):
+                if g:
+                    later.append((b, t))
+                else:
+                    b.copy_(t)
+        self.untouched = True
+        self._copy_in_background(later)
+
+    def restore(self, tensors: Sequence[torch.Tensor], guarded: Sequence[bool]) -> None:
+        self.wait()
+        later = []
+        with torch.no_grad():
+            for i, (t, g) in enumerate(zip(tensors, guarded, strict=True)):
+                b = self.buffers[i]
+                if g and self.untouched:
+                    continue  # no step since the commit: the live tensor is the commit
+                if g and _swappable(t, b):
+                    old = t.data
+                    t.data = b
+                    self.buffers[i] = old
+                    later.append((old, t))
+                else:
+                    t.copy_(b)
+        self.untouched = True
+        self._copy_in_background(later)
+
+    def touched(self) -> None:
+        self.wait()
+        self.untouched = False
+
+    def wait(self) -> None:
+        """Block until a background copy finished."""
+        copier, self._copier = self._copier, None
+        if copier is not None:
+            copier.join()
+        error, self._copy_error = self._copy_error, None
+        if error is not None:
+            raise RuntimeError(f"copying the commit in the background failed: {error}") from error
+
+    def _copy_in_background(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        if not pairs:
+            return
+
+        def copy_all() -> None:
+            try:
+                with torch.no_grad():
+                    for b, t in pairs:
+                        b.copy_(t)
+            except BaseException as e:  # noqa: BLE001 - surfaced by wait(), in the training thread
+                self._copy_error = e
+
+        self._copier = threading.Thread(target=copy_all, name="ray_elastic-commit-copy", daemon=True)
+        self._copier.start()
 
     def copies(self) -> list[torch.Tensor]:
         # the buffers are overwritten in place by the next save: a checkpoint needs its own copy
+        self.wait()
         return [b.clone() for b in self.buffers]
 
 
@@ -96,18 +259,39 @@ class ModuleHandler(StateHandler):
     def __init__(self, value: torch.nn.Module) -> None:
         super().__init__(value)
         self._saved = _TensorBuffers()
+        self._stepped: set[int] = set()
 
     def _tensors(self) -> list[torch.Tensor]:
         return list(self.value.parameters()) + list(self.value.buffers())
+
+    def _guarded(self, tensors: list[torch.Tensor]) -> list[bool]:
+        return [id(t) in self._stepped for t in tensors]
+
+    def guard(self, stepped: set[int]) -> None:
+        self._stepped = stepped
 
     def save(self) -> None:
         self._saved.save(self._tensors())
 
     def restore(self) -> None:
-        self._saved.restore(self._tensors())
+        tensors = self._tensors()
+        self._saved.restore(tensors, self._guarded(tensors))
+
+    def touched(self) -> None:
+        self._saved.touched()
 
     def sync(self) -> None:
-        broadcast_tensors_(self._tensors())
+        _sync_from_rank0(self)
+
+    def describe(self) -> None:
+        return None
+
+    def tensors(self) -> list[torch.Tensor]:
+        return self._tensors()
+
+    def keep_live(self) -> None:
+        tensors = self._tensors()
+        self._saved.save_later(tensors, self._guarded(tensors))
 
     def snapshot(self) -> list[torch.Tensor]:
         return self._saved.copies()
@@ -120,7 +304,9 @@ class ModuleHandler(StateHandler):
                 f"the checkpoint's module has tensor shapes {[tuple(t.shape) for t in snapshot]}, "
                 f"this model has {shapes}"
             )
+        self._saved.wait()
         self._saved.buffers = [t.to(dtype=ref.dtype) for t, ref in zip(snapshot, tensors, strict=True)]
+        self._saved.untouched = False
         self.restore()
 
 
@@ -137,6 +323,7 @@ class OptimizerHandler(StateHandler):
         self._layout: list[tuple[int, str]] = []  # (param index, state key) of each saved tensor
         self._values: dict[tuple[int, str], Any] = {}  # non-tensor state (e.g. a float step)
         self._hyper: list[dict[str, Any]] = []
+        self._stepped = False  # a step pre-hook tells this handler before the optimizer changes its state
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -148,7 +335,7 @@ class OptimizerHandler(StateHandler):
     def _state_items(self) -> tuple[list[tuple[int, str]], list[torch.Tensor], dict[tuple[int, str], Any]]:
         layout, tensors, values = [], [], {}
         for i, p in enumerate(self._params()):
-            for key, v in self.optimizer.state.get(p, {}).items():
+            for key, v in sorted(self.optimizer.state.get(p, {}).items()):
                 if isinstance(v, torch.Tensor):
                     layout.append((i, key))
                     tensors.append(v)
@@ -159,9 +346,24 @@ class OptimizerHandler(StateHandler):
     def _hyper_params(self) -> list[dict[str, Any]]:
         return [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
 
+    def guard(self, stepped: set[int]) -> None:
+        self._stepped = True
+
+    def touched(self) -> None:
+        self._buffers.touched()
+
     def save(self) -> None:
+        self._save(later=False)
+
+    def keep_live(self) -> None:
+        self._save(later=True)
+
+    def _save(self, later: bool) -> None:
         layout, tensors, values = self._state_items()
-        self._buffers.save(tensors)
+        if later:
+            self._buffers.save_later(tensors, [self._stepped] * len(tensors))
+        else:
+            self._buffers.save(tensors)
         self._layout = layout
         self._values = copy.deepcopy(values)
         self._hyper = copy.deepcopy(self._hyper_params())
@@ -169,35 +371,45 @@ class OptimizerHandler(StateHandler):
     def restore(self) -> None:
         params = self._params()
         state = self.optimizer.state
-        saved_params = {i for i, _ in self._layout} | {i for i, _ in self._values}
-        for i, p in enumerate(params):
-            if i not in saved_params:
-                state.pop(p, None)  # state created after the commit did not exist then
-        for (i, key), buf in zip(self._layout, self._buffers.buffers, strict=True):
-            st = state.setdefault(params[i], {})
-            current = st.get(key)
-            if isinstance(current, torch.Tensor) and current.shape == buf.shape and current.dtype == buf.dtype:
-                with torch.no_grad():
-                    current.copy_(buf)
-            else:
-                st[key] = buf.clone()
-        for (i, key), v in self._values.items():
-            state.setdefault(params[i], {})[key] = copy.deepcopy(v)
-        saved_keys = set(self._layout) | set(self._values)
-        for i, p in enumerate(params):
-            for key in [k for k in state.get(p, {}) if (i, k) not in saved_keys]:
-                del state[p][key]
+        if not (self._stepped and self._buffers.untouched):
+            saved_params = {i for i, _ in self._layout} | {i for i, _ in self._values}
+            for i, p in enumerate(params):
+                if i not in saved_params:
+                    state.pop(p, None)  # state created after the commit did not exist then
+            live = []
+            for (i, key), buf in zip(self._layout, self._buffers.buffers, strict=True):
+                st = state.setdefault(params[i], {})
+                current = st.get(key)
+                if not (
+                    isinstance(current, torch.Tensor)
+                    and current.shape == buf.shape
+                    and current.dtype == buf.dtype
+                    and current.device == buf.device
+                ):
+                    current = st[key] = torch.empty_like(buf)
+                live.append(current)
+            self._buffers.restore(live, [self._stepped] * len(live))
+            for (i, key), v in self._values.items():
+                state.setdefault(params[i], {})[key] = copy.deepcopy(v)
+            saved_keys = set(self._layout) | set(self._values)
+            for i, p in enumerate(params):
+                for key in [k for k in state.get(p, {}) if (i, k) not in saved_keys]:
+                    del state[p][key]
         for group, hyper in zip(self.optimizer.param_groups, self._hyper, strict=True):
             group.update(copy.deepcopy(hyper))
 
     def sync(self) -> None:
+        _sync_from_rank0(self)
+
+    def describe(self) -> dict[str, Any]:
         layout, tensors, values = self._state_items()
-        skeleton = {
+        return {
             "tensors": [(i, key, tuple(t.shape), t.dtype) for (i, key), t in zip(layout, tensors, strict=True)],
             "values": values,
             "hyper": self._hyper_params(),
         }
-        skeleton = broadcast_object(skeleton, root_rank=0)
+
+    def receive(self, skeleton: dict[str, Any]) -> None:
         params = self._params()
         state = self.optimizer.state
         wanted = {(i, key) for i, key, _, _ in skeleton["tensors"]} | set(skeleton["values"])
@@ -206,19 +418,19 @@ class OptimizerHandler(StateHandler):
                 del state[p][key]
             if p in state and not state[p]:
                 del state[p]
-        ordered = []
         for i, key, shape, dtype in skeleton["tensors"]:
             st = state.setdefault(params[i], {})
             current = st.get(key)
             if not (isinstance(current, torch.Tensor) and tuple(current.shape) == shape and current.dtype == dtype):
                 # on the parameter's device: a newcomer's state must sit where rank 0's does (a GPU)
-                current = st[key] = torch.zeros(shape, dtype=dtype, device=params[i].device)
-            ordered.append(current)
-        broadcast_tensors_(ordered)
+                st[key] = torch.empty(shape, dtype=dtype, device=params[i].device)
         for (i, key), v in skeleton["values"].items():
             state.setdefault(params[i], {})[key] = v
         for group, hyper in zip(self.optimizer.param_groups, skeleton["hyper"], strict=True):
             group.update(hyper)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return self._state_items()[1]
 
     def snapshot(self) -> dict[str, Any]:
         # save() replaces layout, values and hyper-parameters; only the tensor buffers are reused
@@ -233,8 +445,10 @@ class OptimizerHandler(StateHandler):
         count = len(self._params())
         if any(i >= count for i, _ in list(snapshot["layout"]) + list(snapshot["values"])):
             raise ValueError(f"the checkpoint's optimizer state covers more than this optimizer's {count} parameters")
+        self._buffers.wait()
         self._layout = list(snapshot["layout"])
         self._buffers.buffers = list(snapshot["tensors"])
+        self._buffers.untouched = False
         self._values = snapshot["values"]
         self._hyper = snapshot["hyper"]
         self.restore()
@@ -254,7 +468,7 @@ class SamplerHandler(StateHandler):
         super().__init__(value)
         self._saved = value.state_dict()
 
-    def save(self) -> None:
+    def prepare_save(self) -> None:
         # record_indices() marks only this rank's samples: OR the bitmaps so every rank holds all.
         # Agree first, so no rank enters the union alone; before the first ring (the commit in
         # TorchState's constructor) there is nobody to agree with.
@@ -263,6 +477,8 @@ class SamplerHandler(StateHandler):
         if ring is not None and ring.max_int(int(self.value.needs_union)):
             ring.bitwise_or_(self.value.bitmap)
             self.value.needs_union = False
+
+    def save(self) -> None:
         self._saved = self.value.state_dict()
 
     def restore(self) -> None:
@@ -279,19 +495,28 @@ class SamplerHandler(StateHandler):
         self.restore()
 
     def sync(self) -> None:
+        _sync_from_rank0(self)
+
+    def describe(self) -> dict[str, Any]:
+        return {k: v for k, v in self.value.state_dict().items() if k != "bitmap"}
+
+    def receive(self, meta: dict[str, Any]) -> None:
         state = self.value.state_dict()
-        meta = broadcast_object({k: v for k, v in state.items() if k != "bitmap"}, root_rank=0)
         state.update(meta)
         if state["bitmap"].size != (meta["n"] + 7) // 8:
             state["bitmap"] = np.zeros((meta["n"] + 7) // 8, dtype=np.uint8)
         self.value.load_state_dict(state)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [torch.from_numpy(self.value.bitmap)]  # the live bitmap: received in place
+
+    def after_sync(self) -> None:
         ring = current_ring()
-        ring.broadcast_(self.value.bitmap, 0)  # in place: the live bitmap becomes rank 0's
         self.value.set_world(ring.rank, ring.size)
 
 
 class ObjectHandler(StateHandler):
-    """Any picklable value: deep copies, and an object broadcast on sync."""
+    """Any picklable value: deep copies; a sync hands rank 0's to the ranks that need it."""
 
     def __init__(self, value: Any) -> None:
         super().__init__(value)
@@ -304,7 +529,13 @@ class ObjectHandler(StateHandler):
         self.value = copy.deepcopy(self._saved)
 
     def sync(self) -> None:
-        self.value = broadcast_object(self.value, root_rank=0)
+        _sync_from_rank0(self)
+
+    def describe(self) -> Any:
+        return self.value
+
+    def receive(self, description: Any) -> None:
+        self.value = description
 
     def snapshot(self) -> Any:
         return self._saved  # save() replaces it with a fresh deep copy
@@ -342,7 +573,8 @@ class TorchState(State):
     """State of a PyTorch training loop: `TorchState(model=m, optimizer=o, sampler=s, epoch=0)`.
 
     Attributes read and write through to their handlers, so `state.epoch = 3`
-    is what the next `commit()` saves.
+    is what the next `commit()` saves. `last_sync` says what the last sync
+    moved (a `SyncReport`).
     """
 
     def __init__(self, model: torch.nn.Module | None = None, optimizer: Any = None, **kwargs: Any) -> None:
@@ -352,6 +584,7 @@ class TorchState(State):
         if optimizer is not None:
             values["optimizer"] = optimizer
         object.__setattr__(self, "_handlers", {k: _handler_for(v) for k, v in values.items()})
+        object.__setattr__(self, "_hooked", {})  # id(optimizer) -> (optimizer, its step pre-hook's handle)
         super().__init__()
         self.save()
 
@@ -368,18 +601,79 @@ class TorchState(State):
         else:
             object.__setattr__(self, name, value)
 
-    def save(self) -> None:
+    def _guard(self) -> None:
+        """Hook every optimizer of this state (once), and tell the handlers which tensors those step."""
+        stepped: set[int] = set()
         for handler in self._handlers.values():
-            handler.save()
+            if isinstance(handler, OptimizerHandler):
+                opt = handler.optimizer
+                if id(opt) not in self._hooked:
+                    self._hooked[id(opt)] = (opt, opt.register_step_pre_hook(self._before_step))
+                stepped.update(id(p) for p in handler._params())
+        for handler in self._handlers.values():
+            handler.guard(stepped)
+
+    def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        for handler in self._handlers.values():
+            handler.touched()
+
+    def save(self) -> None:
+        self._save(later=False)
+
+    def keep_live(self) -> None:
+        """Make the live state the commit; the tensors an optimizer steps are copied in the background."""
+        self._save(later=True)
+
+    def _save(self, later: bool) -> None:
+        self._guard()
+        for handler in self._handlers.values():
+            handler.prepare_save()
+        after = self.commit_id.next()
+        self.commit_id = fresh_commit_id()  # until every handler saved, this is nobody's commit
+        for handler in self._handlers.values():
+            if later:
+                handler.keep_live()
+            else:
+                handler.save()
+        self.commit_id = after
 
     def restore(self) -> None:
         for handler in self._handlers.values():
             handler.restore()
 
     def sync(self) -> None:
+        """Rank 0's commit on every rank, moving state only to the ranks that do not hold it."""
+        started = time.perf_counter()
+        ring = current_ring()
+        plan = agree(ring, self.commit_id)
+        received = 0
+        if plan.moves_state:
+            received = self._transfer(ring, plan)
         for handler in self._handlers.values():
-            handler.sync()
-        self.save()
+            handler.after_sync()
+        self.last_sync = SyncReport(plan.holders, plan.receivers, received, time.perf_counter() - started)
+
+    def _transfer(self, ring: CollectiveGroup, plan: SyncPlan) -> int:
+        moving = {name: h for name, h in self._handlers.items() if _moves_only_what_is_needed(h)}
+        described = None
+        if ring.rank == 0:
+            described = (self.commit_id, {name: h.describe() for name, h in moving.items()})
+        described = share_object(ring, plan, described)
+        if plan.receives:
+            commit_id, descriptions = described
+            for name, handler in moving.items():
+                handler.receive(descriptions[name])
+        received = send_tensors_(ring, plan, [t for h in moving.values() for t in h.tensors()])
+        for name, handler in self._handlers.items():
+            if name not in moving:  # a user handler with only sync(): its own broadcast, on every rank
+                handler.sync()
+                handler.save()
+        if plan.receives:
+            for handler in moving.values():
+                handler.received()
+            self.commit_id = commit_id
+        self._guard()
+        return received
 
     def checkpoint_payload(self) -> dict[str, Any]:
         return {name: handler.snapshot() for name, handler in self._handlers.items()}
@@ -392,3 +686,4 @@ class TorchState(State):
                 handler.load_snapshot(payload[name])
             except ValueError as e:  # name the attribute: a checkpoint_dir of another experiment?
                 raise ValueError(f"the checkpoint does not fit this TorchState's {name!r}: {e}") from e
+        self.commit_id = fresh_commit_id()  # a state no other rank holds: the sync hands it to them

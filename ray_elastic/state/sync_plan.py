@@ -1,0 +1,152 @@
+"""Who holds the commit every rank resumes from, and which bytes go from whom to whom.
+
+Pure logic, no collective: `ray_elastic.state.transfer` and
+`ray_elastic.torch.broadcast` carry the plans out.
+
+- Every commit carries a `CommitId`: a lineage (fresh in each process until
+  its first sync, then rank 0's) and how many saves it has seen since. Ranks
+  that trained in lockstep since a sync hold equal ids exactly when they hold
+  bitwise-equal state, so comparing 63-bit fingerprints of the ids (one tiny
+  allreduce) tells a reset which ranks already hold rank 0's commit.
+- `plan_sync` turns the fingerprints into a `SyncPlan`: the holders (rank 0
+  first) and the receivers. After a failure with no newcomer, nobody receives.
+- `schedule_chunks` cuts the state's bytes into chunks of bounded size (a
+  piece of one large tensor, or several small tensors packed) and spreads
+  them over the holders in contiguous runs; `order_transfers` lists the
+  sends in one global order, which every rank follows with a bounded window
+  of operations in flight (the earliest unfinished transfer always has both
+  ends posted, so the exchange cannot deadlock).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class CommitId:
+    """Which commit a rank holds: `count` saves into the state first synced as `lineage`."""
+
+    lineage: str
+    count: int = 0
+
+    def next(self) -> CommitId:
+        return CommitId(self.lineage, self.count + 1)
+
+    def fingerprint(self) -> int:
+        """A positive 63-bit number; equal ids give equal numbers, different ones differ but by a 2^-63 chance."""
+        digest = hashlib.blake2b(f"{self.lineage}:{self.count}".encode(), digest_size=8).digest()
+        return (int.from_bytes(digest, "little") & (2**63 - 1)) or 1
+
+
+def fresh_commit_id() -> CommitId:
+    """An id no other rank holds: for a state built (or loaded, or torn) in this process alone."""
+    return CommitId(uuid.uuid4().hex)
+
+
+@dataclass(frozen=True)
+class SyncPlan:
+    """Rank 0's commit is the one every rank resumes from; the holders already have it."""
+
+    rank: int
+    holders: tuple[int, ...]
+    receivers: tuple[int, ...]
+
+    @property
+    def receives(self) -> bool:
+        return self.rank in self.receivers
+
+    @property
+    def moves_state(self) -> bool:
+        return bool(self.receivers)
+
+
+def plan_sync(fingerprints: Sequence[int], rank: int) -> SyncPlan:
+    """The ranks whose commit fingerprint equals rank 0's hold it; the others receive it."""
+    if not fingerprints:
+        raise ValueError("a sync needs at least rank 0's fingerprint")
+    root = fingerprints[0]
+    holders = tuple(r for r, f in enumerate(fingerprints) if f == root)
+    receivers = tuple(r for r, f in enumerate(fingerprints) if f != root)
+    return SyncPlan(rank, holders, receivers)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Bytes `[start, stop)` of buffer number `buffer`."""
+
+    buffer: int
+    start: int
+    stop: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.stop - self.start
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One message: consecutive pieces (one piece of a large buffer, or several small buffers), from `sender`."""
+
+    sender: int
+    pieces: tuple[Piece, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.pieces)
+
+
+def schedule_chunks(sizes: Sequence[int], senders: Sequence[int], chunk_bytes: int) -> list[Chunk]:
+    """Cut buffers of `sizes` bytes, in order, into chunks of at most `chunk_bytes`, spread over `senders`.
+
+    Sender k sends the chunks that start in the k-th of `len(senders)` equal
+    shares of the bytes, so each sender reads one contiguous run of the state.
+    """
+    if chunk_bytes < 1:
+        raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
+    if not senders:
+        raise ValueError("a transfer needs at least one sender")
+    pieces_per_chunk: list[list[Piece]] = []
+    current: list[Piece] = []
+    room = chunk_bytes
+    for index, size in enumerate(sizes):
+        offset = 0
+        while offset < size:
+            take = min(room, size - offset)
+            current.append(Piece(index, offset, offset + take))
+            offset += take
+            room -= take
+            if room == 0:
+                pieces_per_chunk.append(current)
+                current, room = [], chunk_bytes
+    if current:
+        pieces_per_chunk.append(current)
+    total = sum(sizes)
+    chunks, start = [], 0
+    for pieces in pieces_per_chunk:
+        share = min(len(senders) - 1, start * len(senders) // total) if total else 0
+        chunk = Chunk(senders[share], tuple(pieces))
+        chunks.append(chunk)
+        start += chunk.nbytes
+    return chunks
+
+
+def order_transfers(chunks: Sequence[Chunk], receivers: Sequence[int]) -> list[tuple[int, int, int]]:
+    """Every (chunk index, sender, receiver) of the exchange, in the one order all ranks follow.
+
+    The senders' runs are interleaved (each sender's first chunk, then each
+    one's second ...), so a receiver draws from all senders at once.
+    """
+    runs: dict[int, list[int]] = {}
+    for i, chunk in enumerate(chunks):
+        runs.setdefault(chunk.sender, []).append(i)
+    order = []
+    for step in range(max((len(r) for r in runs.values()), default=0)):
+        for run in runs.values():
+            if step < len(run):
+                i = run[step]
+                order.extend((i, chunks[i].sender, r) for r in receivers)
+    return order

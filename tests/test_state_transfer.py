@@ -1,0 +1,154 @@
+"""A sync over a real torch Gloo ring of 3 processes (no Ray): only the ranks that lack rank 0's commit receive.
+
+Each process builds a `TorchGlooGroup` over one TCP store and stands in for a
+worker's runtime (`group` and `ensure_joined` are all a sync asks of it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import multiprocessing as mp
+import queue
+import socket
+import time
+
+import torch
+
+
+class Runtime:
+    """What `TorchState.sync` asks of a worker's runtime: the ring."""
+
+    def __init__(self, group) -> None:
+        from ray_elastic.runtime.process import ActivityMarks
+
+        self.group = group
+        self.activity = ActivityMarks()
+
+    def ensure_joined(self) -> None:
+        pass
+
+
+def digest(model, opt) -> str:
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(p.detach().numpy().tobytes())
+        for k, v in sorted(opt.state[p].items()):
+            h.update(k.encode() + (v.numpy().tobytes() if torch.is_tensor(v) else repr(v).encode()))
+    h.update(repr([g["lr"] for g in opt.param_groups]).encode())
+    return h.hexdigest()
+
+
+def member(rank: int, size: int, port: int, out) -> None:
+    import torch.distributed as dist
+
+    from ray_elastic.collective.torch_gloo import TorchGlooGroup
+    from ray_elastic.runtime.process import set_current
+
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, size, rank == 0)
+    ring = TorchGlooGroup(store, rank, size, timeout=30)
+    set_current(Runtime(ring))
+    for scenario in ("failure", "newcomer"):
+        out.put((scenario, rank, *one_scenario(rank, scenario)))
+    ring.close()
+
+
+def one_scenario(rank: int, scenario: str) -> tuple:
+    from ray_elastic.torch.state import TorchState
+
+    # a large tensor (sliced into chunks), small ones (packed), a non-contiguous one, Adam moments
+    lockstep = scenario == "failure" or rank < 2
+    torch.manual_seed(0 if lockstep else 100 + rank)
+    model = torch.nn.Sequential(torch.nn.Linear(300, 200), torch.nn.Linear(200, 3), torch.nn.Linear(3, 5))
+    model[2].weight = torch.nn.Parameter(torch.randn(3, 5).t())
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    state = TorchState(model=model, optimizer=opt, epoch=0)
+    state.sync()  # everyone holds rank 0's state
+    if lockstep:
+        # ranks 0 and 1 (and 2 in "failure") train in lockstep from the sync: equal commits
+        g = torch.Generator().manual_seed(5)
+        for _ in range(3):
+            opt.zero_grad()
+            model(torch.randn(4, 300, generator=g)).square().mean().backward()
+            opt.step()
+        state.epoch = 3
+        state.save()
+        opt.zero_grad()
+        model(torch.randn(4, 300, generator=g)).square().mean().backward()
+        opt.step()  # a step after the commit, then the ring "fails"
+        state.restore()
+    else:
+        # rank 2 is a newcomer: its own model, its own commit, no Adam moments
+        model[0].weight.data.fill_(1.0)
+        state = TorchState(model=model, optimizer=torch.optim.Adam(model.parameters(), lr=0.5), epoch=0)
+        opt = state.optimizer
+    state.sync()
+    report = state.last_sync
+    objects = sync_objects(lockstep)
+    return digest(model, opt), state.epoch, report.receivers, report.received_bytes, objects
+
+
+def sync_objects(lockstep: bool) -> tuple:
+    """The same for an `ObjectState`: (its epoch after the sync, who received)."""
+    from ray_elastic.state import ObjectState
+
+    objects = ObjectState(epoch=0, counts=[0] * 3)
+    objects.sync()
+    if lockstep:
+        objects.epoch, objects.counts = 5, [1, 2, 3]
+        objects.save()
+        objects.epoch = 6
+        objects.restore()
+    else:
+        objects = ObjectState(epoch=0, counts=[9] * 3)
+    objects.sync()
+    return objects.epoch, objects.counts, objects.last_sync.receivers
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_world(size: int = 3) -> dict:
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=member, args=(r, size, port, out)) for r in range(size)]
+    for p in procs:
+        p.start()
+    try:
+        results = {}
+        deadline = time.monotonic() + 120
+        while len(results) < 2 * size:
+            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            assert not dead and time.monotonic() < deadline, f"a member failed ({dead}) or timed out"
+            try:
+                scenario, rank, *rest = out.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            results[scenario, rank] = rest
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+    return results
+
+
+def test_sync_moves_state_only_to_the_ranks_that_lack_rank0s_commit():
+    results = run_world()
+    for scenario in ("failure", "newcomer"):
+        digests = {r: results[scenario, r][0] for r in range(3)}
+        assert len(set(digests.values())) == 1, f"{scenario}: ranks differ after the sync: {digests}"
+    assert all(results["failure", r][1] == 3 for r in range(3)), "every rank resumes from the commit (epoch 3)"
+    assert results["failure", 0][2] == (), "after a failure, nobody receives"
+    assert {results["failure", r][3] for r in range(3)} == {0}
+    assert results["newcomer", 0][2] == (2,), "only the newcomer receives"
+    assert results["newcomer", 0][3] == results["newcomer", 1][3] == 0
+    assert all(results[s, r][4] == (5, [1, 2, 3], ()) for s, r in results if s == "failure"), results
+    assert all(results[s, r][4] == (5, [1, 2, 3], (2,)) for s, r in results if s == "newcomer"), "ObjectState too"
+    assert results["newcomer", 2][1] == 3, "the newcomer took rank 0's plain values (epoch)"
+    params = 300 * 200 + 200 + 200 * 3 + 3 + 3 * 5 + 5
+    assert results["newcomer", 2][3] >= 3 * 4 * params, "the newcomer received the model and both Adam moments"

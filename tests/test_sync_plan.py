@@ -1,0 +1,79 @@
+"""The sync's plan without a cluster: who holds rank 0's commit, and how the bytes are cut and spread."""
+
+from __future__ import annotations
+
+import pytest
+
+from ray_elastic.state.sync_plan import CommitId, fresh_commit_id, order_transfers, plan_sync, schedule_chunks
+
+
+def test_equal_commits_have_equal_fingerprints_and_the_next_commit_differs():
+    a = CommitId("lineage", 4)
+    assert a.fingerprint() == CommitId("lineage", 4).fingerprint()
+    assert a.next().fingerprint() != a.fingerprint()
+    assert fresh_commit_id().fingerprint() != fresh_commit_id().fingerprint()
+    assert 0 < a.fingerprint() < 2**63
+
+
+def test_survivors_holding_rank0s_commit_receive_nothing():
+    plan = plan_sync([7, 7, 7], rank=1)
+    assert plan.holders == (0, 1, 2) and plan.receivers == ()
+    assert not plan.moves_state and not plan.receives
+
+
+def test_newcomers_and_a_rank_one_commit_ahead_receive_rank0s_commit():
+    plan = plan_sync([7, 8, 7, 3], rank=3)
+    assert plan.holders == (0, 2)
+    assert plan.receivers == (1, 3)
+    assert plan.receives
+
+
+def covered(chunks, sizes):
+    seen = {i: [] for i in range(len(sizes))}
+    for chunk in chunks:
+        for p in chunk.pieces:
+            seen[p.buffer].append((p.start, p.stop))
+    return all(
+        sorted(seen[i]) == [(a, b) for a, b in sorted(seen[i])] and _contiguous(sorted(seen[i]), sizes[i])
+        for i in seen
+        if sizes[i]
+    )
+
+
+def _contiguous(ranges, size):
+    pos = 0
+    for a, b in ranges:
+        if a != pos:
+            return False
+        pos = b
+    return pos == size
+
+
+@pytest.mark.parametrize("sizes", [[100], [3, 5, 1000, 2, 2, 64], [0, 10, 0], [64] * 20])
+def test_chunks_cover_every_byte_once_and_stay_within_the_bound(sizes):
+    chunks = schedule_chunks(sizes, senders=[0, 2], chunk_bytes=64)
+    assert covered(chunks, sizes)
+    assert all(0 < c.nbytes <= 64 for c in chunks)
+    assert sum(c.nbytes for c in chunks) == sum(sizes)
+
+
+def test_small_tensors_are_packed_and_a_large_one_is_sliced():
+    chunks = schedule_chunks([10, 10, 10, 200], senders=[0], chunk_bytes=64)
+    assert [p.buffer for p in chunks[0].pieces] == [0, 1, 2, 3]  # three small ones and the start of the large
+    assert all(len(c.pieces) == 1 for c in chunks[1:])
+
+
+def test_holders_share_the_sending_in_contiguous_runs():
+    chunks = schedule_chunks([1000], senders=[0, 1, 3], chunk_bytes=10)
+    senders = [c.sender for c in chunks]
+    assert senders == sorted(senders, key=[0, 1, 3].index)  # each sender's run is contiguous
+    counts = [senders.count(s) for s in (0, 1, 3)]
+    assert max(counts) - min(counts) <= 1
+
+
+def test_transfers_interleave_senders_and_reach_every_receiver():
+    chunks = schedule_chunks([40], senders=[0, 1], chunk_bytes=10)
+    order = order_transfers(chunks, receivers=[2, 3])
+    assert len(order) == len(chunks) * 2
+    assert [s for _, s, _ in order[:4]] == [0, 0, 1, 1]  # first chunk of each sender early
+    assert {(i, r) for i, _, r in order} == {(i, r) for i in range(len(chunks)) for r in (2, 3)}
