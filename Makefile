@@ -67,6 +67,7 @@ bench: $(BENCH_STAMP)
 	$(BIN)/python bench/allreduce.py --ranks 2,4 --rounds 11
 	$(BIN)/python bench/scale.py
 	$(BIN)/python bench/recovery.py
+	$(BIN)/python bench/state_size.py
 
 # the long chaos soak: 30 events on a 4-node local cluster (a few minutes)
 soak: $(STAMP)

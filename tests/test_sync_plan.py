@@ -28,25 +28,21 @@ def test_newcomers_and_a_rank_one_commit_ahead_receive_rank0s_commit():
     assert plan.receives
 
 
-def covered(chunks, sizes):
-    seen = {i: [] for i in range(len(sizes))}
+def covered(chunks, sizes) -> bool:
+    """Every byte of every buffer in exactly one piece, in order."""
+    seen: dict[int, list[tuple[int, int]]] = {i: [] for i, n in enumerate(sizes) if n}
     for chunk in chunks:
         for p in chunk.pieces:
             seen[p.buffer].append((p.start, p.stop))
-    return all(
-        sorted(seen[i]) == [(a, b) for a, b in sorted(seen[i])] and _contiguous(sorted(seen[i]), sizes[i])
-        for i in seen
-        if sizes[i]
-    )
-
-
-def _contiguous(ranges, size):
-    pos = 0
-    for a, b in ranges:
-        if a != pos:
+    for i, ranges in seen.items():
+        pos = 0
+        for a, b in ranges:
+            if a != pos:
+                return False
+            pos = b
+        if pos != sizes[i]:
             return False
-        pos = b
-    return pos == size
+    return True
 
 
 @pytest.mark.parametrize("sizes", [[100], [3, 5, 1000, 2, 2, 64], [0, 10, 0], [64] * 20])
@@ -57,10 +53,10 @@ def test_chunks_cover_every_byte_once_and_stay_within_the_bound(sizes):
     assert sum(c.nbytes for c in chunks) == sum(sizes)
 
 
-def test_small_tensors_are_packed_and_a_large_one_is_sliced():
-    chunks = schedule_chunks([10, 10, 10, 200], senders=[0], chunk_bytes=64)
-    assert [p.buffer for p in chunks[0].pieces] == [0, 1, 2, 3]  # three small ones and the start of the large
-    assert all(len(c.pieces) == 1 for c in chunks[1:])
+def test_small_tensors_are_packed_and_a_large_one_travels_alone_in_slices():
+    chunks = schedule_chunks([10, 10, 10, 200, 3], senders=[0], chunk_bytes=64, direct_bytes=32)
+    assert [[p.buffer for p in c.pieces] for c in chunks] == [[0, 1, 2], [3], [3], [3], [3], [4]]
+    assert [c.nbytes for c in chunks] == [30, 64, 64, 64, 8, 3]
 
 
 def test_holders_share_the_sending_in_contiguous_runs():

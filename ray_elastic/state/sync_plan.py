@@ -99,31 +99,42 @@ class Chunk:
         return sum(p.nbytes for p in self.pieces)
 
 
-def schedule_chunks(sizes: Sequence[int], senders: Sequence[int], chunk_bytes: int) -> list[Chunk]:
+def schedule_chunks(
+    sizes: Sequence[int], senders: Sequence[int], chunk_bytes: int, direct_bytes: int | None = None
+) -> list[Chunk]:
     """Cut buffers of `sizes` bytes, in order, into chunks of at most `chunk_bytes`, spread over `senders`.
 
-    Sender k sends the chunks that start in the k-th of `len(senders)` equal
-    shares of the bytes, so each sender reads one contiguous run of the state.
+    A buffer of at least `direct_bytes` (default `chunk_bytes // 16`) travels
+    in chunks of its own, sent from and received into its memory; smaller
+    ones are packed together. Sender k sends the chunks that start in the
+    k-th of `len(senders)` equal shares of the bytes, so each sender reads one
+    contiguous run of the state.
     """
     if chunk_bytes < 1:
         raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
     if not senders:
         raise ValueError("a transfer needs at least one sender")
+    direct = max(1, chunk_bytes // 16) if direct_bytes is None else direct_bytes
     pieces_per_chunk: list[list[Piece]] = []
-    current: list[Piece] = []
+    packed: list[Piece] = []
     room = chunk_bytes
     for index, size in enumerate(sizes):
-        offset = 0
-        while offset < size:
-            take = min(room, size - offset)
-            current.append(Piece(index, offset, offset + take))
-            offset += take
-            room -= take
-            if room == 0:
-                pieces_per_chunk.append(current)
-                current, room = [], chunk_bytes
-    if current:
-        pieces_per_chunk.append(current)
+        if size >= direct:
+            if packed:
+                pieces_per_chunk.append(packed)
+                packed, room = [], chunk_bytes
+            pieces_per_chunk.extend(
+                [Piece(index, start, min(size, start + chunk_bytes))] for start in range(0, size, chunk_bytes)
+            )
+            continue
+        if size > room:
+            pieces_per_chunk.append(packed)
+            packed, room = [], chunk_bytes
+        if size:
+            packed.append(Piece(index, 0, size))
+            room -= size
+    if packed:
+        pieces_per_chunk.append(packed)
     total = sum(sizes)
     chunks, start = [], 0
     for pieces in pieces_per_chunk:

@@ -662,6 +662,7 @@ class TorchState(State):
         if plan.receives:
             commit_id, descriptions = described
             for name, handler in moving.items():
+                handler.touched()  # a transfer cut short leaves torn tensors: a restore must bring the commit back
                 handler.receive(descriptions[name])
         received = send_tensors_(ring, plan, [t for h in moving.values() for t in h.tensors()])
         for name, handler in self._handlers.items():
