@@ -5,8 +5,10 @@
 
 On entry the worker joins the ring and `state.sync()` gives every rank rank
 0's state. Then the function runs. If a collective fails
-(`HorovodInternalError`), the state rolls back to the last commit; if hosts
-changed gracefully (`HostsUpdatedInterrupt`), the live state is kept. Either
+(`HorovodInternalError`, or any error while the runtime knows the ring is
+broken, as when DDP's reducer fails in `backward()`), the state rolls back
+to the last commit; if hosts changed gracefully (`HostsUpdatedInterrupt`),
+the live state is kept. Either
 way the ring is rebuilt for the driver's next generation, reset callbacks
 run, the state is synced again and the function is called again. A worker
 left out of the new generation leaves with `WorkerRemovedError`, which its
@@ -55,6 +57,15 @@ def run(func: Callable[..., R]) -> Callable[..., R]:
                 # graceful change: keep the live state, which sync hands to newcomers
                 state.keep_live()
                 failed, skip_sync = False, e.skip_sync
+            except Exception:
+                # an error from inside torch's own machinery (DDP's reducer raises a failed allreduce from
+                # backward() as a RuntimeError) is a ring failure when the ring is known broken; else a bug
+                broken = ctx.ring_failure()
+                if broken is None:
+                    raise
+                logger.info("rank %s: the ring broke (%s); restoring the last commit", ctx.slot.rank, broken)
+                state.restore()
+                failed, skip_sync = True, False
             ctx.reset(failed=failed)
             state.on_reset()
 

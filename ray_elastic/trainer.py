@@ -15,6 +15,7 @@ import os
 import pickle
 import threading
 import time
+import types
 import uuid
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -157,6 +158,12 @@ class ElasticTrainer:
             raise ValueError("train_fn must be a plain function: an async def runs nothing until awaited")
         if inspect.isgeneratorfunction(train_fn):
             raise ValueError("train_fn must be a plain function: a generator function runs nothing until iterated")
+        if backend == "pygloo" and refers_to(train_fn, "prepare_model"):
+            raise ValueError(
+                "train_fn calls prepare_model, which wraps the model in torch DistributedDataParallel and needs a "
+                "torch.distributed process group; backend='pygloo' has none: pass backend='gloo' (CPU) or "
+                "'nccl' (GPU), or leave backend='auto'"
+            )
         if config is not None and not isinstance(config, Mapping):
             raise ValueError(f"config must be a dict, got {type(config).__name__}")
         self.run_config = RunConfig.create(
@@ -411,3 +418,35 @@ def _remove_run_placement_groups(namespace: str) -> None:
                 remove_placement_group(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(pg_id))))
             except Exception:  # noqa: BLE001 - removed concurrently
                 pass
+
+
+def refers_to(fn: Callable[..., Any], name: str, depth: int = 3) -> bool:
+    """Whether `fn`'s code, or that of a function of its own module it calls, refers to `name`.
+
+    Reads the names in the bytecode (nested functions included; a global and
+    an attribute alike, so `elastic.torch.prepare_model` counts), following
+    module-level functions of `fn`'s module up to `depth` calls deep. Lets
+    the trainer refuse a combination before any worker starts; a reference it
+    cannot see (through another module) is left to the worker's own check.
+    """
+    fn = inspect.unwrap(getattr(fn, "func", fn))  # functools.partial, decorators
+    if not isinstance(fn, types.FunctionType):
+        fn = inspect.getattr_static(type(fn), "__call__", None)  # a callable object
+    if not isinstance(fn, types.FunctionType):
+        return False
+    seen: set[types.CodeType] = set()
+    todo = [(fn.__code__, 0)]
+    while todo:
+        code, level = todo.pop()
+        if code in seen:
+            continue
+        seen.add(code)
+        if name in code.co_names:
+            return True
+        todo += [(c, level) for c in code.co_consts if isinstance(c, types.CodeType)]
+        if level < depth:
+            for called in code.co_names:
+                callee = fn.__globals__.get(called)
+                if isinstance(callee, types.FunctionType) and callee.__module__ == fn.__module__:
+                    todo.append((callee.__code__, level + 1))
+    return False

@@ -66,6 +66,7 @@ class Membership:
         self._agreed: tuple[int, bool] | None = None  # (generation, any notice) from the last gradient allreduce
         self._announced = False
         self._abandoned: tuple[int, str] = (0, "")  # the newest generation the driver declared dead, and why
+        self._ring_failure: tuple[int, str] = (0, "")  # a collective that failed where no error reaches @run
 
     # ---- joining and leaving -------------------------------------------------
     def ensure_joined(self) -> None:
@@ -153,6 +154,23 @@ class Membership:
         group = self.group
         if group is not None and self.generation == generation:
             group.abandon(reason)
+
+    def record_ring_failure(self, generation: int, reason: str) -> None:
+        """A collective of `generation` failed where its error reaches the run loop as some other exception.
+
+        DDP's reducer raises a failed gradient allreduce from `backward()` as a
+        plain `RuntimeError`; its communication hook records the failure here
+        first, so the run loop rolls back and resets instead of failing the run.
+        """
+        if generation > self._ring_failure[0]:
+            self._ring_failure = (generation, reason)
+
+    def ring_failure(self) -> str | None:
+        """Why the current generation's ring is known to be broken (recorded, or abandoned by the driver), or None."""
+        if self._ring_failure[0] == self.generation and self.generation > 0:
+            return self._ring_failure[1]
+        group = self.group
+        return group.abandoned if group is not None else None
 
     # ---- host-change notices ---------------------------------------------------
     def notify(self, generation: int) -> None:

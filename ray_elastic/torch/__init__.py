@@ -1,22 +1,29 @@
-"""PyTorch support: `TorchState`, `ElasticSampler`, `DistributedOptimizer`.
+"""PyTorch support: `TorchState`, `ElasticSampler`, `DistributedOptimizer`, `prepare_model` (DDP).
 
 import ray_elastic as elastic
 opt = elastic.torch.DistributedOptimizer(opt, named_parameters=model.named_parameters())
 sampler = elastic.torch.ElasticSampler(dataset, shuffle=True, seed=0)
 state = elastic.torch.TorchState(model=model, optimizer=opt, sampler=sampler, epoch=0)
+
+or, with torch's DistributedDataParallel and a plain optimizer:
+
+model = elastic.torch.prepare_model(model)
 """
 
 from ray_elastic.torch.broadcast import broadcast_parameters
+from ray_elastic.torch.ddp import ElasticDDP, prepare_model
 from ray_elastic.torch.optimizer import DistributedOptimizer
 from ray_elastic.torch.sampler import ElasticSampler
 from ray_elastic.torch.state import StateHandler, TorchState, broadcast_optimizer_state, register_handler
 
 __all__ = [
     "DistributedOptimizer",
+    "ElasticDDP",
     "ElasticSampler",
     "StateHandler",
     "TorchState",
     "broadcast_optimizer_state",
     "broadcast_parameters",
+    "prepare_model",
     "register_handler",
 ]
