@@ -172,7 +172,7 @@ def main() -> None:
     parser.add_argument("--payload", type=int, default=1_000_000, help="float32 elements allreduced per step")
     parser.add_argument("--steps", type=int, default=200, help="steps per throughput round")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--only", choices=["silent", "sigkill", "drain"], help="one kind of repetition, no throughput")
+    parser.add_argument("--only", choices=["silent", "sigkill", "drain", "throughput"], help="one kind of measurement")
     args = parser.parse_args()
     reason = unavailable_reason()
     if reason:
@@ -184,7 +184,20 @@ def main() -> None:
         work = Path(tmp)
         cluster = NetnsCluster(num_nodes=2)
         try:
+            if args.only in (None, "throughput"):  # first, while both nodes are fresh (a drained one takes no worker)
+                loopback = RayStartCluster(num_cpus=4)
+                try:
+                    for r in range(args.rounds):
+                        loopback_env = {**loopback.env, "RAY_ADDRESS": loopback.address}
+                        for name, env in (("netns", cluster.env), ("loopback", loopback_env)):
+                            rate = throughput_round(env, work / f"tp-{name}-{r}", args.payload, args.steps)
+                            rates[name].append(rate)
+                            print(f"throughput round {r}, {name}: {rate:.1f} steps/s", flush=True)
+                finally:
+                    loopback.stop()
             for rep in range(args.reps):
+                if args.only == "throughput":
+                    break
                 for kind, one in (("silent", silent_rep), ("sigkill", sigkill_rep), ("drain", drain_rep)):
                     if args.only not in (None, kind):
                         continue
@@ -194,32 +207,24 @@ def main() -> None:
                     row = one(cluster, work / f"{kind}-{rep}", rng)
                     rows[kind].append(row)
                     print(f"{kind} rep {rep}: {row}", flush=True)
-            if args.only:
-                print(json.dumps(rows, indent=1))
-                return
-            loopback = RayStartCluster(num_cpus=4)
-            try:
-                for r in range(args.rounds):
-                    loopback_env = {**loopback.env, "RAY_ADDRESS": loopback.address}
-                    for name, env in (("netns", cluster.env), ("loopback", loopback_env)):
-                        rate = throughput_round(env, work / f"tp-{name}-{r}", args.payload, args.steps)
-                        rates[name].append(rate)
-                        print(f"throughput round {r}, {name}: {rate:.1f} steps/s", flush=True)
-            finally:
-                loopback.stop()
         finally:
             cluster.close()
-    figures = {
-        "silent_recovery_s": summary([r["recovery_s"] for r in rows["silent"]]),
-        "sigkill_recovery_s": summary([r["recovery_s"] for r in rows["sigkill"]]),
-        "sigkill_steps_redone_max": max(r["steps_redone"] for r in rows["sigkill"]),
-        "drain_gone_s": summary([r["gone_s"] for r in rows["drain"]]),
-        "drain_steps_redone_max": max(r["steps_redone"] for r in rows["drain"]),
-        "throughput_steps_per_s": {k: statistics.median(v) for k, v in rates.items()},
-    }
-    figures["throughput_netns_over_loopback"] = (
-        figures["throughput_steps_per_s"]["netns"] / figures["throughput_steps_per_s"]["loopback"]
-    )
+    figures: dict = {}
+    for key, kind, field in (
+        ("silent_recovery_s", "silent", "recovery_s"),
+        ("sigkill_recovery_s", "sigkill", "recovery_s"),
+        ("drain_gone_s", "drain", "gone_s"),
+    ):
+        if rows[kind]:
+            figures[key] = summary([r[field] for r in rows[kind]])
+    for kind in ("sigkill", "drain"):
+        if rows[kind]:
+            figures[f"{kind}_steps_redone_max"] = max(r["steps_redone"] for r in rows[kind])
+    if rates["netns"]:
+        figures["throughput_steps_per_s"] = {k: statistics.median(v) for k, v in rates.items()}
+        figures["throughput_netns_over_loopback"] = (
+            figures["throughput_steps_per_s"]["netns"] / figures["throughput_steps_per_s"]["loopback"]
+        )
     print()
     print(f"{'what (defaults, 4 workers on 2 IPs)':48} {'p50':>8} {'max':>8}")
     for label, key in (
@@ -227,15 +232,19 @@ def main() -> None:
         ("SIGKILL -> survivors' next step (s)", "sigkill_recovery_s"),
         ("drain notice -> departing workers gone (s)", "drain_gone_s"),
     ):
-        print(f"{label:48} {figures[key]['p50']:8.2f} {figures[key]['max']:8.2f}")
-    redone = figures["sigkill_steps_redone_max"], figures["drain_steps_redone_max"]
-    print(f"steps redone: SIGKILL max {redone[0]}, drain max {redone[1]}")
-    tp = figures["throughput_steps_per_s"]
-    print(
-        f"throughput ({args.payload * 4 / 1e6:g} MB allreduce per step): multi-IP {tp['netns']:.1f} steps/s, "
-        f"loopback {tp['loopback']:.1f} steps/s, ratio {figures['throughput_netns_over_loopback']:.2f}"
-    )
-    write_results("node_loss", rows, figures=figures, rates=rates, reps=args.reps, payload=args.payload)
+        if key in figures:
+            print(f"{label:48} {figures[key]['p50']:8.2f} {figures[key]['max']:8.2f}")
+    for kind in ("sigkill", "drain"):
+        if f"{kind}_steps_redone_max" in figures:
+            print(f"steps redone after a {kind}: max {figures[f'{kind}_steps_redone_max']}")
+    tp = figures.get("throughput_steps_per_s")
+    if tp:
+        print(
+            f"throughput ({args.payload * 4 / 1e6:g} MB allreduce per step): multi-IP {tp['netns']:.1f} steps/s, "
+            f"loopback {tp['loopback']:.1f} steps/s, ratio {figures['throughput_netns_over_loopback']:.2f}"
+        )
+    name = "node_loss" if args.only is None else f"node_loss_{args.only}"
+    write_results(name, rows, figures=figures, rates=rates, reps=args.reps, payload=args.payload)
 
 
 if __name__ == "__main__":
