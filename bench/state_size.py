@@ -25,7 +25,7 @@ Every rank also records its commits (`state.commit()`, beside a plain
 `copy_` of the same number of bytes at this process's measured copy speed)
 and its peak RSS over its RSS before the model existed, in copies of the
 state (model + Adam). A size whose three workers would not fit the memory
-available now (about 3.5 copies of the state per worker) is skipped and
+available now (about 3 copies of the state per worker, as measured) is skipped and
 said so.
 
 Prints a table and writes bench/results/state_size.json (or `--out NAME`).
@@ -60,7 +60,7 @@ import ray_elastic as elastic
 GB = 1e9
 WIDTH = 1024
 COMMIT_EVERY = 2
-COPIES_PER_WORKER = 3.5  # model + Adam, its commit, the gradients, and slack: what a worker may need at peak
+COPIES_PER_WORKER = 3.0  # model + Adam, its commit, gradients (twice in the first step), Ray, torch: 2.8-3.0 measured
 
 
 class FileDiscovery:
@@ -123,7 +123,13 @@ def train_fn(config: dict) -> int:
         sync()
         log(workdir, kind="sync", rank=elastic.rank(), size=elastic.size(), sync_s=time.perf_counter() - started)
 
+    def timed_restore(restore=state.restore) -> None:
+        began, started = time.time(), time.perf_counter()
+        restore()
+        log(workdir, kind="restore", rank=elastic.rank(), began=began, restore_s=time.perf_counter() - started)
+
     state.sync = timed_sync  # the run loop calls state.sync(): time it as the newcomer sees it
+    state.restore = timed_restore  # and state.restore(): when the survivors noticed the failure
 
     @elastic.run
     def train(state) -> int:
@@ -234,6 +240,8 @@ def one_size(params_m: int, node_a: str, node_b: str, workdir: str) -> dict:
         for i in range(len(times) - 1)
         if metrics[i]["world_size"] == metrics[i + 1]["world_size"] == 3
     ]
+    restores = [r for r in logs if r["kind"] == "restore" and r["began"] > killed["time"]]
+    synced = max(r["time"] for r in logs if r["kind"] == "sync" and r["time"] > killed["time"] and r["size"] == 2)
     syncs = [r for r in logs if r["kind"] == "sync"]
     newcomer_sync = next(r for r in syncs if r["size"] == 3 and r["rank"] == 2)
     commits = [r for r in logs if r["kind"] == "commit"]
@@ -256,6 +264,10 @@ def one_size(params_m: int, node_a: str, node_b: str, workdir: str) -> dict:
         "step_s_at_3": statistics.median(steps3) if steps3 else None,
         "fail_reset_s": ev_fail.reset_duration,
         "fail_kill_to_next_step_s": times[after_kill] - killed["time"],
+        # the survivors notice at their next wait on the ring: up to the rest of a step's backward after the kill
+        "fail_noticed_s": min(r["began"] for r in restores) - killed["time"],
+        "fail_restore_s": max(r["restore_s"] for r in restores),
+        "fail_noticed_to_synced_s": synced - min(r["began"] for r in restores),
         "fail_steps_redone": killed["step"] - (metrics[after_kill]["step"] - 1),
         "commit_s": statistics.median(r["commit_s"] for r in commits),
         "commit_over_copy": statistics.median(r["commit_s"] / r["copy_s"] for r in commits),
@@ -295,6 +307,12 @@ def main() -> None:
     finally:
         ray.shutdown()
         cluster.shutdown()
+    print(f"{'params':>7} {'noticed':>8} {'restore':>8} {'noticed->synced':>15}  (failure, after the SIGKILL)")
+    for r in rows:
+        print(
+            f"{r['params_m']:>6}M {r['fail_noticed_s']:>7.3f}s {r['fail_restore_s']:>7.4f}s "
+            f"{r['fail_noticed_to_synced_s']:>14.3f}s"
+        )
     print(
         f"{'params':>7} {'state':>7} {'fail reset':>10} {'kill->step':>10} {'step@2':>7} {'up reset':>9} "
         f"{'newcomer':>9} {'GB/s':>6} {'loopbk':>6} {'%':>5} {'pause':>7} {'commit':>7} {'/copy':>6} {'peak/state':>14}"

@@ -8,6 +8,10 @@ copy) or several small tensors packed into one message; at most `WINDOW`
 chunks per rank are in flight, so the extra memory is bounded by
 `WINDOW * CHUNK_BYTES` whatever the model's size. With several holders,
 each sends its own contiguous share, so a receiver draws from all of them.
+A receiver's tensors are often fresh memory (a newcomer's optimizer moments),
+whose first touch costs about as much as the transfer itself on a VM: a
+thread touches each chunk just ahead of its receive, so the page faults
+overlap the transfer instead of following it.
 
 `broadcast_tensors_` copies rank 0's tensors to every rank, coalesced per
 dtype (one flat broadcast each), for the user-facing helpers.
@@ -15,6 +19,7 @@ dtype (one flat broadcast each), for the user-facing helpers.
 
 from __future__ import annotations
 
+import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -56,9 +61,12 @@ def send_tensors_(
         mine = [(i, 0, ring.rank) for i in range(len(chunks))]
     received = 0
     inflight: deque[tuple[CollectiveWork, Callable[[], None] | None]] = deque()
+    toucher = _Toucher([chunks[i] for i, _, _ in mine], views) if p2p and plan.receives else None
     with torch.no_grad():
-        for i, sender, receiver in mine:
+        for k, (i, sender, receiver) in enumerate(mine):
             chunk = chunks[i]
+            if toucher is not None:
+                toucher.wait_past(k)
             if ring.rank == sender:
                 message = _pack(chunk, views)
                 work = ring.send_async(message, receiver) if p2p else _broadcast(ring, message)
@@ -77,6 +85,30 @@ def send_tensors_(
                 if c is not t:
                     t.copy_(c)
     return received
+
+
+class _Toucher:
+    """Writes each chunk's bytes once, in receive order, on its own thread: the page faults of fresh memory."""
+
+    def __init__(self, chunks: list[Chunk], views: list[torch.Tensor]) -> None:
+        self._done = 0  # chunks touched so far
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._run, args=(chunks, views), name="ray_elastic-touch", daemon=True)
+        self._thread.start()
+
+    def _run(self, chunks: list[Chunk], views: list[torch.Tensor]) -> None:
+        with torch.no_grad():
+            for chunk in chunks:
+                for p in chunk.pieces if len(chunk.pieces) == 1 else ():
+                    views[p.buffer][p.start : p.stop].zero_()
+                with self._cond:
+                    self._done += 1
+                    self._cond.notify_all()
+
+    def wait_past(self, k: int) -> None:
+        """Block until chunk `k` (in receive order) was touched, so its receive never races the thread."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._done > k)
 
 
 def _pack(chunk: Chunk, views: list[torch.Tensor]) -> torch.Tensor:

@@ -332,10 +332,14 @@ class OptimizerHandler(StateHandler):
     def _params(self) -> list[torch.Tensor]:
         return [p for group in self.optimizer.param_groups for p in group["params"]]
 
-    def _state_items(self) -> tuple[list[tuple[int, str]], list[torch.Tensor], dict[tuple[int, str], Any]]:
+    def _state_items(
+        self, ordered: bool = False
+    ) -> tuple[list[tuple[int, str]], list[torch.Tensor], dict[tuple[int, str], Any]]:
+        """Tensor state (layout and tensors) and the other values: in the optimizer's order, or by key."""
         layout, tensors, values = [], [], {}
         for i, p in enumerate(self._params()):
-            for key, v in sorted(self.optimizer.state.get(p, {}).items()):
+            items = self.optimizer.state.get(p, {}).items()
+            for key, v in sorted(items) if ordered else items:
                 if isinstance(v, torch.Tensor):
                     layout.append((i, key))
                     tensors.append(v)
@@ -430,7 +434,8 @@ class OptimizerHandler(StateHandler):
             group.update(hyper)
 
     def tensors(self) -> list[torch.Tensor]:
-        return self._state_items()[1]
+        # by key: the same order on every rank, whatever order each rank's optimizer created its state in
+        return self._state_items(ordered=True)[1]
 
     def snapshot(self) -> dict[str, Any]:
         # save() replaces layout, values and hyper-parameters; only the tensor buffers are reused
