@@ -5,7 +5,9 @@ On a local multi-node cluster (a head without CPUs and 2 nodes of 2 CPUs),
 committing every 10 steps. In each repetition one worker (random rank,
 random step, seeded) SIGKILLs itself right after its step; the survivors'
 next completed step is read from rank 0's reports. Steps lost is how many
-completed steps the rollback to the last commit undid.
+completed steps the rollback to the last commit undid. Each repetition runs
+twice, the same kill each time: with `DistributedOptimizer` and with
+`prepare_model` (DDP) and a plain optimizer (`--no-ddp` skips the second).
 
 Ray Train v2 beside it, on the same cluster, same model, same kill, measured
 the same way: `TorchTrainer` (4 workers, DDP) with
@@ -71,8 +73,12 @@ class KillOnce:
 def train_fn(config: dict) -> int:
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    model = make_mlp()
-    opt = elastic.torch.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))
+    if config.get("ddp"):
+        model = elastic.torch.prepare_model(make_mlp())
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    else:
+        model = make_mlp()
+        opt = elastic.torch.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))
     state = elastic.torch.TorchState(model=model, optimizer=opt, step=0)
     hook = config["hook"]
 
@@ -94,15 +100,13 @@ def train_fn(config: dict) -> int:
     return train(state)
 
 
-def one_rep(rng: random.Random, workdir: str, rep: int) -> dict:
-    kill_step = rng.randint(30, 120)
-    kill_rank = rng.randint(0, 3)
-    marker = os.path.join(workdir, f"killed-{rep}")
+def one_rep(kill_rank: int, kill_step: int, workdir: str, rep: int, ddp: bool = False) -> dict:
+    marker = os.path.join(workdir, f"killed-{rep}{'-ddp' if ddp else ''}")
     result = elastic.ElasticTrainer(
         train_fn,
         min_workers=2,
         max_workers=4,
-        config={"steps": kill_step + 20, "hook": KillOnce(kill_rank, kill_step, marker)},
+        config={"steps": kill_step + 20, "hook": KillOnce(kill_rank, kill_step, marker), "ddp": ddp},
         cooldown_range=(60, 60),
         verbose=0,
     ).fit()
@@ -227,6 +231,7 @@ def main() -> None:
     parser.add_argument("--rt-reps", type=int, default=3, help="Ray Train repetitions (0 to skip)")
     parser.add_argument("--rt-every", type=int, default=50, help="Ray Train: steps between checkpoints")
     parser.add_argument("--large-reps", type=int, default=3, help="25.1M-parameter repetitions (0 to skip)")
+    parser.add_argument("--no-ddp", action="store_true", help="skip the prepare_model (DDP) repetitions")
     args = parser.parse_args()
     import ray
     from ray.cluster_utils import Cluster
@@ -239,14 +244,18 @@ def main() -> None:
     rng = random.Random(args.seed)
     rows = []
     with tempfile.TemporaryDirectory() as workdir:
+        ddp_rows = []
         for rep in range(args.reps):
-            row = one_rep(rng, workdir, rep)
-            rows.append(row)
-            print(
-                f"rep {rep}: rank {row['kill_rank']} killed after step {row['kill_step']}: next step after "
-                f"{row['recovery_s']:.3f} s (reset {row['reset_s']:.3f} s), {row['steps_lost']} steps redone",
-                flush=True,
-            )
+            kill_step, kill_rank = rng.randint(30, 120), rng.randint(0, 3)
+            for ddp in (False,) if args.no_ddp else (False, True):
+                row = one_rep(kill_rank, kill_step, workdir, rep, ddp)
+                (ddp_rows if ddp else rows).append(row)
+                print(
+                    f"rep {rep}{' (DDP)' if ddp else ''}: rank {row['kill_rank']} killed after step "
+                    f"{row['kill_step']}: next step after {row['recovery_s']:.3f} s (reset {row['reset_s']:.3f} s), "
+                    f"{row['steps_lost']} steps redone",
+                    flush=True,
+                )
         large_rows = []
         for rep in range(args.large_reps):
             row = large_rep(workdir, rep)
@@ -273,6 +282,13 @@ def main() -> None:
         f"ray-elastic, 4 -> 3 workers: recovery p50 {summary['p50_s']:.3f} s, p95 {summary['p95_s']:.3f} s, "
         f"max {summary['max_s']:.3f} s; median steps redone {summary['median_steps_lost']}"
     )
+    ddp_summary = summarize(ddp_rows) if ddp_rows else None
+    if ddp_summary:
+        print(
+            f"ray-elastic with prepare_model (DDP), 4 -> 3 workers: recovery p50 {ddp_summary['p50_s']:.3f} s, "
+            f"p95 {ddp_summary['p95_s']:.3f} s, max {ddp_summary['max_s']:.3f} s; median steps redone "
+            f"{ddp_summary['median_steps_lost']}"
+        )
     large_summary = summarize(large_rows) if large_rows else None
     if large_summary:
         print(
@@ -297,6 +313,8 @@ def main() -> None:
         raytrain_checkpoint_every=args.rt_every,
         large_rows=large_rows,
         large_summary=large_summary,
+        ddp_rows=ddp_rows,
+        ddp_summary=ddp_summary,
     )
 
 

@@ -1,24 +1,26 @@
-"""Steady-state throughput: DistributedOptimizer under ElasticTrainer against torch DDP and Ray Train.
+"""Steady-state throughput: ray-elastic's two gradient paths against torch DDP and Ray Train.
 
 Same model, same synthetic data, same batch per worker, same world size, one
 thread per worker (`torch.set_num_threads(1)` in every rank of every system:
 at world size 4 the 4 ranks share this machine's 2 cores, oversubscribed
 alike), and every rank at one priority: Ray runs its workers at nice 15, so
 the DDP ranks (and this process, which polls) are put at the same niceness.
-Three systems:
+Four systems:
 
 - `ddp`: `torch.nn.parallel.DistributedDataParallel` over Gloo in
   `torch.multiprocessing` processes, no Ray;
 - `elastic`: `ray_elastic.torch.DistributedOptimizer` in `ElasticTrainer`
   workers on a local Ray, with `check_host_updates()` every step and
   `commit()` every 10 steps, as a real elastic loop runs;
+- `elastic_ddp`: the same loop with `ray_elastic.torch.prepare_model` (DDP
+  over the elastic ring) and a plain `torch.optim.SGD`;
 - `raytrain`: Ray Train v2's `TorchTrainer` (`prepare_model`, i.e. DDP over
   the Gloo group Ray Train sets up) on the same local Ray.
 
-For each model and world size the three start side by side once (start-up is
+For each model and world size the four start side by side once (start-up is
 excluded from every figure) and then take turns: in each round every system
 runs one window (a warm-up, then `--steps` timed steps on rank 0) while the
-other two wait idle on a file, in a rotating order. So every ratio compares
+others wait idle on a file, in a rotating order. So every ratio compares
 windows taken seconds apart, which is what holds on a noisy shared machine.
 During each window every thread's CPU time on the machine is read from /proc
 (`cpu_account.py`): what the timed ranks used per step, and what everything
@@ -54,7 +56,9 @@ BATCH = 64
 WARMUP = 3
 POLL_S = 0.02
 TURN_TIMEOUT_S = 600.0
-SYSTEMS = ("ddp", "elastic", "raytrain")
+SYSTEMS = ("ddp", "elastic", "elastic_ddp", "raytrain")
+OURS = ("elastic", "elastic_ddp")
+ON_RAY = ("elastic", "elastic_ddp", "raytrain")
 
 
 def make_model(name: str) -> torch.nn.Module:
@@ -111,7 +115,7 @@ def sgd_step(model: torch.nn.Module, opt: torch.optim.Optimizer, name: str, step
     opt.step()
 
 
-# ---- the three systems: each runs `take_turns` in every rank ----------------------------------
+# ---- the systems: each runs `take_turns` in every rank ----------------------------------
 
 
 def _ddp_worker(rank: int, world: int, name: str, steps: int, control: str) -> None:
@@ -131,14 +135,20 @@ def run_ddp(name: str, world: int, steps: int, control: str) -> None:
 
 
 def elastic_train_fn(config: dict) -> None:
+    """Our elastic loop; `config["ddp"]`: `prepare_model` and a plain optimizer, else `DistributedOptimizer`."""
     import ray_elastic as elastic
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
     name = config["model"]
-    model = make_model(name)
-    opt = elastic.torch.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01))
+    if config["ddp"]:
+        model = elastic.torch.prepare_model(make_model(name))
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    else:
+        model = make_model(name)
+        opt = elastic.torch.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01))
     state = elastic.torch.TorchState(model=model, optimizer=opt, step=0)
+    system = "elastic_ddp" if config["ddp"] else "elastic"
 
     @elastic.run
     def train(state) -> None:
@@ -150,16 +160,20 @@ def elastic_train_fn(config: dict) -> None:
             else:
                 state.check_host_updates()
 
-        take_turns("elastic", config["control"], elastic.rank(), elastic.size(), config["steps"], step)
+        take_turns(system, config["control"], elastic.rank(), elastic.size(), config["steps"], step)
 
     train(state)
 
 
-def run_elastic(name: str, world: int, steps: int, control: str) -> None:
+def run_elastic(name: str, world: int, steps: int, control: str, ddp: bool = False) -> None:
     import ray_elastic as elastic
 
-    config = {"model": name, "steps": steps, "control": control}
+    config = {"model": name, "steps": steps, "control": control, "ddp": ddp}
     elastic.ElasticTrainer(elastic_train_fn, world, world, config=config, verbose=0).fit()
+
+
+def run_elastic_ddp(name: str, world: int, steps: int, control: str) -> None:
+    run_elastic(name, world, steps, control, ddp=True)
 
 
 def raytrain_train_fn(config: dict) -> None:
@@ -196,7 +210,7 @@ def run_raytrain(name: str, world: int, steps: int, control: str) -> None:
     ).fit()
 
 
-RUNNERS = {"ddp": run_ddp, "elastic": run_elastic, "raytrain": run_raytrain}
+RUNNERS = {"ddp": run_ddp, "elastic": run_elastic, "elastic_ddp": run_elastic_ddp, "raytrain": run_raytrain}
 
 
 def cpu_summary(windows: list[dict], steps: int) -> dict[str, float]:
@@ -299,8 +313,9 @@ def main() -> None:
     worlds = [int(w) for w in args.worlds.split(",")]
     systems = args.systems.split(",")
     os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
-    # logical CPUs for ray-elastic's and Ray Train's ranks side by side (they take turns on the 2 real cores)
-    ray.init(address="local", num_cpus=2 * max(worlds), logging_level=logging.ERROR, **own_dashboard())
+    # logical CPUs for the Ray systems' ranks side by side (they take turns on the 2 real cores)
+    on_ray = sum(s in ON_RAY for s in systems)
+    ray.init(address="local", num_cpus=max(1, on_ray) * max(worlds), logging_level=logging.ERROR, **own_dashboard())
     # Ray starts its workers at nice 15 (RAY_worker_niceness): every rank of ray-elastic and of Ray Train
     # runs there. Bare DDP processes would run at 0 and win every wake-up against them (a nice-15 thread
     # gets ~3% of a core beside a nice-0 one), so a poll of this process or a job of another user on the
@@ -323,23 +338,26 @@ def main() -> None:
                 row[f"{s}_cpu"] = cpu[s]
                 row.update({f"{s}_{k}": v for k, v in cpu_summary(cpu[s], steps).items()})
             # the ratio of each round's windows (taken seconds apart), then the median over rounds
-            if "ddp" in systems and "elastic" in systems:
-                row["elastic_over_ddp"] = statistics.median(
-                    e / d for e, d in zip(samples["elastic"], samples["ddp"], strict=True)
-                )
-            if "raytrain" in systems and "elastic" in systems:
-                row["elastic_over_raytrain"] = statistics.median(
-                    e / r for e, r in zip(samples["elastic"], samples["raytrain"], strict=True)
-                )
+            for ours in (o for o in OURS if o in systems):
+                for other in (o for o in ("ddp", "raytrain") if o in systems):
+                    row[f"{ours}_over_{other}"] = statistics.median(
+                        e / d for e, d in zip(samples[ours], samples[other], strict=True)
+                    )
             rows.append(row)
     ray.shutdown()
-    print(f"{'model':>7} {'params':>7} {'world':>5} " + " ".join(f"{s:>10}" for s in systems) + "  ours/DDP  ours/RT")
+    ratios = [f"{o}_over_{b}" for o in OURS for b in ("ddp", "raytrain") if o in systems and b in systems]
+    print(
+        f"{'model':>7} {'params':>7} {'world':>5} "
+        + " ".join(f"{s:>11}" for s in systems)
+        + " "
+        + " ".join(f"{r:>24}" for r in ratios)
+    )
     for row in rows:
-        over_ddp, over_rt = row.get("elastic_over_ddp", float("nan")), row.get("elastic_over_raytrain", float("nan"))
         print(
             f"{row['model']:>7} {row['params_m']:>6}M {row['world']:>5} "
-            + " ".join(f"{row[f'{s}_samples_per_s']:>10.0f}" for s in systems)
-            + f"  {over_ddp:>8.3f} {over_rt:>8.3f}"
+            + " ".join(f"{row[f'{s}_samples_per_s']:>11.0f}" for s in systems)
+            + " "
+            + " ".join(f"{row[r]:>24.3f}" for r in ratios)
         )
     print("where the CPU went during the windows (median over rounds; cores = CPU seconds / wall seconds):")
     print(

@@ -5,8 +5,8 @@
 
 On entry the worker joins the ring and `state.sync()` gives every rank rank
 0's state. Then the function runs. If a collective fails
-(`HorovodInternalError`, or any error while the runtime knows the ring is
-broken, as when DDP's reducer fails in `backward()`), the state rolls back
+(`HorovodInternalError`, or an error the runtime knows for a broken ring's,
+as when DDP's reducer fails in `backward()`), the state rolls back
 to the last commit; if hosts changed gracefully (`HostsUpdatedInterrupt`),
 the live state is kept. Either
 way the ring is rebuilt for the driver's next generation, reset callbacks
@@ -57,10 +57,10 @@ def run(func: Callable[..., R]) -> Callable[..., R]:
                 # graceful change: keep the live state, which sync hands to newcomers
                 state.keep_live()
                 failed, skip_sync = False, e.skip_sync
-            except Exception:
+            except Exception as e:
                 # an error from inside torch's own machinery (DDP's reducer raises a failed allreduce from
-                # backward() as a RuntimeError) is a ring failure when the ring is known broken; else a bug
-                broken = ctx.ring_failure()
+                # backward() as a RuntimeError) is a ring failure, as is any error once the ring is abandoned
+                broken = ctx.ring_failure(e)
                 if broken is None:
                     raise
                 logger.info("rank %s: the ring broke (%s); restoring the last commit", ctx.slot.rank, broken)

@@ -105,8 +105,8 @@ class WorkerContext:
     def check_host_updates(self) -> None:
         self.membership.check_host_updates()
 
-    def ring_failure(self) -> str | None:
-        return self.membership.ring_failure()
+    def ring_failure(self, error: BaseException) -> str | None:
+        return self.membership.ring_failure(error)
 
     def mark_synced(self) -> None:
         """Tell the driver this rank synced, and from which commit training resumes."""

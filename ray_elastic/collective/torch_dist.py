@@ -156,15 +156,6 @@ class TorchDistGroup(CollectiveGroup):
             "allreduce", lambda: self._wait("allreduce", work), lambda: self._finish_allreduce(t, op, write_back)
         )
 
-    def allreduce_future(self, tensor: torch.Tensor) -> torch.futures.Future:
-        """Start a sum allreduce of `tensor` (on this group's device) in place; torch's future of it.
-
-        For DDP's communication hook (`ray_elastic.torch.ddp`), whose reducer
-        waits on futures: refused once the generation is abandoned, and tracked
-        like every started collective so `close()` never blocks on it.
-        """
-        return self._start("allreduce", lambda: dist.all_reduce(tensor, async_op=True)).get_future()
-
     def _finish_allreduce(self, t: torch.Tensor, op: ReduceOp, write_back: Callable[[], None] | None) -> None:
         """Turn the reduced sum into the op's result and hand it back to the caller's value."""
         if op is ReduceOp.AVERAGE:

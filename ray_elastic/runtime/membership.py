@@ -63,10 +63,11 @@ class Membership:
         self.synced_generation = 0  # the last generation this rank finished its sync in (0: never)
         # test seam: called with a point's name ("rendezvous") so fault-injection tests can fail a rank there
         self.fault_hook: Callable[[str], None] | None = None
-        self._agreed: tuple[int, bool] | None = None  # (generation, any notice) from the last gradient allreduce
+        # (generation, any notice, or how to learn it) from the last gradient allreduce or DDP's forward
+        self._agreed: tuple[int, bool | Callable[[], bool]] | None = None
         self._announced = False
         self._abandoned: tuple[int, str] = (0, "")  # the newest generation the driver declared dead, and why
-        self._ring_failure: tuple[int, str] = (0, "")  # a collective that failed where no error reaches @run
+        self._ring_error_checks: list[Callable[[BaseException], bool]] = []  # see add_ring_error_check
 
     # ---- joining and leaving -------------------------------------------------
     def ensure_joined(self) -> None:
@@ -155,22 +156,24 @@ class Membership:
         if group is not None and self.generation == generation:
             group.abandon(reason)
 
-    def record_ring_failure(self, generation: int, reason: str) -> None:
-        """A collective of `generation` failed where its error reaches the run loop as some other exception.
+    def add_ring_error_check(self, check: Callable[[BaseException], bool]) -> None:
+        """Teach the run loop what a broken ring's error looks like when it is not a `HorovodInternalError`.
 
-        DDP's reducer raises a failed gradient allreduce from `backward()` as a
-        plain `RuntimeError`; its communication hook records the failure here
-        first, so the run loop rolls back and resets instead of failing the run.
+        DDP's reducer raises a failed gradient allreduce from `backward()` as
+        a plain `RuntimeError`; `prepare_model` registers how to tell it from
+        a bug in `train_fn`.
         """
-        if generation > self._ring_failure[0]:
-            self._ring_failure = (generation, reason)
+        if check not in self._ring_error_checks:
+            self._ring_error_checks.append(check)
 
-    def ring_failure(self) -> str | None:
-        """Why the current generation's ring is known to be broken (recorded, or abandoned by the driver), or None."""
-        if self._ring_failure[0] == self.generation and self.generation > 0:
-            return self._ring_failure[1]
+    def ring_failure(self, error: BaseException) -> str | None:
+        """Why `error` means the current ring is broken (the driver abandoned it, or a check knows it), or None."""
         group = self.group
-        return group.abandoned if group is not None else None
+        if group is not None and group.abandoned is not None:
+            return group.abandoned
+        if any(check(error) for check in self._ring_error_checks):
+            return f"{type(error).__name__}: {error}"
+        return None
 
     # ---- host-change notices ---------------------------------------------------
     def notify(self, generation: int) -> None:
@@ -182,6 +185,10 @@ class Membership:
         """A collective all ranks ran (the gradient allreduce) told whether any rank holds a notice."""
         self._agreed = (self.generation, pending)
 
+    def agree_on_notice_later(self, pending: Callable[[], bool]) -> None:
+        """A collective all ranks started will tell whether any rank holds a notice; `pending()` waits for it."""
+        self._agreed = (self.generation, pending)
+
     def check_host_updates(self) -> None:
         """Raise `HostsUpdatedInterrupt` on every rank at once if the world changed.
 
@@ -191,7 +198,7 @@ class Membership:
         self.ensure_joined()
         agreed, self._agreed = self._agreed, None
         if agreed is not None and agreed[0] == self.generation:
-            pending = agreed[1]
+            pending = agreed[1]() if callable(agreed[1]) else agreed[1]
         else:
             pending = self.group.max_int(self.notice) > self.generation
         if pending:

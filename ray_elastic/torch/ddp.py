@@ -13,18 +13,27 @@ shapes). DDP's own broadcast of rank 0's parameters is skipped when the run
 loop already synced the state in this generation (`TorchState` broadcast
 them): a reset costs no second copy of the model.
 
-The gradient reduction runs in DDP's C++ reducer, through a communication
-hook that does what DDP's default does (divide by the world size, allreduce
-the bucket) and two things more:
+The gradients are reduced by DDP's own C++ reducer, untouched (a Python
+communication hook measured 1-2 ms of CPU per step more on 2 ranks: the
+ring's thread and autograd's take the GIL for every bucket).
+`gradient_as_bucket_view` defaults to True here (each `.grad` is a view into
+DDP's bucket, saving one copy of the gradients per step, as
+`DistributedOptimizer` does); pass False for DDP's default. Around it:
 
-- the first bucket carries one extra number, how many ranks hold a
-  host-change notice, so the `check_host_updates()` after the step needs no
-  collective of its own (as with `DistributedOptimizer`);
-- a failed allreduce is recorded in the worker's runtime before DDP raises it
-  from `backward()` as a plain `RuntimeError`: the run loop (`@elastic.run`)
-  then treats that error as a broken ring (roll back, reset), not as a bug in
-  `train_fn`. Collectives DDP runs itself in forward (the buffers' broadcast)
-  are caught in `forward()` and raised as `HorovodInternalError`.
+- host-change agreement: a training forward (gradients on, not in
+  `no_sync()`) starts one asynchronous one-number allreduce of this rank's
+  host-change notice, which runs while forward and backward compute; the
+  `check_host_updates()` after the step reads its result instead of running
+  a collective of its own;
+- failures: DDP raises a failed allreduce from `backward()` as a plain
+  `RuntimeError`. `prepare_model` registers with the worker's runtime what
+  such an error looks like (a `torch.distributed` error, or Gloo's), so the
+  run loop (`@elastic.run`) rolls back and resets instead of failing the run
+  as for a bug in `train_fn`; errors of DDP's collectives in forward are
+  raised as `HorovodInternalError` at once.
+
+Call the prepared model alike on every rank (DDP's buffer broadcast needs
+that too); to evaluate on one rank, call `prepared.module`.
 
 Works on the backends whose rings are torch.distributed process groups
 (torch Gloo, NCCL). `backend="pygloo"` has no process group: `ElasticTrainer`
@@ -44,6 +53,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from ray_elastic.collective.base import Max
 from ray_elastic.collective.factory import TORCH_BACKENDS
 from ray_elastic.exceptions import HorovodInternalError
 from ray_elastic.runtime.process import collective_activity, current
@@ -68,7 +78,6 @@ class ElasticDDP(torch.nn.Module):
         object.__setattr__(self, "_ddp_kwargs", dict(ddp_kwargs))
         object.__setattr__(self, "_ddp", None)
         object.__setattr__(self, "_generation", -1)
-        object.__setattr__(self, "_pending", 0)  # buckets in flight, for the worker's activity marks
 
     @property
     def ddp(self) -> DistributedDataParallel:
@@ -82,24 +91,48 @@ class ElasticDDP(torch.nn.Module):
         return self._ddp
 
     def _build(self, ctx: Any) -> DistributedDataParallel:
-        group = ctx.group
         # TorchState's sync already broadcast rank 0's parameters in this generation: skip DDP's second copy
         synced = ctx.membership.synced_generation == ctx.generation
         try:
             ddp = DistributedDataParallel(self.module, init_sync=not synced, **self._ddp_kwargs)
         except Exception as e:
             raise _as_ring_error(e, ctx, "building DistributedDataParallel") from e
-        ddp.register_comm_hook(group, self._reduce_bucket)
         return ddp
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         ddp = self.ddp
+        ctx = current()
+        if torch.is_grad_enabled() and ddp.require_backward_grad_sync:
+            self._agree_on_notice(ctx)
         try:
             return ddp(*args, **kwargs)
         except HorovodInternalError:
             raise
         except Exception as e:
-            raise _as_ring_error(e, current(), "DistributedDataParallel's forward") from e
+            raise _as_ring_error(e, ctx, "DistributedDataParallel's forward") from e
+
+    def _agree_on_notice(self, ctx: Any) -> None:
+        """Start the one-number allreduce that tells every rank whether any holds a host-change notice.
+
+        It runs while forward and backward compute; `check_host_updates()`
+        waits for it (done by then) instead of running a collective itself.
+        Meanwhile the worker counts as inside a collective, so the driver's
+        stuck-rank check does not take a rank waiting in DDP's reducer for one
+        stuck in user code.
+        """
+        # a fresh tensor each time: an earlier one may still be in flight if no check came between two forwards
+        notice = torch.tensor([int(ctx.notice > ctx.generation)], device=getattr(ctx.group, "device", None))
+        work = ctx.group.allreduce_async(notice, Max)
+        collective_activity(True)
+
+        def resolve() -> bool:
+            try:
+                work.wait()
+            finally:
+                collective_activity(False)
+            return bool(notice.item() > 0)
+
+        ctx.membership.agree_on_notice_later(resolve)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -107,69 +140,18 @@ class ElasticDDP(torch.nn.Module):
         with self.ddp.no_sync():
             yield
 
-    # ---- DDP's communication hook (runs in autograd's thread; its callback in the ring's) ----
-    # unannotated: DDP compares a hook's annotations with its classes, and this module's annotations are strings
-    def _reduce_bucket(self, group, bucket):
-        ctx = current()
-        generation = ctx.generation
-        buffer = bucket.buffer()
-        carry = bucket.index() == 0  # every rank's bucket 0 exists every step: the notice rides in it
-        scale = 1.0 / group.size
-        if carry:
-            flat = torch.empty(buffer.numel() + 1, dtype=buffer.dtype, device=buffer.device)
-            torch.mul(buffer, scale, out=flat[:-1])
-            flat[-1] = 1.0 if ctx.notice > generation else 0.0
-        else:
-            flat = buffer.mul_(scale) if group.size > 1 else buffer
-        if group.size == 1:
-            done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-            done.set_result(flat)
-            fut = done
-        else:
-            try:
-                if group is not ctx.group:
-                    raise HorovodInternalError("a gradient bucket of an older ring reached the hook after a reset")
-                fut = group.allreduce_future(flat)
-            except Exception as e:
-                ctx.membership.record_ring_failure(generation, f"gradient allreduce not started: {e}")
-                raise
-            self._mark_pending(+1)
 
-        def finish(result: torch.futures.Future[Any]) -> torch.Tensor:
-            try:
-                result.wait()
-            except Exception as e:
-                ctx.membership.record_ring_failure(generation, f"gradient allreduce failed: {e}")
-                raise
-            finally:
-                if group.size > 1:
-                    self._mark_pending(-1)
-            if carry:
-                ctx.agree_on_notice(bool(flat[-1].item() > 0))
-                return flat[:-1]
-            return flat
-
-        return fut.then(finish)
-
-    def _mark_pending(self, delta: int) -> None:
-        pending = self._pending + delta
-        object.__setattr__(self, "_pending", pending)
-        if delta > 0 and pending == 1:
-            collective_activity(True)  # waiting on the ring inside backward, not stuck in user code
-        elif pending == 0:
-            collective_activity(False)
+def is_ring_error(e: BaseException) -> bool:
+    """Whether `e` came from torch.distributed's own machinery failing: a `DistError`, or Gloo's `RuntimeError`."""
+    if isinstance(e, dist.DistError):
+        return True
+    return isinstance(e, RuntimeError) and "gloo" in str(e).lower()  # Gloo's errors name its source files
 
 
 def _as_ring_error(e: BaseException, ctx: Any, what: str) -> BaseException:
-    """`e` as a `HorovodInternalError` if it came from the ring (a torch.distributed or Gloo error), else `e`."""
-    if isinstance(e, HorovodInternalError):
+    """`e` as a `HorovodInternalError` if the ring is broken or `e` came from it, else `e` itself."""
+    if isinstance(e, HorovodInternalError) or ctx.membership.ring_failure(e) is None:
         return e
-    broken = ctx.membership.ring_failure()
-    if broken is None and (isinstance(e, dist.DistError) or "gloo" in str(e).lower()):
-        broken = str(e)
-    if broken is None:
-        return e
-    ctx.membership.record_ring_failure(ctx.generation, f"{what} failed: {broken}")
     return HorovodInternalError(f"{what} failed: {e}")
 
 
@@ -179,11 +161,12 @@ def prepare_model(model: torch.nn.Module, **ddp_kwargs: Any) -> ElasticDDP:
     Call it in `train_fn`, where Ray Train users call
     `ray.train.torch.prepare_model`. Every keyword goes to
     `DistributedDataParallel` (`find_unused_parameters`, `bucket_cap_mb`,
-    `gradient_as_bucket_view`, `static_graph`, `broadcast_buffers` ...),
-    except `process_group`, `device_mesh` and `init_sync`, which the ring
-    decides. Put the returned module in `TorchState(model=...)`; use a plain
-    torch optimizer (not `DistributedOptimizer`: DDP already averages the
-    gradients).
+    `static_graph`, `broadcast_buffers` ...), except `process_group`,
+    `device_mesh` and `init_sync`, which the ring decides;
+    `gradient_as_bucket_view` defaults to True (each `.grad` a view into
+    DDP's bucket: clone one you keep past the next step). Put the returned
+    module in `TorchState(model=...)`; use a plain torch optimizer (not
+    `DistributedOptimizer`: DDP already averages the gradients).
 
     Raises:
         ValueError: under `backend="pygloo"`, or for an option the ring sets.
@@ -197,10 +180,11 @@ def prepare_model(model: torch.nn.Module, **ddp_kwargs: Any) -> ElasticDDP:
     if own:
         raise ValueError(f"prepare_model sets {', '.join(own)} itself (the elastic ring's process group)")
     ctx = current()
+    ctx.membership.add_ring_error_check(is_ring_error)
     if ctx.settings.backend not in TORCH_BACKENDS:
         raise ValueError(
             f"prepare_model wraps the model in torch DistributedDataParallel, which needs a torch.distributed "
             f"process group, but this run uses backend={ctx.settings.backend!r}: pass backend='gloo' (CPU) or "
             "'nccl' (GPU) to ElasticTrainer, or leave backend='auto'"
         )
-    return ElasticDDP(model, ddp_kwargs)
+    return ElasticDDP(model, {"gradient_as_bucket_view": True, **ddp_kwargs})
