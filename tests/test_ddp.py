@@ -68,6 +68,7 @@ def ledger_train_fn(config: dict) -> dict:
                 opt.zero_grad()
                 torch.nn.functional.cross_entropy(model(x), y).backward()
                 opt.step()
+                model(x[:1])  # a forward no backward follows (a loss logged with gradients on), then maybe a reset
                 sampler.record_batch(i, batch)
                 state.step += 1
                 write({"gen": current().generation, "step": state.step, "epoch": state.epoch, "idx": idx.tolist()})

@@ -85,10 +85,26 @@ class ElasticDDP(torch.nn.Module):
         ctx = current()
         ctx.ensure_joined()
         if self._ddp is None or self._generation != ctx.generation:
-            object.__setattr__(self, "_ddp", None)  # the old reducer's hooks go with it, before the new ones exist
+            self._drop()
             object.__setattr__(self, "_ddp", self._build(ctx))
             object.__setattr__(self, "_generation", ctx.generation)
         return self._ddp
+
+    def _drop(self) -> None:
+        """Forget the old generation's DDP, and its reducer now.
+
+        A DDP is part of a reference cycle, so it outlives its last reference
+        until the garbage collector runs; its reducer's hooks on the
+        parameters would meanwhile act on the next DDP's gradients (after a
+        forward that no backward followed, DDP fails the next one's step with
+        "not the expected DDP bucket view"). The C++ reducer, held by the DDP
+        and its logger only, removes its hooks when freed.
+        """
+        old = self._ddp
+        object.__setattr__(self, "_ddp", None)
+        if old is not None:
+            old.reducer = None
+            old.logger = None
 
     def _build(self, ctx: Any) -> DistributedDataParallel:
         # TorchState's sync already broadcast rank 0's parameters in this generation: skip DDP's second copy
