@@ -39,6 +39,7 @@ class EventKind(_StrEnum):
     RESTARTED = "restarted"  # every member was lost: fresh workers resume from the durable checkpoint
     RESUMED = "resumed"  # rank 0 loaded the durable checkpoint
     KV_RESTARTED = "kv_restarted"  # the rendezvous (KV) actor died and Ray restarted it: the generation was restored
+    DRIVER_RESTARTED = "driver_restarted"  # the driver actor died and Ray restarted it: it resumed from its snapshot
 
 
 class DriverState(_StrEnum):

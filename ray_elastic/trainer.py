@@ -31,9 +31,11 @@ from ray_elastic.auth import RunToken
 from ray_elastic.checkpoint import CheckpointError, CheckpointStore
 from ray_elastic.config import RunConfig
 from ray_elastic.discovery import alive_ray_nodes, check_discovery_spec, slots_for_resources
+from ray_elastic.driver import snapshot
 from ray_elastic.driver.actor import create_driver_actor
 from ray_elastic.events import Event
 from ray_elastic.exceptions import TrainingFailedError
+from ray_elastic.leftovers import remove_run_actors, remove_run_placement_groups, run_namespace
 from ray_elastic.payload import pack
 from ray_elastic.protocol import RunOutcome
 from ray_elastic.rendezvous import create_kv_actor
@@ -216,7 +218,7 @@ class ElasticTrainer:
         self._check_cluster_can_hold_a_worker()
         self._check_checkpoint_dir()
         run_id = uuid.uuid4().hex[:12]
-        namespace = f"ray_elastic_{run_id}"
+        namespace = run_namespace(run_id)
         kv = driver = None
         outcome: RunOutcome | None = None
         reports = _Reports(self.run_config.keep_metrics)
@@ -371,9 +373,10 @@ def _cleanup(driver: Any, kv: Any, run_id: str, namespace: str, graceful: bool) 
             ray.kill(driver.handle, no_restart=True)
         if kv is not None:
             ray.kill(kv.handle, no_restart=True)
-        _remove_run_actors(namespace)
-        _remove_run_placement_groups(namespace)
+        remove_run_actors(namespace)
+        remove_run_placement_groups(namespace)
         autoscale.withdraw(run_id)
+        snapshot.delete(run_id)
 
     cleaner = threading.Thread(target=work, name="ray-elastic-cleanup", daemon=True)
     cleaner.start()
@@ -397,27 +400,6 @@ def _cleanup(driver: Any, kv: Any, run_id: str, namespace: str, graceful: bool) 
         )
     if interrupted:
         raise KeyboardInterrupt
-
-
-def _remove_run_actors(namespace: str) -> None:
-    """Kill any actor of the run still alive (the driver may have died before its workers)."""
-    for entry in ray.util.list_named_actors(all_namespaces=True):
-        if entry.get("namespace") == namespace:
-            try:
-                ray.kill(ray.get_actor(entry["name"], namespace=namespace), no_restart=True)
-            except ValueError:  # gone in between
-                pass
-
-
-def _remove_run_placement_groups(namespace: str) -> None:
-    from ray.util.placement_group import PlacementGroup, placement_group_table, remove_placement_group
-
-    for pg_id, info in placement_group_table().items():
-        if info.get("name", "").startswith(f"{namespace}-") and info.get("state") != "REMOVED":
-            try:
-                remove_placement_group(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(pg_id))))
-            except Exception:  # noqa: BLE001 - removed concurrently
-                pass
 
 
 def refers_to(fn: Callable[..., Any], name: str, depth: int = 3) -> bool:

@@ -9,12 +9,21 @@ outcome (`protocol.WorkerOutcome`): `Finished` (with rank 0's return value),
 with its traceback), so the
 driver can tell a user error from a death, which Ray reports as an actor
 error on the pending call.
+
+A worker is a detached actor: it outlives a driver that Ray restarts. The
+restarted driver calls `run()` again; that call waits behind the first (the
+default group runs one call at a time) and returns its outcome, or starts
+training if the first never came. A watchdog thread ends the run's
+leftovers (its actors, placement groups and snapshot) when the driver is
+dead for good: Ray kills the driver with `fit()`'s caller, and detached
+workers would otherwise outlive both.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 import traceback
 from typing import Any
@@ -22,14 +31,20 @@ from typing import Any
 import ray
 from ray import cloudpickle
 
+from ray_elastic import autoscale
 from ray_elastic.auth import with_token_check
 from ray_elastic.config import WorkerConfig
+from ray_elastic.driver import snapshot
 from ray_elastic.exceptions import CollectiveMismatchError, CoordinatorDiedError, WorkerRemovedError
+from ray_elastic.leftovers import remove_run_actors, remove_run_placement_groups, run_namespace
 from ray_elastic.payload import unpack
 from ray_elastic.protocol import CoordinatorLost, Finished, Removed, UserError, WorkerOutcome
 from ray_elastic.worker_context import WorkerContext, set_current
 
 logger = logging.getLogger(__name__)
+
+_WATCH_S = 5.0  # how often a worker asks whether the run's driver is still there
+_WATCH_MISSES = 2  # answers "dead for good" in a row before the worker removes the run
 
 
 class WorkerActor:
@@ -45,8 +60,45 @@ class WorkerActor:
         self.worker_id = worker_id
         self.ctx = WorkerContext(worker_id, kv, driver, settings)
         set_current(self.ctx)
+        self._outcome: WorkerOutcome | None = None
+        self._run_id = settings.run_id
+        self._driver_id = driver.handle._actor_id.hex() if hasattr(driver, "handle") else None
+        if self._driver_id is not None:
+            threading.Thread(target=self._watch_driver, name="ray-elastic-orphan-watch", daemon=True).start()
 
     def run(self, payload: bytes) -> WorkerOutcome:
+        """Train; a second call (from a restarted driver) returns the first one's outcome."""
+        if self._outcome is None:
+            self._outcome = self._train(payload)
+        return self._outcome
+
+    def _watch_driver(self) -> None:
+        """Remove the run when its driver is dead for good (not restarting): `fit()`'s caller is gone."""
+        misses = 0
+        while True:
+            time.sleep(_WATCH_S)
+            try:
+                state = ray._private.state.actors(self._driver_id).get("State")
+            except Exception:  # noqa: BLE001 - a GCS hiccup is no verdict
+                continue
+            misses = misses + 1 if state == "DEAD" else 0
+            if misses >= _WATCH_MISSES:
+                break
+        namespace = run_namespace(self._run_id)
+        logger.error("worker %s: the run's driver is dead for good; removing the run's actors", self.worker_id)
+        for step in (
+            lambda: snapshot.delete(self._run_id),
+            lambda: autoscale.withdraw(self._run_id),
+            lambda: remove_run_placement_groups(namespace),  # takes this worker with it
+            lambda: remove_run_actors(namespace),
+        ):
+            try:
+                step()
+            except Exception:  # noqa: BLE001 - each step on its own; the others may have done it
+                logger.exception("worker %s: removing the run's leftovers", self.worker_id)
+        os._exit(0)
+
+    def _train(self, payload: bytes) -> WorkerOutcome:
         try:
             train_fn, config = unpack(payload)
             value = train_fn(config)

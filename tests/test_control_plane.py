@@ -1,17 +1,24 @@
-"""The run's control plane dying mid-run: the KV (rendezvous) actor is restarted by Ray and the run carries on.
+"""The run's control plane dying: the KV (rendezvous) and driver actors are restarted by Ray, the run carries on.
 
 Between resets the rings need no keys, so a KV death costs nothing; in a
 rendezvous it costs at most one more reset. Fencing by generation holds
 across the restart: the restarted actor is told the current generation.
+A driver death costs no step: the workers train on while Ray restarts it,
+and it resumes from its snapshot (membership, generation, events, reports
+not yet fetched). `fit()`'s caller dying takes the whole run with it.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
-from conftest import actor_pid, run_namespaces_alive
+import ray
+from conftest import actor_pid, run_namespaces_alive, run_placement_groups_alive, wait_until
 from test_integration import assert_same_state, fault, start_and_reach_step
 from workloads import counting_train_fn
 
@@ -52,3 +59,88 @@ def test_kv_actor_sigkilled_during_a_rendezvous_costs_one_more_reset(cluster, no
     assert result.resets <= 2, f"at most one more reset than the death needs: {result.events}"
     assert result.return_value["steps"] == 60 and result.return_value["world_size"] == 3
     assert_same_state(result)
+
+
+def steps_once_each(result) -> list[int]:
+    """The steps rank 0 reported, each once, in order; a rollback's redone steps are counted by the caller."""
+    return sorted({m["step"] for m in result.metrics})
+
+
+def test_driver_sigkilled_mid_run_costs_no_step(cluster, no_leaks, tmp_path):
+    fut = start_and_reach_step(tmp_path, config={"steps": 120, "deadline_s": 120}, min_workers=4)
+    [driver] = [a for a in run_namespaces_alive() if a["name"] == "driver"]
+    os.kill(actor_pid("driver", driver["namespace"]), signal.SIGKILL)
+    result = fut.result(timeout=120)
+    assert [e.kind for e in result.events] == ["start", "driver_restarted"], result.events
+    assert result.resets == 0, "no reset and no rollback: the workers trained on without their driver"
+    assert result.return_value["steps"] == 120 and result.return_value["world_size"] == 4
+    # every report reached fit() once, those the dead driver held unfetched included
+    assert [m["step"] for m in result.metrics] == list(range(1, 121))
+    assert_same_state(result)
+
+
+def test_driver_killed_during_a_reset_and_during_a_scale_up(cluster, no_leaks, tmp_path):
+    """Rank 3 dies; the driver is SIGKILLed while the survivors form the next ring, and again while the
+    replacement (its host back after the cool-down) receives the state."""
+    faults = [
+        fault(tmp_path, rank=3, step=15),
+        {**fault(tmp_path, rank=0, step=10, action="kill_driver", name="in-reset"), "phase": "rendezvous"},
+        {
+            **fault(tmp_path, rank=0, step=0, action="kill_driver", name="in-scale-up"),
+            "rank": "newcomer",
+            "phase": "newcomer_sync",
+        },
+    ]
+    # trains until the world, down to 3 after the death, is 4 again, and 20 steps more
+    config = {"faults": faults, "until_world": 4, "signal_world_size": 3, "extra_steps": 20, "deadline_s": 150}
+    result = ElasticTrainer(
+        counting_train_fn, min_workers=2, max_workers=4, config=config, cooldown_range=(1, 1), verbose=0
+    ).fit()
+    kinds = [e.kind for e in result.events]
+    assert kinds == ["start", "worker_failed", "driver_restarted", "hosts_added", "driver_restarted"], (
+        f"no worker lost or rolled back because of the driver: {result.events}"
+    )
+    final = result.return_value["steps"]
+    assert result.return_value["world_size"] == 4
+    steps = [m["step"] for m in result.metrics]
+    assert steps_once_each(result) == list(range(1, final + 1)), "no step missing"
+    assert len(steps) - final <= 5, f"only the steps since the last commit (every 5) are redone: {len(steps) - final}"
+    assert_same_state(result)
+
+
+def test_driver_and_kv_sigkilled_together_mid_run_cost_no_step(cluster, no_leaks, tmp_path):
+    faults = [fault(tmp_path, rank=0, step=20, action="kill_both")]
+    result = ElasticTrainer(
+        counting_train_fn, min_workers=4, max_workers=4, config={"faults": faults, "steps": 100}, verbose=0
+    ).fit()
+    assert sorted(e.kind for e in result.events) == ["driver_restarted", "kv_restarted", "start"], result.events
+    assert result.resets == 0
+    assert [m["step"] for m in result.metrics] == list(range(1, 101))
+    assert_same_state(result)
+
+
+def test_fit_callers_process_killed_leaves_nothing_behind(cluster, no_leaks, tmp_path):
+    """The workers are detached (they outlive a restarting driver): with the caller gone, they remove the run."""
+    script = tmp_path / "caller.py"
+    script.write_text(
+        "import sys\n"
+        f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+        "from workloads import counting_train_fn\n"
+        "from ray_elastic import ElasticTrainer\n"
+        f"ElasticTrainer(counting_train_fn, 2, 2, config={{'steps': 10**6, 'deadline_s': 600, 'signal_file': "
+        f"{str(tmp_path / 'training')!r}, 'signal_step': 5}}, verbose=0).fit()\n"
+    )
+    env = {**os.environ, "RAY_ADDRESS": cluster.address}
+    caller = subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        wait_until(lambda: (tmp_path / "training").exists() or caller.poll() is not None, 120, "training to start")
+        assert caller.poll() is None, caller.communicate()[1][-3000:]
+        assert len(run_placement_groups_alive()) == 2
+    finally:
+        caller.kill()
+        caller.communicate()
+    # Ray kills the caller's driver actor (owned by the caller); the orphaned workers remove the rest
+    wait_until(lambda: not run_namespaces_alive(), 60, f"the run's actors to go: {run_namespaces_alive()}")
+    wait_until(lambda: not run_placement_groups_alive(), 30, f"placement groups to go: {run_placement_groups_alive()}")
+    leftovers = ray.experimental.internal_kv._internal_kv_list(b"driver/", namespace="ray_elastic")
+    assert leftovers == [], f"the driver's snapshot stays behind: {leftovers}"

@@ -596,3 +596,57 @@ def test_a_restarted_kv_actor_is_told_the_generation_and_costs_a_reset_only_duri
     [gen3] = [a for a in actions if isinstance(a, m.Publish)]
     assert restore == [m.RestoreKV(2, dict(gen2.plan))] and actions.index(restore[0]) < actions.index(gen3)
     assert gen3.generation == 3 and set(gen3.plan) == set(gen2.plan)
+
+
+# ---- a restarted driver ------------------------------------------------------------------
+
+
+def restart(s: Script) -> list:
+    """What a restarted driver does with its snapshot: unpickle the core and ask what may have been lost."""
+    import pickle
+
+    s.core = pickle.loads(pickle.dumps(s.core))
+    s.now += 2.0  # Ray took a while to restart it
+    return s.core.restarted(s.now, "its process died")
+
+
+def test_a_restarted_driver_resumes_mid_run_asking_only_for_the_current_generation_again():
+    s = Script()
+    s.start({"A": 2})
+    actions = restart(s)
+    # no spawn, no kill, no new generation: the generation to the KV and the autoscaler's share (2 of 4 slots)
+    assert actions == [m.RestoreKV(1, s.core.plan), m.RequestResources(4)]
+    assert s.kinds() == [(EventKind.START, 1), (EventKind.DRIVER_RESTARTED, 1)]
+    assert s.core.events[-1].reset_duration == 0.0
+    s.send(m.Tick(), after=1.0)
+    assert s.actions == [] and s.core.generation == 1 and s.core.state is DriverState.RUNNING
+
+
+def test_a_driver_restarted_with_a_question_out_asks_it_again_and_the_answer_is_used():
+    s = Script()
+    s.start({"A": 1, "B": 1, "C": 1})
+    s.send(m.ResetRequested("w1", 1, "timeout"))
+    [query] = s.of(m.QueryActivity)
+    actions = restart(s)
+    assert query in actions, "the members' activity is asked again: the dead driver may never have asked"
+    busy = {"idle_s": 0.1, "in_collective": True}
+    s.send(
+        m.ActivityReport(1, "w1", "timeout", {"w1": busy, "w2": busy, "w3": {"idle_s": 15.0, "in_collective": False}})
+    )
+    assert s.of(m.Kill) == [m.Kill("w3", failed=True)]
+
+
+def test_a_driver_restarted_after_a_death_tells_the_survivors_again_and_messages_sent_twice_count_once():
+    s = Script()
+    publish = s.start({"A": 1, "B": 1, "C": 1})
+    s.send(m.WorkerDied("w3", "SIGKILL", node_alive=True))
+    [second] = s.of(m.Publish)
+    actions = restart(s)
+    assert m.RestoreKV(2, s.core.plan) in actions
+    # the survivors' syncs: one taken before the death and sent again by Ray after it, one new
+    s.send(m.WorkerSynced("w1", 2, s.now + 1000.0), m.WorkerSynced("w1", 2, s.now + 1000.0))
+    s.send(m.WorkerSynced("w2", 2, s.now + 1000.0), m.WorkerReady("w1"))
+    assert s.core.generation == 2 and s.core.state is DriverState.RUNNING and s.of(m.Publish) == []
+    kinds = [k for k, _ in s.kinds()]
+    assert kinds == [EventKind.START, EventKind.WORKER_FAILED, EventKind.DRIVER_RESTARTED]
+    assert publish.generation == 1 and second.generation == 2

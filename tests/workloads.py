@@ -8,8 +8,9 @@ fired, and when), so a worker that replaces the victim does not repeat it.
 
 A fault is `{"rank", "step", "action", "marker", "phase"}`: the rank that
 fails (or "newcomer"), by `action` (sigkill, exit, raise, hang, deadlock,
-stuck_in_collective, gil_busy and gil_sleep for `seconds`, kill_kv: the
-run's KV actor's process is SIGKILLed), in `phase`:
+stuck_in_collective, gil_busy and gil_sleep for `seconds`; kill_kv,
+kill_driver and kill_both: the run's KV actor's, driver actor's or both
+processes are SIGKILLed), in `phase`:
 "step" (after the step's allreduce, the default; fires at exactly `step`),
 or, firing the first time the phase is reached once the state's step is at
 least `step`: "commit" (inside `save()`), "sync" (inside the sync
@@ -71,11 +72,12 @@ def _fire_faults(config: dict, step: int, phase: str = "step", newcomer: bool = 
             _compute_holding_the_gil(fault["seconds"])
         elif action == "gil_sleep":  # sleeps in a C call that keeps the GIL (ctypes.PyDLL does not release it)
             ctypes.PyDLL(None).sleep(int(fault["seconds"]))
-        elif action == "kill_kv":  # SIGKILL the run's KV (rendezvous) actor's process: Ray restarts it
+        elif action in ("kill_kv", "kill_driver", "kill_both"):  # SIGKILL a run actor's process: Ray restarts it
             import ray
 
-            actor_id = ctx.membership.kv.handle.handle._actor_id.hex()
-            os.kill(ray._private.state.actors(actor_id)["Pid"], signal.SIGKILL)
+            handles = {"kv": ctx.membership.kv.handle.handle, "driver": ctx.membership.driver.handle}
+            for name in ("kv", "driver") if action == "kill_both" else (action[len("kill_") :],):
+                os.kill(ray._private.state.actors(handles[name]._actor_id.hex())["Pid"], signal.SIGKILL)
         elif action == "stuck_in_collective":
             ctx.in_collective = True  # as if blocked in a collective its peers never enter
             threading.Event().wait()

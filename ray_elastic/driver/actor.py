@@ -19,6 +19,19 @@ core, and carries out the actions that come back:
   durable checkpoint's existence) run as tasks that answer with a message,
   so the loop never waits on them.
 
+The driver survives its own death. Ray restarts the actor (`max_restarts`)
+and sends it again the calls it had not answered (`max_task_retries`), among
+them `fit()`'s `run()`. The workers and their placement groups are detached,
+so they outlive it and train on. After every batch the driver writes its
+core to a snapshot (`snapshot.py`) before it carries the batch's actions
+out, and answers the workers' calls only once their message is in a
+snapshot; a restarted driver loads it, finds its workers by name, watches
+their `run()` again (a second call returns the first one's outcome), starts
+the ones whose start was cut short, and asks again what may have been lost
+(`DriverCore.restarted`). Workers orphaned by a driver dead for good (when
+`fit()`'s caller dies, Ray kills the driver with it) remove the run's
+actors and placement groups themselves (`worker_actor.py`).
+
 Every await has a deadline: the KV actor's answers, the members' pings and
 the CPU reading of a member that missed one (`progress.py`)
 `liveness_timeout`, Ray's node table and the checkpoint lookup
@@ -31,9 +44,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import pickle
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
@@ -45,9 +59,11 @@ from ray_elastic.checkpoint import CheckpointStore
 from ray_elastic.config import RunConfig
 from ray_elastic.discovery import DiscoveryError, DiscoveryPoller, alive_ray_nodes, make_discovery
 from ray_elastic.driver import messages as m
-from ray_elastic.driver.core import DriverCore
+from ray_elastic.driver import snapshot
+from ray_elastic.driver.core import DriverCore, WorkerStatus
 from ray_elastic.driver.metrics_log import MetricsLog
 from ray_elastic.driver.progress import start_probe
+from ray_elastic.leftovers import remove_run_placement_groups, run_placement_groups
 from ray_elastic.payload import unpack
 from ray_elastic.protocol import DriverStatus, RunOutcome
 from ray_elastic.worker_actor import actor_class
@@ -66,6 +82,31 @@ class _Died:
     def __init__(self, worker_id: str, reason: str) -> None:
         self.worker_id = worker_id
         self.reason = reason
+
+
+class _Seqs:
+    """The sequence numbers seen, as every number up to `floor` and the ones above it (a few at most)."""
+
+    def __init__(self) -> None:
+        self.floor = 0
+        self.above: set[int] = set()
+
+    def add(self, seq: int) -> bool:
+        """Note `seq`; False if it was seen before."""
+        if seq <= self.floor or seq in self.above:
+            return False
+        self.above.add(seq)
+        while self.floor + 1 in self.above:
+            self.floor += 1
+            self.above.discard(self.floor)
+        return True
+
+
+class _Received(NamedTuple):
+    """A message from a call; the call is answered once a snapshot holds it (`seq`)."""
+
+    seq: int
+    message: Any  # None: nothing for the core (add_metrics changed the metrics log)
 
 
 class DriverActor:
@@ -92,6 +133,13 @@ class DriverActor:
         self._autoscale_requested = 0
         self._worker_cls = actor_class()
         self._self_handle: Any = None
+        self._metric_seqs: dict[str, _Seqs] = {}  # per worker: the metrics batches taken
+        self._received = 0  # calls' messages queued so far
+        self._in_batch = 0  # the newest of them in the batch being applied
+        self._durable = 0  # the newest of them a snapshot holds
+        self._answers: list[tuple[int, asyncio.Future]] = []  # calls waiting for their message's snapshot
+        self._snapshot: bytes | None = None
+        self._started = asyncio.Event()  # the core is the run's: fresh, or loaded from the snapshot
 
     # ---- the loop ----------------------------------------------------------------
     async def run(self) -> RunOutcome:
@@ -104,11 +152,17 @@ class DriverActor:
                 give_up_after=self.config.elastic_timeout,
                 timeout=self.config.discovery_timeout,
             )
-            try:
-                first = [m.HostsDiscovered(await self._poll(poller))]
-            except DiscoveryError as e:
-                first = [m.DiscoveryFailed(str(e))]
-            await self._carry_out(self.core.handle(first, time.monotonic()))
+            if ray.get_runtime_context().was_current_actor_reconstructed:
+                actions = await self._resume()
+            else:
+                try:
+                    first = [m.HostsDiscovered(await self._poll(poller))]
+                except DiscoveryError as e:
+                    first = [m.DiscoveryFailed(str(e))]
+                actions = self.core.handle(first, time.monotonic())
+                self._persist()
+            self._started.set()
+            await self._carry_out(actions)
             if not self.core.state.is_final:
                 self._tasks.append(asyncio.create_task(self._discovery_loop(poller)))
                 self._tasks.append(asyncio.create_task(self._liveness_loop()))
@@ -122,13 +176,17 @@ class DriverActor:
                 if now - last_tick >= _TICK_S:
                     batch.append(m.Tick())
                     last_tick = now
-                await self._carry_out(self.core.handle(batch, now))
+                actions = self.core.handle(batch, now)
+                self._persist()  # before the actions: a restarted driver asks again what they may have lost
+                await self._carry_out(actions)
         except Exception as e:  # noqa: BLE001 - a driver bug must still end the run with its reason
             logger.exception("driver failed")
             self.core.fail(f"internal error in the driver: {type(e).__name__}: {e}")
         finally:
             for task in self._tasks:
                 task.cancel()
+            self._started.set()
+            self._answer_all()
             self._cleanup()
         first, unfetched = self.metrics.fetch(0)
         return RunOutcome(
@@ -150,17 +208,116 @@ class DriverActor:
             return []
         raw.extend(self._drain())
         if not any(isinstance(x, _Died) for x in raw):
-            return raw
+            return self._unwrap(raw)
         # one query of Ray's node table for every death of this batch; deaths queued meanwhile
         # (a node's workers die together) join the batch
         alive = await self._alive_nodes()
         raw.extend(self._drain())
+        raw = self._unwrap(raw)
         return [
             m.WorkerDied(x.worker_id, x.reason, alive is None or self._host_of(x.worker_id) in alive)
             if isinstance(x, _Died)
             else x
             for x in raw
         ]
+
+    def _unwrap(self, raw: list[Any]) -> list[Any]:
+        """The messages of `raw`; calls' messages are noted, to be answered once snapshotted."""
+        out = []
+        for x in raw:
+            if isinstance(x, _Received):
+                self._in_batch = max(self._in_batch, x.seq)
+                if x.message is not None:
+                    out.append(x.message)
+            else:
+                out.append(x)
+        return out
+
+    # ---- the snapshot ------------------------------------------------------------------
+    def _persist(self) -> None:
+        """Write what a restarted driver needs (if it changed), then answer the calls it now holds."""
+        blob = pickle.dumps((self.core, self.metrics, self._metric_seqs), protocol=pickle.HIGHEST_PROTOCOL)
+        if blob != self._snapshot:
+            snapshot.save(self.run_id, blob)
+            self._snapshot = blob
+        self._durable = self._in_batch
+        waiting, self._answers = self._answers, []
+        for seq, fut in waiting:
+            if seq <= self._durable:
+                if not fut.done():
+                    fut.set_result(None)
+            else:
+                self._answers.append((seq, fut))
+
+    def _answer_all(self) -> None:
+        """The run ended: nothing more will be snapshotted; answer every call still waiting."""
+        for _, fut in self._answers:
+            if not fut.done():
+                fut.set_result(None)
+        self._answers = []
+
+    async def _take(self, message: m.Message | None) -> None:
+        """Queue a call's message; return once a snapshot holds it.
+
+        A driver that dies first leaves the call unanswered: Ray sends it again to the restarted one.
+        """
+        if self.core.state.is_final:
+            return
+        self._received += 1
+        fut = asyncio.get_running_loop().create_future()
+        self._answers.append((self._received, fut))
+        self._queue.put_nowait(_Received(self._received, message))
+        await fut
+
+    async def _resume(self) -> list[m.Action]:
+        """Ray restarted this driver: load the snapshot, find the workers, and say what to ask again."""
+        loop = asyncio.get_running_loop()
+        saved = await asyncio.wait_for(loop.run_in_executor(None, snapshot.load, self.run_id), _KV_BACK_S)
+        if saved is None:
+            self.core.fail("the run's driver actor restarted before it had saved any state; the run cannot go on")
+            return []
+        self.core, self.metrics, self._metric_seqs = saved
+        logger.warning("the driver restarted: resuming generation %d from its snapshot", self.core.generation)
+        # a KV actor that restarted while no driver watched it holds no generation: the core learns of it
+        # (an older, non-zero one only means the dead driver's publish was cut short: restored below)
+        if self.core.generation and await asyncio.wait_for(self.kv.current_generation.remote(), _KV_BACK_S) == 0:
+            self._queue.put_nowait(m.KVRestarted("it restarted while the driver was down"))
+        actions = self.core.restarted(time.monotonic(), "its process died; Ray restarted it")
+        self._persist()
+        await asyncio.wait_for(self._reattach(), _KV_BACK_S)
+        return actions
+
+    async def _reattach(self) -> None:
+        """Find the core's live workers: watch their `run()` again, start the ones cut short, remove the rest."""
+        loop = asyncio.get_running_loop()
+        pgs = await loop.run_in_executor(None, run_placement_groups, self.namespace)
+        alive = set(self.core.alive_ids())
+        for worker_id in sorted(alive):
+            rec = self.core.workers[worker_id]
+            if worker_id in pgs:
+                self._pgs[worker_id] = pgs[worker_id]
+            try:
+                handle = await loop.run_in_executor(None, ray.get_actor, worker_id, self.namespace)
+            except ValueError:
+                handle = None
+            if handle is not None:
+                self._handles[worker_id] = Authed(handle, self._run_token)
+                self._runs[worker_id] = asyncio.create_task(self._watch(worker_id))
+            elif rec.status is WorkerStatus.STARTING:  # its start was cut short: start it now (its group is kept)
+                self._spawn(m.Spawn(worker_id, rec.host))
+            else:
+                self._queue.put_nowait(_Died(worker_id, "it was gone when the restarted driver looked for it"))
+        for entry in await loop.run_in_executor(None, lambda: ray.util.list_named_actors(all_namespaces=True)):
+            name = entry.get("name")
+            if entry.get("namespace") == self.namespace and name not in alive and name not in ("driver", "kv"):
+                try:  # a worker the dead driver was told to stop
+                    ray.kill(ray.get_actor(name, namespace=self.namespace), no_restart=True)
+                except ValueError:
+                    pass
+        await loop.run_in_executor(None, lambda: remove_run_placement_groups(self.namespace, frozenset(alive)))
+        for worker_id in self.core.plan:  # the notice of the current generation, if the dead driver had not sent it
+            if worker_id in self._handles:
+                self._handles[worker_id].notify.remote(self.core.generation)
 
     def _drain(self) -> list[Any]:
         items = []
@@ -212,12 +369,15 @@ class DriverActor:
                 raise TypeError(f"the driver shell got an unknown action {action!r}")
 
     def _spawn(self, action: m.Spawn) -> None:
-        self._pgs[action.worker_id] = placement_group(
-            [dict(self.config.resources_per_worker)],
-            strategy="STRICT_PACK",
-            name=f"{self.namespace}-{action.worker_id}",
-            bundle_label_selector=[{"ray.io/node-id": action.host}],
-        )
+        if action.worker_id not in self._pgs:  # a restarted driver keeps the one its predecessor made
+            # detached, as the worker: both outlive a driver that Ray restarts (the run removes them by name)
+            self._pgs[action.worker_id] = placement_group(
+                [dict(self.config.resources_per_worker)],
+                strategy="STRICT_PACK",
+                name=f"{self.namespace}-{action.worker_id}",
+                lifetime="detached",
+                bundle_label_selector=[{"ray.io/node-id": action.host}],
+            )
         self._runs[action.worker_id] = asyncio.create_task(self._run_worker(action.worker_id))
 
     async def _run_worker(self, worker_id: str) -> None:
@@ -236,13 +396,18 @@ class DriverActor:
                 num_gpus=res.pop("GPU", 0),
                 memory=res.pop("memory", None),
                 resources=res or None,
+                lifetime="detached",
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
             ).remote(self._run_token, worker_id, self.kv, self._self_handle, self.worker_config)
         except Exception as e:  # noqa: BLE001 - Ray refused the actor's options: say so now, not after a timeout
             self._queue.put_nowait(m.WorkerStartFailed(worker_id, f"{type(e).__name__}: {_first_line(e)}"))
             return
-        handle = Authed(handle, self._run_token)
-        self._handles[worker_id] = handle
+        self._handles[worker_id] = Authed(handle, self._run_token)
+        await self._watch(worker_id)
+
+    async def _watch(self, worker_id: str) -> None:
+        """Start the worker's training, or, for a restarted driver, wait for the one it runs: its outcome."""
+        handle = self._handles[worker_id]
         try:
             # no deadline: this call lasts as long as training; the liveness pings bound a hang
             outcome = await handle.run.remote(self._payload_ref)
@@ -500,24 +665,31 @@ class DriverActor:
             self._queue.put_nowait(m.KVRestarted(reason))
 
     # ---- called by workers and the trainer --------------------------------------------
+    # each answered once a snapshot holds it: a restarted driver gets again what its predecessor did not save
     async def worker_ready(self, worker_id: str) -> None:
-        self._queue.put_nowait(m.WorkerReady(worker_id))
+        await self._take(m.WorkerReady(worker_id))
 
     async def worker_synced(self, worker_id: str, generation: int, at: float, commits: int | None = None) -> None:
-        self._queue.put_nowait(m.WorkerSynced(worker_id, generation, at, commits))
+        await self._take(m.WorkerSynced(worker_id, generation, at, commits))
 
     async def worker_resumed(self, worker_id: str, meta: dict[str, Any]) -> None:
         """Rank 0 loaded the durable checkpoint before its first sync."""
-        self._queue.put_nowait(m.WorkerResumed(worker_id, meta))
+        await self._take(m.WorkerResumed(worker_id, meta))
 
     async def request_reset(self, worker_id: str, generation: int, reason: str) -> None:
-        self._queue.put_nowait(m.ResetRequested(worker_id, generation, reason))
+        await self._take(m.ResetRequested(worker_id, generation, reason))
 
-    async def add_metrics(self, worker_id: str, batch: list[tuple[float, dict]]) -> None:
+    async def add_metrics(self, worker_id: str, batch: list[tuple[float, dict]], seq: int | None = None) -> None:
+        """Rank 0's reports; `seq` numbers the sender's batches, so one sent again after a restart counts once."""
+        await self._started.wait()
         if worker_id in self.core.fenced:  # declared dead (e.g. cut off, then healed): it no longer speaks for rank 0
             logger.info("dropped %d metric reports of worker %s, declared dead", len(batch), worker_id)
             return
+        if seq is not None:
+            if not self._metric_seqs.setdefault(worker_id, _Seqs()).add(seq):
+                return  # taken and saved by this driver's predecessor
         self.metrics.add(batch)
+        await self._take(None)
 
     async def stop(self, reason: str = "stopped by the user") -> None:
         """Ask the loop to end (e.g. the user interrupted `fit()`)."""
@@ -528,6 +700,7 @@ class DriverActor:
 
         The reports before `metrics_since` were fetched by the caller: the driver lets them go.
         """
+        await self._started.wait()  # a restarted driver answers from its snapshot, not from an empty core
         first, reports = self.metrics.fetch(metrics_since)
         return DriverStatus(
             state=self.core.state,
@@ -582,7 +755,8 @@ def create_driver_actor(
     scheduling_strategy: Any = None,
 ) -> Any:
     """Start the run's driver actor, named `driver` in the run's namespace; it answers only calls carrying `token`."""
-    cls = ray.remote(num_cpus=0, max_restarts=0)(with_token_check(DriverActor))
+    # restarted by Ray when it dies, and sent again the calls it had not answered (fit()'s run() among them)
+    cls = ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1)(with_token_check(DriverActor))
     handle = cls.options(
         name="driver", namespace=namespace, max_concurrency=1000, scheduling_strategy=scheduling_strategy
     ).remote(token, run_id, namespace, kv, payload, discovery, config)

@@ -97,6 +97,7 @@ class DriverCore:
         self._user_failures = 0
         self._last_timeout_reset: float | None = None  # when a ring last broke with everyone alive
         self._querying: int | None = None  # the generation whose members' activity is being asked
+        self._query: m.QueryActivity | None = None  # that question, asked again by a restarted driver
         self._checkpoint_lookup = False  # a LookForCheckpoint is out
         self._force = False  # re-form the ring at the end of this batch even with the same members
         self._autoscale_requested = 0
@@ -133,6 +134,39 @@ class DriverCore:
 
     def alive_ids(self) -> list[str]:
         return [r.worker_id for r in self.workers.values() if r.status in ALIVE]
+
+    # ---- a restarted driver -----------------------------------------------------
+    def restarted(self, now: float, why: str) -> list[m.Action]:
+        """This core came back from a snapshot in a restarted driver: the actions that may have been lost.
+
+        The snapshot is written before a batch's actions are carried out, so
+        the dead driver may have carried out some, all or none of the last
+        batch's. What is asked again is safe to ask twice: the current
+        generation to the KV actor (kept if it has it), the members' activity
+        if a question was out, a checkpoint lookup if one was out, the
+        autoscaler's share, and the word that the current ring lost a
+        member. Spawns and kills are the shell's to reconcile with what
+        exists (`DriverActor._reattach`).
+        """
+        ev = self._event(EventKind.DRIVER_RESTARTED, f"the run's driver actor restarted ({why})", now)
+        ev.reset_duration = 0.0
+        self.events.append(ev)
+        actions: list[m.Action] = []
+        if self.generation:
+            actions.append(m.RestoreKV(self.generation, dict(self.plan)))
+        if self._querying is not None and self._query is not None:
+            actions.append(self._query)
+        if self._checkpoint_lookup:
+            actions.append(m.LookForCheckpoint())
+        if self._autoscale_requested:
+            actions.append(m.RequestResources(self._autoscale_requested))
+        lost = [w for w in self.plan if self.workers[w].status not in ALIVE | {WorkerStatus.FINISHED}]
+        if self.generation and self._abandoned >= self.generation and lost:
+            alive = tuple(w for w in self.plan if self.workers[w].status in ALIVE)
+            if alive:
+                why = f"worker {lost[0]} of generation {self.generation} was lost"
+                actions.append(m.Abandon(self.generation, alive, why))
+        return actions
 
     # ---- the one entry point -------------------------------------------------
     def handle(self, messages: Iterable[m.Message], now: float) -> list[m.Action]:
@@ -463,7 +497,8 @@ class DriverCore:
         if any(self.workers[w].status not in ALIVE for w in self.plan):
             return  # a death explains it, and its message re-forms the ring
         self._querying = msg.generation
-        self._actions.append(m.QueryActivity(msg.generation, tuple(self.plan), msg.worker_id, msg.reason))
+        self._query = m.QueryActivity(msg.generation, tuple(self.plan), msg.worker_id, msg.reason)
+        self._actions.append(self._query)
 
     def _fail_uneven_finish(self, msg: m.ResetRequested) -> None:
         """A rank's ring broke after another rank returned from train_fn: the ranks did not finish together."""

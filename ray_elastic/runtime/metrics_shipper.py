@@ -26,6 +26,7 @@ from ray import cloudpickle
 logger = logging.getLogger(__name__)
 
 _FLUSH_INTERVAL_S = 0.25
+_SEND_TIMEOUT_S = 120.0  # a batch's delivery, a driver restart included
 
 
 def snapshot(metrics: dict[str, Any]) -> tuple[float, dict[str, Any]]:
@@ -59,6 +60,7 @@ class MetricsShipper:
         self.worker_id = worker_id
         self.driver = driver
         self._buffer: deque[tuple[float, dict[str, Any]]] = deque()
+        self._sent = 0  # batches sent: each carries its number, so a driver restarted in between takes it once
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._flusher = threading.Thread(target=self._flush_loop, name="ray-elastic-metrics", daemon=True)
@@ -69,18 +71,22 @@ class MetricsShipper:
         with self._lock:
             self._buffer.append(stamped)
 
-    def _drain(self) -> list[tuple[float, dict[str, Any]]]:
+    def _drain(self) -> tuple[int, list[tuple[float, dict[str, Any]]]]:
         with self._lock:
             batch = list(self._buffer)
             self._buffer.clear()
-        return batch
+            if batch:
+                self._sent += 1
+            return self._sent, batch
 
     def _flush_loop(self) -> None:
         while not self._stop.wait(_FLUSH_INTERVAL_S):
-            batch = self._drain()
+            seq, batch = self._drain()
             if batch:
                 try:
-                    self.driver.add_metrics.remote(self.worker_id, batch)
+                    # one batch at a time, so they arrive in order even when Ray sends one again to a
+                    # restarted driver; training never waits for this thread
+                    ray.get(self.driver.add_metrics.remote(self.worker_id, batch, seq), timeout=_SEND_TIMEOUT_S)
                 except Exception:  # noqa: BLE001 - the thread must outlive one failed send
                     logger.exception("worker %s could not ship %d reports", self.worker_id, len(batch))
 
@@ -88,6 +94,6 @@ class MetricsShipper:
         """Stop the thread and deliver the last metrics, waiting up to `timeout` s for the driver."""
         self._stop.set()
         self._flusher.join(timeout)
-        batch = self._drain()
+        seq, batch = self._drain()
         if batch:
-            ray.get(self.driver.add_metrics.remote(self.worker_id, batch), timeout=timeout)
+            ray.get(self.driver.add_metrics.remote(self.worker_id, batch, seq), timeout=timeout)
