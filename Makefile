@@ -68,6 +68,7 @@ bench: $(BENCH_STAMP)
 	$(BIN)/python bench/scale.py
 	$(BIN)/python bench/recovery.py
 	$(BIN)/python bench/state_size.py
+	$(BIN)/python bench/control_plane.py
 
 # the long chaos soak: 30 events on a 4-node local cluster (a few minutes)
 soak: $(STAMP)

@@ -152,7 +152,7 @@ class DriverActor:
                 give_up_after=self.config.elastic_timeout,
                 timeout=self.config.discovery_timeout,
             )
-            if ray.get_runtime_context().was_current_actor_reconstructed:
+            if _restarted():
                 actions = await self._resume()
             else:
                 try:
@@ -737,6 +737,12 @@ _RECORDERS: dict[str, Callable[[str, float], None]] = {
     "reset": lambda run_id, value: metrics.reset(run_id),
     "recovery": metrics.recovery,
 }
+
+
+def _restarted() -> bool:
+    """Whether Ray restarted this actor (what `was_current_actor_reconstructed` reads, without its warning)."""
+    info = ray._private.state.actors(ray.get_runtime_context().get_actor_id())
+    return bool(info) and info.get("NumRestarts", 0) != 0
 
 
 def _first_line(e: BaseException) -> str:
