@@ -28,6 +28,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -241,12 +242,7 @@ def run_soak(cluster: object, events: int, seed: int = 0, epochs: int = 40) -> d
     ]
     assert not unexplained, f"healthy workers were declared failed: {unexplained}"
     recoveries = [e.reset_duration for e in failed if e.reset_duration is not None]
-    clean_dir = tempfile.mkdtemp(prefix="ray-elastic-soak-clean-")
-    clean = (
-        elastic.ElasticTrainer(soak_train_fn, 2, 8, config={**config, "ledger_dir": clean_dir}, verbose=0)
-        .fit()
-        .return_value
-    )
+    clean = reference_run(config)
     figures.update(
         events=len(chaos.done),
         actions=dict(collections.Counter(e["action"] for e in chaos.done)),
@@ -260,6 +256,34 @@ def run_soak(cluster: object, events: int, seed: int = 0, epochs: int = 40) -> d
         resets=result.resets,
     )
     return figures
+
+
+def reference_run(config: dict) -> dict:
+    """The fault-free run, in this process: the same seed, initial model, epochs, sample order and global batch.
+
+    The soak's global batch is fixed (64, split over the ranks, gradients
+    averaged), so every world size takes the same optimisation steps as one
+    process taking the whole batch; only floating-point summation order
+    differs. No Ray: seconds instead of a second cluster run.
+    """
+    torch.set_num_threads(1)
+    seed = config["seed"]
+    torch.manual_seed(seed)
+    x_train, y_train, x_test, y_test = digits.load_data(seed)
+    model = digits.make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=config["lr"], momentum=0.9)
+    for epoch in range(config["epochs"]):
+        order = torch.from_numpy(np.random.default_rng(seed + epoch).permutation(len(y_train)))  # the sampler's
+        for start in range(0, len(order), GLOBAL_BATCH):
+            idx = order[start : start + GLOBAL_BATCH]
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x_train[idx]), y_train[idx]).backward()
+            opt.step()
+    with torch.no_grad():
+        return {
+            "final_loss": float(torch.nn.functional.cross_entropy(model(x_test), y_test)),
+            "train_loss": float(torch.nn.functional.cross_entropy(model(x_train), y_train)),
+        }
 
 
 def loss_gap(figures: dict) -> float:
