@@ -245,10 +245,12 @@ def test_the_launcher_prints_script_lines_unchanged_and_labels_the_rest(capsys):
 
 
 def launch(cluster, argv: list[str], **kwargs) -> subprocess.Popen:
+    """`ray-elastic run ARGV` on the test cluster; `--address` goes before any `--` (what follows is the script's)."""
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    launcher_args, script_args = cli.split_script_args(argv)
     return subprocess.Popen(
-        [CLI, "run", *argv, "--address", cluster.address],
+        [CLI, "run", *launcher_args, "--address", cluster.address, *(["--", *script_args] if script_args else [])],
         env=env,
         cwd=REPO,
         stdout=subprocess.PIPE,

@@ -10,8 +10,9 @@ callback that rescales the learning rate with hvd.size(), and one
 @hvd.elastic.run function. For the tests, it trains epoch after epoch until
 STOP exists (rank 0 decides for all), appending JSON lines to LOG: one per
 reset and one per epoch end, with the world size, the learning rate, how many
-samples of the epoch the sampler counts as processed and a checksum of the
-model. With --kill-at EPOCH,BATCH the rank --kill-rank SIGKILLs itself there,
+samples of the epoch the sampler counts as processed, how many times each
+sample was trained (a count the state holds, so a rollback rolls it back too)
+and a checksum of the model. With --kill-at EPOCH,BATCH the rank --kill-rank SIGKILLs itself there,
 once per run.
 """
 
@@ -42,7 +43,10 @@ args = parser.parse_args()
 hvd.init()
 torch.manual_seed(0)
 
-dataset = torch.utils.data.TensorDataset(torch.randn(args.samples, 8), torch.randint(0, 2, (args.samples,)))
+# each sample carries its index, so the script can count what it trained
+dataset = torch.utils.data.TensorDataset(
+    torch.randn(args.samples, 8), torch.randint(0, 2, (args.samples,)), torch.arange(args.samples)
+)
 sampler = hvd.elastic.ElasticSampler(dataset, shuffle=True, seed=1)
 loader = torch.utils.data.DataLoader(dataset, batch_size=args.batch_size, sampler=sampler)
 
@@ -75,12 +79,14 @@ def maybe_kill(epoch, batch):
 @hvd.elastic.run
 def train(state):
     while state.epoch < args.max_epochs:
-        for i, (data, target) in enumerate(loader):
+        for i, (data, target, index) in enumerate(loader):
             maybe_kill(state.epoch, state.batch)
             optimizer.zero_grad()
             loss = F.cross_entropy(model(data), target)
             loss.backward()
             optimizer.step()
+            trained = torch.zeros(args.samples, dtype=torch.int64).index_add_(0, index, torch.ones_like(index))
+            state.trained = state.trained + hvd.allreduce(trained, op=hvd.Sum, name="trained")
             time.sleep(args.batch_seconds)
             state.sampler.record_batch(i, args.batch_size)
             state.batch += 1
@@ -93,6 +99,9 @@ def train(state):
                 event="epoch_end",
                 epoch=state.epoch,
                 processed=state.sampler.num_processed,
+                padding=state.sampler.padding_trained,
+                trained_min=int(state.trained.min()),
+                trained_total=int(state.trained.sum()),
                 lr=optimizer.param_groups[0]["lr"],
                 checksum=checksum(),
             )
@@ -100,6 +109,7 @@ def train(state):
         state.epoch += 1
         state.batch = 0
         state.sampler.set_epoch(state.epoch)
+        state.trained = torch.zeros(args.samples, dtype=torch.int64)
         state.commit()
         if stop:
             break
@@ -111,7 +121,8 @@ def on_state_reset():
     log(event="reset", lr=optimizer.param_groups[0]["lr"])
 
 
-state = hvd.elastic.TorchState(model, optimizer, sampler=sampler, epoch=0, batch=0)
+trained = torch.zeros(args.samples, dtype=torch.int64)
+state = hvd.elastic.TorchState(model, optimizer, sampler=sampler, epoch=0, batch=0, trained=trained)
 state.register_reset_callbacks([on_state_reset])
 train(state)
 print(f"finished epoch {state.epoch} size {hvd.size()} checksum {checksum():.17g}")
