@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[torch,test,examples]'
+	$(BIN)/pip install -q -e '.[torch,test,examples,data]'
 	touch $(STAMP)
 
 venv310: $(STAMP310)

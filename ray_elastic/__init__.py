@@ -79,6 +79,13 @@ def cross_size() -> int:
     return _slot().cross_size
 
 
+def get_dataset_shard(name: str, *, shuffle: bool = False, seed: int = 0) -> Any:
+    """This worker's `DataShard` of the dataset given as `ElasticTrainer(..., datasets={name: ds})`."""
+    from ray_elastic.data import get_dataset_shard as get
+
+    return get(name, shuffle=shuffle, seed=seed)
+
+
 def report(metrics: dict[str, Any]) -> None:
     """Record metrics (kept from rank 0). Never blocks: they are shipped in the background."""
     ctx = maybe_current()
@@ -99,6 +106,7 @@ __all__ = [
     "Average",
     "CollectiveMismatchError",
     "ElasticTrainer",
+    "get_dataset_shard",
     "Event",
     "HorovodInternalError",
     "HostsUpdatedInterrupt",

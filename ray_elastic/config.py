@@ -31,6 +31,7 @@ class WorkerConfig:
     checkpoint_dir: str | None = None  # durable checkpoints (local path or fsspec URL), written by rank 0
     checkpoint_every: int = 10  # commits between two durable checkpoints
     run_id: str = ""  # tags this worker's metrics
+    datasets: tuple[str, ...] = ()  # the names of the run's Ray Datasets (`get_dataset_shard`)
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,7 @@ class RunConfig:
     checkpoint_dir: str | None = None
     checkpoint_every: int = 10
     keep_metrics: int | None = 100_000
+    datasets: tuple[str, ...] = ()  # the names of the run's Ray Datasets (the datasets go to the feed actor)
 
     @classmethod
     def create(
@@ -72,6 +74,7 @@ class RunConfig:
         checkpoint_dir: str | os.PathLike | None,
         checkpoint_every: int,
         keep_metrics: int | None,
+        datasets: tuple[str, ...] = (),
     ) -> RunConfig:
         """Check every option (`ElasticTrainer`'s signature holds their defaults, once).
 
@@ -131,6 +134,7 @@ class RunConfig:
             checkpoint_dir=url,
             checkpoint_every=checkpoint_every,
             keep_metrics=keep_metrics,
+            datasets=tuple(datasets),
         )
 
     def worker(self, run_id: str) -> WorkerConfig:
@@ -142,6 +146,7 @@ class RunConfig:
             checkpoint_dir=self.checkpoint_dir,
             checkpoint_every=self.checkpoint_every,
             run_id=run_id,
+            datasets=self.datasets,
         )
 
 

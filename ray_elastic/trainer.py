@@ -30,6 +30,8 @@ from ray_elastic import autoscale
 from ray_elastic.auth import RunToken
 from ray_elastic.checkpoint import CheckpointError, CheckpointStore
 from ray_elastic.config import RunConfig
+from ray_elastic.data import check_datasets
+from ray_elastic.data.feed import create_feed_actor
 from ray_elastic.discovery import alive_ray_nodes, check_discovery_spec, slots_for_resources
 from ray_elastic.driver import snapshot
 from ray_elastic.driver.actor import create_driver_actor
@@ -125,6 +127,12 @@ class ElasticTrainer:
             a `fit()` that finds a checkpoint there resumes from it, and a run
             that loses every worker at once resumes from it with fresh workers.
         checkpoint_every: commits between two durable checkpoints (default 10).
+        datasets: Ray Datasets by name (`{"train": ray.data.read_parquet(...)}`),
+            streamed by the run's feed actor; inside `train_fn`,
+            `elastic.get_dataset_shard(name)` is this rank's shard, trained
+            exactly once per epoch through every reset when it is in the
+            committed state (`docs/user-guide.md`). Needs
+            `pip install 'ray-elastic[data]'`.
         keep_metrics: how many of rank 0's newest reports `Result.metrics`
             keeps (default 100,000; None keeps all); older ones are counted
             in `Result.metrics_dropped`. The driver holds only the reports
@@ -152,6 +160,7 @@ class ElasticTrainer:
         checkpoint_dir: str | os.PathLike | None = None,
         checkpoint_every: int = 10,
         keep_metrics: int | None = 100_000,
+        datasets: Mapping[str, Any] | None = None,
         verbose: int = 1,
     ) -> None:
         if not callable(train_fn):
@@ -168,6 +177,14 @@ class ElasticTrainer:
             )
         if config is not None and not isinstance(config, Mapping):
             raise ValueError(f"config must be a dict, got {type(config).__name__}")
+        self.datasets = check_datasets(datasets)
+        asked = dataset_names_asked(train_fn)
+        if asked - set(self.datasets):
+            given = f"datasets {sorted(self.datasets)}" if self.datasets else "no datasets="
+            raise ValueError(
+                f"train_fn asks get_dataset_shard for {sorted(asked - set(self.datasets))}, but ElasticTrainer "
+                f"was given {given}"
+            )
         self.run_config = RunConfig.create(
             min_workers=min_workers,
             max_workers=max_workers,
@@ -184,6 +201,7 @@ class ElasticTrainer:
             checkpoint_dir=checkpoint_dir,
             checkpoint_every=checkpoint_every,
             keep_metrics=keep_metrics,
+            datasets=tuple(self.datasets),
         )
         config = dict(config or {})
         try:
@@ -226,10 +244,13 @@ class ElasticTrainer:
             here = NodeAffinitySchedulingStrategy(_coordinator_node(), soft=False)
             token = RunToken()  # the run's actors answer only calls carrying it (see auth.py)
             kv = create_kv_actor(run_id, namespace, token, here)
+            # held until the run ends: Ray removes an actor, named or not, once no handle to it is left
+            feed = create_feed_actor(namespace, token, self.datasets, here) if self.datasets else None
             driver = create_driver_actor(
                 run_id, namespace, token, kv, self._payload, self.discovery, self.run_config, here
             )
             outcome = self._follow(driver, driver.run.remote(), reports)
+            del feed  # the run is over: its feed may go (the clean-up removes it in any case)
         finally:
             _cleanup(driver, kv, run_id, namespace, graceful=outcome is not None)
         value = None if outcome.value is None else pickle.loads(outcome.value)
@@ -400,6 +421,35 @@ def _cleanup(driver: Any, kv: Any, run_id: str, namespace: str, graceful: bool) 
         )
     if interrupted:
         raise KeyboardInterrupt
+
+
+def dataset_names_asked(fn: Callable[..., Any]) -> set[str]:
+    """The names `fn` passes to `get_dataset_shard` as a literal first argument (its own code and nested code).
+
+    Lets the trainer refuse an unknown name before any worker starts; a name
+    computed at run time is left to `get_dataset_shard`'s own error.
+    """
+    import dis
+
+    fn = inspect.unwrap(getattr(fn, "func", fn))
+    if not isinstance(fn, types.FunctionType):
+        fn = inspect.getattr_static(type(fn), "__call__", None)
+    if not isinstance(fn, types.FunctionType):
+        return set()
+    names: set[str] = set()
+    todo, seen = [fn.__code__], set()
+    while todo:
+        code = todo.pop()
+        if code in seen:
+            continue
+        seen.add(code)
+        todo += [c for c in code.co_consts if isinstance(c, types.CodeType)]
+        ops = [i for i in dis.get_instructions(code) if i.opname not in ("PUSH_NULL", "CACHE", "PRECALL")]
+        for this, after in zip(ops, ops[1:], strict=False):
+            if this.argval == "get_dataset_shard" and this.opname.startswith("LOAD_") and after.opname == "LOAD_CONST":
+                if isinstance(after.argval, str):
+                    names.add(after.argval)
+    return names
 
 
 def refers_to(fn: Callable[..., Any], name: str, depth: int = 3) -> bool:

@@ -59,6 +59,7 @@ class WorkerActor:
     ) -> None:
         self.worker_id = worker_id
         self.ctx = WorkerContext(worker_id, kv, driver, settings)
+        self.ctx.run_token = getattr(self, "_run_token", None)  # for the run's other actors (the feed)
         set_current(self.ctx)
         self._outcome: WorkerOutcome | None = None
         self._run_id = settings.run_id

@@ -1,0 +1,209 @@
+"""The run's feed actor: streams each dataset's epochs and hands their blocks out, in one order for every rank.
+
+One actor per run (named `feed` in the run's namespace, on the head node,
+zero CPUs), created by `fit()` when `datasets=` is given and removed with
+the run. For each (dataset, epoch) that a rank asks for, a thread runs the
+dataset's streaming execution (`iter_internal_ref_bundles`, with Ray Data's
+`preserve_order`, so every execution of an epoch yields the same blocks in
+the same order) and appends each block's reference and row count to the
+epoch's table. Ranks read the table and fetch the blocks themselves from
+the object store; the actor holds references only.
+
+Memory stays bounded: the thread stops pulling once the table runs
+`ahead_blocks` past the furthest block any rank asked for (Ray Data's own
+backpressure then holds the execution), and a commit lets go of the
+blocks below the position committed before it (`release`), so a dataset
+larger than the object store streams through it. A block asked for after
+it was let go (a rank rolled back further, or this actor restarted) is
+produced again by executing the epoch once more from its start.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+import ray
+
+logger = logging.getLogger(__name__)
+
+_BATCH_OF_BLOCKS = 256  # table entries per answer
+
+
+def _count_rows(ref: Any) -> int:
+    from ray.data.block import BlockAccessor
+
+    return BlockAccessor.for_block(ray.get(ref)).num_rows()
+
+
+class _Epoch:
+    """One epoch of one dataset: its table of ((block reference, first row) or None once released, rows)."""
+
+    def __init__(self, dataset: Any, ahead: int) -> None:
+        self.dataset = dataset
+        self.ahead = ahead
+        self.refs: list[Any] = []
+        self.rows: list[int] = []
+        self.ended = False
+        self.error: str | None = None
+        self.wanted = 0  # the furthest block index asked for
+        self.released_below = 0  # blocks below this index were let go
+        self.cond = threading.Condition()
+        self.generation = 0  # bumped when the epoch is executed again (a released block is wanted)
+        self._start()
+
+    def _start(self) -> None:
+        self.generation += 1
+        threading.Thread(target=self._pull, args=(self.generation,), name="ray-elastic-feed", daemon=True).start()
+
+    def _pull(self, generation: int) -> None:
+        index = 0
+        try:
+            for bundle in self.dataset.iter_internal_ref_bundles():
+                for entry, part in zip(bundle.blocks, bundle.slices, strict=True):
+                    ref = entry.ref
+                    if part is not None:  # the bundle carries rows [start, end) of the block
+                        offset, rows = part.start_offset, part.num_rows
+                    else:
+                        offset, rows = 0, entry.metadata.num_rows
+                        if rows is None:  # not measured: count them
+                            rows = _count_rows(ref)
+                    with self.cond:
+                        if generation != self.generation:
+                            return
+                        while index > self.wanted + self.ahead and generation == self.generation:
+                            self.cond.wait(1.0)
+                        if index < len(self.refs):
+                            if self.refs[index] is None and index >= self.released_below:
+                                self.refs[index] = (ref, offset)  # a re-execution refills what is wanted again
+                        else:
+                            self.refs.append((ref, offset))
+                            self.rows.append(rows)
+                        index += 1
+                        self.cond.notify_all()
+            with self.cond:
+                if generation == self.generation:
+                    self.ended = True
+                    self.cond.notify_all()
+        except Exception as e:  # noqa: BLE001 - the dataset's own error, handed to the ranks
+            logger.exception("the dataset's execution failed")
+            with self.cond:
+                self.error = f"{type(e).__name__}: {e}"
+                self.cond.notify_all()
+
+    def blocks(self, start: int, wait_s: float) -> tuple[list[tuple[Any, int]], bool]:
+        """Table entries from `start` on (at least one unless the epoch ended), and whether it ended.
+
+        An entry is ((block reference, its first row), rows); None for a block let go (`ref` gets it back).
+        """
+        deadline = time.monotonic() + wait_s
+        with self.cond:
+            self.wanted = max(self.wanted, start + 1)
+            self.cond.notify_all()
+            while start >= len(self.refs) and not self.ended and self.error is None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"block {start} of the dataset was not produced within {wait_s:g} s")
+                self.cond.wait(left)
+            if self.error is not None:
+                raise RuntimeError(f"the dataset's execution failed: {self.error}")
+            entries = list(zip(self.refs[start : start + _BATCH_OF_BLOCKS], self.rows[start:], strict=False))
+            return entries, self.ended and start + len(entries) >= len(self.refs)
+
+    def ref(self, index: int, wait_s: float) -> Any:
+        """Block `index`'s (reference, first row), produced again if let go (the epoch is executed once more)."""
+        deadline = time.monotonic() + wait_s
+        with self.cond:
+            self.wanted = max(self.wanted, index + 1)
+            self.cond.notify_all()
+            if index < len(self.refs) and self.refs[index] is None:
+                self._refill(index)
+            while index >= len(self.refs) or self.refs[index] is None:
+                if self.error is not None:
+                    raise RuntimeError(f"the dataset's execution failed: {self.error}")
+                if self.ended and index >= len(self.refs):
+                    raise IndexError(f"the epoch has {len(self.refs)} blocks, block {index} was asked for")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"block {index} of the dataset was not produced within {wait_s:g} s")
+                self.cond.wait(left)
+            return self.refs[index]
+
+    def _refill(self, start: int) -> None:
+        """Blocks from `start` were let go but are wanted again: execute the epoch once more."""
+        logger.warning("block %d was released and is wanted again: executing the epoch once more", start)
+        self.released_below = min(self.released_below, start)
+        self.ended = False
+        self._start()
+
+    def release(self, below_block: int) -> None:
+        with self.cond:
+            for i in range(self.released_below, min(below_block, len(self.refs))):
+                self.refs[i] = None
+            self.released_below = max(self.released_below, min(below_block, len(self.refs)))
+            self.cond.notify_all()
+
+    def stop(self) -> None:
+        with self.cond:
+            self.generation += 1
+            self.refs = [None] * len(self.refs)
+            self.cond.notify_all()
+
+
+class Feed:
+    """Wrapped by `ray.remote` in `create_feed_actor`; a threaded actor."""
+
+    def __init__(self, datasets: dict[str, Any], ahead_blocks: int = 8) -> None:
+        from ray.data import DataContext
+
+        self._datasets = {}
+        for name, dataset in datasets.items():
+            context = DataContext.get_current()
+            context.execution_options.preserve_order = True  # one order of blocks for every execution
+            dataset.context.execution_options.preserve_order = True
+            dataset.context.enable_progress_bars = False  # the feed is no terminal: the bars would fill the logs
+            self._datasets[name] = dataset
+        self._ahead = ahead_blocks
+        self._epochs: dict[tuple[str, int], _Epoch] = {}
+        self._lock = threading.Lock()
+
+    def _epoch(self, name: str, epoch: int) -> _Epoch:
+        if name not in self._datasets:
+            raise KeyError(f"no dataset named {name!r}; the run has {sorted(self._datasets)}")
+        with self._lock:
+            key = (name, epoch)
+            if key not in self._epochs:
+                self._epochs[key] = _Epoch(self._datasets[name], self._ahead)
+            return self._epochs[key]
+
+    def blocks(self, name: str, epoch: int, start: int, wait_s: float) -> tuple[list[tuple[Any, int]], bool]:
+        return self._epoch(name, epoch).blocks(start, wait_s)
+
+    def ref(self, name: str, epoch: int, index: int, wait_s: float) -> Any:
+        return self._epoch(name, epoch).ref(index, wait_s)
+
+    def release(self, name: str, epoch: int, below_block: int) -> None:
+        """A commit made blocks below `below_block` of `epoch` unneeded, and every older epoch."""
+        with self._lock:
+            old = [key for key in self._epochs if key[0] == name and key[1] < epoch]
+            for key in old:
+                self._epochs.pop(key).stop()
+            current = self._epochs.get((name, epoch))
+        if current is not None:
+            current.release(below_block)
+
+    def names(self) -> list[str]:
+        return sorted(self._datasets)
+
+
+def create_feed_actor(namespace: str, token: Any, datasets: dict[str, Any], scheduling_strategy: Any) -> Any:
+    """Start the run's feed actor, named `feed` in the run's namespace; it answers only calls carrying `token`."""
+    from ray_elastic.auth import Authed, with_token_check
+
+    cls = ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1)(with_token_check(Feed))
+    handle = cls.options(
+        name="feed", namespace=namespace, max_concurrency=64, scheduling_strategy=scheduling_strategy
+    ).remote(token, datasets)
+    return Authed(handle, token)

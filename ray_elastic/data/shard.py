@@ -1,0 +1,323 @@
+"""`DataShard`: this rank's view of a Ray Dataset, trained exactly once per epoch through every reset.
+
+`elastic.get_dataset_shard("train")` inside `train_fn` returns this
+worker's shard of the dataset passed as `ElasticTrainer(...,
+datasets={"train": ds})`. Iterating it (`iter_batches`,
+`iter_torch_batches`) hands out this rank's batch of each step, in the
+lockstep order of `plan.py`; the rows handed out count as consumed, and a
+commit saves that. Put the shard in the state like a sampler:
+
+    shard = elastic.get_dataset_shard("train", shuffle=True, seed=0)
+    state = elastic.torch.TorchState(model=model, optimizer=opt, data=shard, epoch=0)
+
+A rollback restores the committed position in place (the `shard` you hold
+is the one restored), so exactly the rows consumed since the last commit
+are served again; a graceful change keeps them consumed; a newcomer's sync
+brings rank 0's position. This works in `TorchState` and `ObjectState`
+alike, through the copy protocol both use: a copy of the shard (what a
+commit keeps) is a snapshot of its position, and copying a snapshot back
+(what a rollback does) loads it into the live shard and returns that. A
+pickled shard (a sync, a durable checkpoint) carries its position the same
+way.
+
+The blocks come from the run's feed actor (`feed.py`), which streams the
+dataset; this rank fetches the blocks its rows lie in from the object
+store, a few blocks ahead of its position (`ray.wait(fetch_local=True)`
+starts the transfer while the current batch trains), and holds references
+only from its position on, so the object store can free what every rank
+consumed and committed.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import ray
+
+from ray_elastic.auth import Authed
+from ray_elastic.data.plan import BlockTable, block_order, step_rows
+from ray_elastic.leftovers import run_namespace
+from ray_elastic.runtime.process import current, maybe_current
+
+logger = logging.getLogger(__name__)
+
+_WAIT_S = 600.0  # the feed producing the next blocks of an epoch (reading and preprocessing included)
+_PREFETCH_BLOCKS = 4
+_LIVE: dict[str, DataShard] = {}  # this worker's shards, by dataset name
+
+
+class DataShard:
+    """This rank's shard of one of the run's datasets (see the module docstring). Not thread-safe."""
+
+    def __init__(self, name: str, feed: Any, shuffle: bool = False, seed: int = 0) -> None:
+        self.name = name
+        self.shuffle = bool(shuffle)
+        self.seed = int(seed)
+        self._feed = feed
+        self.epoch = 0
+        self.position = 0  # rows of this epoch handed out (to the whole world)
+        self.padding_rows = 0  # repeated rows trained in this epoch's last step
+        self.dropped_rows = 0  # rows not trained this epoch (drop_last)
+        self._live: DataShard | None = None  # set on snapshots: the live shard they restore into
+        self._saved_position: tuple[int, int] | None = None  # (epoch, position) at the last commit
+        self._reset_table()
+
+    # ---- epoch and position --------------------------------------------------------------
+    def set_epoch(self, epoch: int) -> None:
+        """Start `epoch`: nothing consumed. Setting the epoch the shard is in changes nothing (as the sampler)."""
+        epoch = int(epoch)
+        if epoch < 0:
+            raise ValueError(f"epoch must be >= 0, got {epoch}")
+        if epoch != self.epoch:
+            self.epoch, self.position, self.padding_rows, self.dropped_rows = epoch, 0, 0, 0
+            self._reset_table()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "epoch": self.epoch,
+            "position": self.position,
+            "padding_rows": self.padding_rows,
+            "dropped_rows": self.dropped_rows,
+            "shuffle": self.shuffle,
+            "seed": self.seed,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state["name"] != self.name:
+            raise ValueError(f"a position of dataset {state['name']!r} cannot load into the shard of {self.name!r}")
+        if (state["shuffle"], state["seed"]) != (self.shuffle, self.seed):
+            raise ValueError(
+                f"the position was taken with shuffle={state['shuffle']}, seed={state['seed']}; this shard has "
+                f"shuffle={self.shuffle}, seed={self.seed}: the rows would not line up"
+            )
+        if state["epoch"] != self.epoch:
+            self._reset_table()
+        self.epoch, self.position = state["epoch"], state["position"]
+        self.padding_rows, self.dropped_rows = state["padding_rows"], state["dropped_rows"]
+
+    # ---- iteration -------------------------------------------------------------------------
+    def iter_batches(
+        self, batch_size: int = 256, *, batch_format: str = "numpy", drop_last: bool = False
+    ) -> Iterator[Any]:
+        """This rank's batches of the rest of the epoch: dicts of numpy arrays (or pandas DataFrames)."""
+        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+        if batch_format not in ("numpy", "pandas"):
+            raise ValueError(f"batch_format must be 'numpy' or 'pandas', got {batch_format!r}")
+        return self._iterate(batch_size, drop_last, lambda batch: _to_format(batch, batch_format))
+
+    def iter_torch_batches(
+        self,
+        batch_size: int = 256,
+        *,
+        dtypes: Any = None,
+        device: Any = "cpu",
+        collate_fn: Callable[[dict[str, np.ndarray]], Any] | None = None,
+        drop_last: bool = False,
+    ) -> Iterator[Any]:
+        """As `iter_batches`, each batch a dict of torch tensors (or what `collate_fn` makes of the numpy dict)."""
+        import torch
+
+        def convert(batch: dict[str, np.ndarray]) -> Any:
+            if collate_fn is not None:
+                return collate_fn(batch)
+            out = {}
+            for key, value in batch.items():
+                dtype = dtypes.get(key) if isinstance(dtypes, dict) else dtypes
+                out[key] = torch.as_tensor(value, dtype=dtype, device=device)
+            return out
+
+        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+        return self._iterate(batch_size, drop_last, convert)
+
+    def _iterate(self, batch_size: int, drop_last: bool, convert: Callable[[dict[str, np.ndarray]], Any]) -> Iterator:
+        ctx = current()
+        ctx.ensure_joined()  # as rank() does: the shard is split over the current ring
+        rank, size = ctx.slot.rank, ctx.slot.size
+        while True:
+            while True:
+                try:
+                    step = step_rows(self.position, self._table.known, self._total(), rank, size, batch_size, drop_last)
+                    break
+                except LookupError as need:
+                    self._learn_blocks(need.args[0])
+            if step is None:
+                return
+            batch = self._gather(step.ranges)
+            # handed out = consumed: the next commit saves it, a rollback hands it out again
+            self.position = step.next_position
+            self.padding_rows += step.padding_rows
+            self.dropped_rows += step.dropped_rows
+            if not step.ranges:
+                return
+            self._let_go_and_prefetch()
+            yield convert(batch)
+
+    # ---- blocks ------------------------------------------------------------------------------
+    def _reset_table(self) -> None:
+        self._table = BlockTable()
+        self._refs: dict[int, Any] = {}  # block index -> (reference, first row), from this rank's position on
+        self._blocks: dict[int, Any] = {}  # block index -> (the block, first row), fetched
+        self._ended = False
+
+    def _total(self) -> int | None:
+        return self._table.known if self._ended else None
+
+    def _ask_feed(self, start: int) -> None:
+        """Learn the table entries from block `start` on (their references and row counts)."""
+        entries, ended = ray.get(self._feed.blocks.remote(self.name, self.epoch, start, _WAIT_S), timeout=_WAIT_S + 60)
+        for offset, (ref, rows) in enumerate(entries):
+            index = start + offset
+            if index == len(self._table):
+                self._table.add(rows)
+            if ref is not None and index >= self._table.block_of(self.position):
+                self._refs[index] = ref  # held from this rank's position on only
+        if ended and start + len(entries) >= len(self._table):
+            self._ended = True
+
+    def _learn_blocks(self, rows: int) -> None:
+        """Wait until `rows` rows of the epoch are known or the epoch's stream ended."""
+        while self._table.known < rows and not self._ended:
+            self._ask_feed(len(self._table))
+
+    def _block(self, index: int) -> Any:
+        if index not in self._blocks:
+            for attempt in range(2):
+                if index not in self._refs:  # dropped behind the position, wanted again after a rollback
+                    self._refs[index] = ray.get(
+                        self._feed.ref.remote(self.name, self.epoch, index, _WAIT_S), timeout=_WAIT_S + 60
+                    )
+                ref, offset = self._refs[index]
+                try:
+                    self._blocks[index] = (ray.get(ref, timeout=_WAIT_S), offset)
+                    break
+                except ray.exceptions.ObjectLostError:  # its owner, the feed, died and Ray restarted it
+                    self._refs = {}  # every reference from the old feed is void: ask the new one
+                    if attempt:
+                        raise
+        return self._blocks[index]
+
+    def _gather(self, ranges: tuple[tuple[int, int], ...]) -> dict[str, np.ndarray]:
+        from ray.data.block import BlockAccessor
+
+        parts = []
+        for start, end in ranges:
+            for index, first, stop in self._table.pieces(start, end):
+                block, offset = self._block(index)  # the table's block `index` is rows [offset, ...) of `block`
+                block = BlockAccessor.for_block(block)
+                order = block_order(self._table.rows[index], self.seed, self.epoch, index, self.shuffle)
+                if order is None:
+                    piece = block.slice(offset + first, offset + stop, copy=False)
+                else:
+                    piece = block.take((offset + order[first:stop]).tolist())
+                parts.append(BlockAccessor.for_block(piece).to_batch_format("numpy"))
+        if not parts:
+            return {}
+        if len(parts) == 1:
+            return parts[0]
+        return {key: np.concatenate([p[key] for p in parts]) for key in parts[0]}
+
+    def _let_go_and_prefetch(self) -> None:
+        """Drop what lies before the position; start fetching the next few blocks into this node's store."""
+        current = self._table.block_of(self.position)
+        for index in [i for i in self._blocks if i < current]:
+            del self._blocks[index]
+        for index in [i for i in self._refs if i < current]:
+            del self._refs[index]
+        upcoming = [self._refs[i][0] for i in range(current, current + _PREFETCH_BLOCKS) if i in self._refs]
+        if upcoming:
+            ray.wait(upcoming, num_returns=len(upcoming), timeout=0, fetch_local=True)
+
+    # ---- the copy protocol of TorchState / ObjectState -----------------------------------------
+    def _release_committed(self, rank: int) -> None:
+        """A commit: the feed may let go of the blocks before the previous commit's position (rank 0 tells it)."""
+        previous, self._saved_position = self._saved_position, (self.epoch, self.position)
+        if previous is None or rank != 0 or self._feed is None:
+            return
+        epoch, position = previous
+        table = self._table if epoch == self.epoch else None
+        below = table.block_of(position) if table is not None else 0
+        try:
+            self._feed.release.remote(self.name, self.epoch if table is not None else epoch, below)
+        except Exception:  # noqa: BLE001 - a feed restarting: memory is let go at the next commit
+            logger.warning("could not tell the feed which blocks of %r are committed", self.name)
+
+    def __deepcopy__(self, memo: dict) -> DataShard:
+        if self._live is not None:  # a snapshot copied back: a rollback loads it into the live shard
+            self._live.load_state_dict(self.state_dict())
+            return self._live
+        ctx = maybe_current()
+        slot = ctx.slot if ctx is not None else None
+        if slot is not None:  # a commit in a ring (not the state's first save, before any ring)
+            self._release_committed(slot.rank)
+        snapshot = copy.copy(self)
+        snapshot._live = self
+        return snapshot
+
+    def __copy__(self) -> DataShard:
+        twin = object.__new__(DataShard)
+        twin.__dict__.update(self.__dict__)
+        return twin
+
+    def __reduce__(self) -> tuple:
+        return (_rebuild, (self.state_dict(), self._live is not None))
+
+    def __repr__(self) -> str:
+        kind = "snapshot of " if self._live is not None else ""
+        return f"<{kind}DataShard {self.name!r} epoch {self.epoch} position {self.position}>"
+
+
+def _rebuild(state: dict[str, Any], snapshot: bool) -> DataShard:
+    """A pickled shard arriving: into this worker's live shard of that dataset, or a snapshot bound to it."""
+    live = _LIVE.get(state["name"])
+    if live is None:  # not in a worker that has the shard (e.g. read back from a checkpoint by hand)
+        live = DataShard(state["name"], None, state["shuffle"], state["seed"])
+        live.load_state_dict(state)
+        return live
+    if not snapshot:
+        live.load_state_dict(state)
+        return live
+    copy_ = copy.copy(live)
+    copy_._live = live
+    copy_.load_state_dict(state)
+    return copy_
+
+
+def _to_format(batch: dict[str, np.ndarray], batch_format: str) -> Any:
+    if batch_format == "pandas":
+        import pandas as pd
+
+        return pd.DataFrame(batch)
+    return batch
+
+
+def get_dataset_shard(name: str, *, shuffle: bool = False, seed: int = 0) -> DataShard:
+    """This worker's shard of the dataset passed as `ElasticTrainer(..., datasets={name: ds})`.
+
+    `shuffle`: each epoch visits each block's rows in a permutation drawn from
+    `(seed, epoch, block)`, the same on every rank and after every reset (the
+    blocks themselves come in the dataset's order). Every call for one name
+    returns the same shard.
+    """
+    ctx = maybe_current()
+    if ctx is None:
+        raise RuntimeError("get_dataset_shard() only works inside train_fn running under ElasticTrainer.fit()")
+    names = ctx.settings.datasets
+    if name not in names:
+        raise KeyError(f"no dataset named {name!r}: ElasticTrainer was given datasets {sorted(names)}")
+    shard = _LIVE.get(name)
+    if shard is None:
+        handle = ray.get_actor("feed", namespace=run_namespace(ctx.settings.run_id))
+        shard = _LIVE[name] = DataShard(name, Authed(handle, ctx.run_token), shuffle, seed)
+    elif (shard.shuffle, shard.seed) != (bool(shuffle), int(seed)):
+        raise ValueError(
+            f"the shard of {name!r} was made with shuffle={shard.shuffle}, seed={shard.seed}; "
+            f"asked again with shuffle={shuffle}, seed={seed}"
+        )
+    return shard

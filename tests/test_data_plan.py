@@ -1,0 +1,114 @@
+"""Who takes which rows of a Ray Dataset's epoch (`ray_elastic/data/plan.py`): pure arithmetic, no Ray.
+
+The promise these hold the arithmetic to: whatever the world does between
+steps (a rollback to a committed position, a resize, a newcomer), every
+row of the epoch is trained exactly once, except the padding of the last
+step (counted) or, with `drop_last`, the dropped remainder (counted).
+"""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ray_elastic.data.plan import BlockTable, block_order, step_rows
+
+
+def rows_of(step) -> list[int]:
+    return [p for a, b in step.ranges for p in range(a, b)]
+
+
+def one_step(position, total, size, batch_size, drop_last):
+    """Every rank's rows of one step (and the step), as the ranks compute them alone."""
+    steps = [step_rows(position, total, total, r, size, batch_size, drop_last) for r in range(size)]
+    if steps[0] is None:
+        return None, None
+    assert len({(s.next_position, s.padding_rows, s.dropped_rows) for s in steps}) == 1, "ranks disagree"
+    return [rows_of(s) for s in steps], steps[0]
+
+
+def test_a_full_step_gives_each_rank_its_slice_in_rank_order():
+    rows, step = one_step(position=10, total=100, size=3, batch_size=4, drop_last=False)
+    assert rows == [[10, 11, 12, 13], [14, 15, 16, 17], [18, 19, 20, 21]]
+    assert step.next_position == 22 and step.padding_rows == 0
+
+
+def test_the_last_step_pads_with_its_own_rows_and_counts_them():
+    # 5 rows left for 3 ranks of batch 4: each gets ceil(5/3) = 2 rows, one of them a repeat
+    rows, step = one_step(position=95, total=100, size=3, batch_size=4, drop_last=False)
+    assert rows == [[95, 96], [97, 98], [99, 95]]
+    assert step.next_position == 100 and step.padding_rows == 1
+    assert one_step(100, 100, 3, 4, False) == (None, None)
+
+
+def test_drop_last_splits_evenly_and_counts_the_rest():
+    rows, step = one_step(position=95, total=100, size=3, batch_size=4, drop_last=True)
+    assert rows == [[95], [96], [97]] and step.dropped_rows == 2 and step.next_position == 100
+    rows, step = one_step(position=98, total=100, size=3, batch_size=4, drop_last=True)
+    assert rows == [[], [], []] and step.dropped_rows == 2, "fewer rows than ranks: nobody trains them"
+
+
+def test_an_unknown_length_asks_for_the_rows_a_full_step_needs():
+    with pytest.raises(LookupError) as need:
+        step_rows(position=8, known=10, total=None, rank=0, size=2, batch_size=4, drop_last=False)
+    assert need.value.args == (16,)
+    assert rows_of(step_rows(8, 16, None, 1, 2, 4, False)) == [12, 13, 14, 15]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    total=st.integers(1, 400),
+    batch_size=st.integers(1, 17),
+    sizes=st.lists(st.integers(1, 9), min_size=1, max_size=40),
+    rollbacks=st.lists(st.booleans(), min_size=40, max_size=40),
+    drop_last=st.booleans(),
+)
+def test_every_row_once_through_resizes_and_rollbacks(total, batch_size, sizes, rollbacks, drop_last):
+    """A world that changes size at every step and sometimes rolls back to its last commit."""
+    trained: collections.Counter = collections.Counter()  # rows trained and kept (committed or final)
+    pending: collections.Counter = collections.Counter()  # trained since the last commit
+    position = committed = padding = dropped = 0
+    committed_padding = committed_dropped = 0
+    for i in range(10_000):
+        size = sizes[i % len(sizes)]
+        rows, step = one_step(position, total, size, batch_size, drop_last)
+        if step is None:
+            break
+        for r in rows:
+            pending.update(r)
+        position, padding, dropped = step.next_position, padding + step.padding_rows, dropped + step.dropped_rows
+        if rollbacks[i % len(rollbacks)]:  # a failure: back to the commit, what was trained since is undone
+            position, padding, dropped = committed, committed_padding, committed_dropped
+            pending.clear()
+        else:  # a commit
+            trained.update(pending)
+            pending.clear()
+            committed, committed_padding, committed_dropped = position, padding, dropped
+    trained.update(pending)
+    assert position == total
+    assert sum(trained.values()) == total - dropped + padding
+    assert all(trained[p] >= 1 for p in range(total - dropped)), "a row was never trained"
+    assert sum(c - 1 for c in trained.values() if c > 1) == padding, "a repeat that is not counted as padding"
+
+
+def test_block_table_maps_positions_to_pieces_of_blocks():
+    table = BlockTable()
+    for rows in (5, 0, 3, 7):
+        table.add(rows)
+    assert table.known == 15
+    assert table.pieces(3, 10) == [(0, 3, 5), (2, 0, 3), (3, 0, 2)]
+    assert table.block_of(0) == 0 and table.block_of(5) == 2 and table.block_of(14) == 3 and table.block_of(15) == 4
+    with pytest.raises(IndexError, match="outside the 15 known rows"):
+        table.pieces(10, 16)
+
+
+def test_a_blocks_permutation_depends_on_seed_epoch_and_block_only():
+    a = block_order(100, seed=1, epoch=2, block=3, shuffle=True)
+    assert np.array_equal(a, block_order(100, seed=1, epoch=2, block=3, shuffle=True)), "the same on every rank"
+    assert sorted(a) == list(range(100))
+    assert not np.array_equal(a, block_order(100, seed=1, epoch=3, block=3, shuffle=True)), "a new order per epoch"
+    assert block_order(100, seed=1, epoch=2, block=3, shuffle=False) is None
