@@ -112,3 +112,14 @@ def test_a_blocks_permutation_depends_on_seed_epoch_and_block_only():
     assert sorted(a) == list(range(100))
     assert not np.array_equal(a, block_order(100, seed=1, epoch=3, block=3, shuffle=True)), "a new order per epoch"
     assert block_order(100, seed=1, epoch=2, block=3, shuffle=False) is None
+
+
+def test_datasets_without_ray_data_installed_name_the_extra(monkeypatch):
+    import sys
+
+    from ray_elastic.data import check_datasets
+
+    monkeypatch.setitem(sys.modules, "ray.data", None)  # as in an install without the extra
+    with pytest.raises(ImportError, match=r"pip install 'ray-elastic\[data\]'"):
+        check_datasets({"train": object()})
+    assert check_datasets(None) == {}, "no datasets: Ray Data is not needed"
