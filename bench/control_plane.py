@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import pickle
 import statistics
 import sys
@@ -36,9 +35,7 @@ import threading
 import time
 from pathlib import Path
 
-import ray
-from own_dashboard import own_dashboard
-from ray.cluster_utils import Cluster
+from own_dashboard import local_cluster
 from ray.experimental import internal_kv
 from results_file import write_results
 
@@ -101,13 +98,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=3)
     args = parser.parse_args()
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, **own_dashboard()})
-    cluster.add_node(num_cpus=2)
-    cluster.add_node(num_cpus=2)
-    ray.init(address=cluster.address, logging_level=logging.ERROR)
-    cluster.wait_for_nodes()
     rows, snap = [], {}
-    try:
+    with local_cluster():
         with tempfile.TemporaryDirectory() as tmp:
             workdir = Path(tmp)
             stop = threading.Event()
@@ -119,9 +111,6 @@ def main() -> None:
                     rows.append(row)
                     print(json.dumps(row), flush=True)
             stop.set()
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
     header = ("killed", "lost", "twice", "pause p50", "max", "step", "back p50", "resets")
     print("\n{:>12} {:>5} {:>5} {:>9} {:>6} {:>6} {:>8} {:>6}".format(*header))
     for action in ("kill_driver", "kill_kv", "kill_both"):

@@ -15,8 +15,11 @@ own.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import socket
+from collections.abc import Iterator
 from typing import Any
 
 
@@ -27,3 +30,20 @@ def own_dashboard() -> dict[str, Any]:
         port = s.getsockname()[1]
     os.environ["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{port}"
     return {"include_dashboard": True, "dashboard_host": "127.0.0.1", "dashboard_port": port}
+
+
+@contextlib.contextmanager
+def local_cluster(nodes: int = 2, cpus: int = 2) -> Iterator[tuple[Any, list[Any]]]:
+    """A local cluster (a head without CPUs, with its own dashboard, and `nodes` nodes of `cpus` CPUs), connected."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, **own_dashboard()})
+    added = [cluster.add_node(num_cpus=cpus) for _ in range(nodes)]
+    ray.init(address=cluster.address, logging_level=logging.ERROR)
+    cluster.wait_for_nodes()
+    try:
+        yield cluster, added
+    finally:
+        ray.shutdown()
+        cluster.shutdown()

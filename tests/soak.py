@@ -44,6 +44,17 @@ from ray_elastic.worker_context import current  # noqa: E402
 GLOBAL_BATCH = 64  # split over the ranks, so steps per epoch do not depend on the world size
 
 
+def ledger_writer(ledger_dir: str):
+    """This worker's ledger: a function appending one JSON line (flushed: a SIGKILL loses nothing written)."""
+    ledger = open(os.path.join(ledger_dir, f"{current().worker_id}.jsonl"), "a")  # noqa: SIM115
+
+    def write(entry: dict) -> None:
+        ledger.write(json.dumps(entry) + "\n")
+        ledger.flush()
+
+    return write
+
+
 def soak_train_fn(config: dict) -> dict:
     torch.set_num_threads(1)
     seed = config["seed"]
@@ -55,11 +66,7 @@ def soak_train_fn(config: dict) -> dict:
     opt = elastic.torch.DistributedOptimizer(base)
     sampler = elastic.torch.ElasticSampler(dataset, shuffle=True, seed=seed)
     state = elastic.torch.TorchState(model=model, optimizer=opt, sampler=sampler, epoch=0, step=0)
-    ledger = open(os.path.join(config["ledger_dir"], f"{current().worker_id}.jsonl"), "a")  # noqa: SIM115
-
-    def write(entry: dict) -> None:
-        ledger.write(json.dumps(entry) + "\n")
-        ledger.flush()
+    write = ledger_writer(config["ledger_dir"])
 
     @elastic.run
     def train(state) -> dict:
