@@ -9,6 +9,15 @@ completed steps the rollback to the last commit undid. Each repetition runs
 twice, the same kill each time: with `DistributedOptimizer` and with
 `prepare_model` (DDP) and a plain optimizer (`--no-ddp` skips the second).
 
+Scale-up and graceful removal with both paths (`--scale-reps`, default 2 per
+path): on the same cluster, discovery (a file of `{node id: slots}`, polled
+every second) first offers one node, so 2 workers train; then it offers the
+second node (already up: the newcomers' actor start and imports count, a
+node's start does not), and later withdraws it again. Measured as
+`bench/scale.py` measures: from the offer to the first step at world size 4,
+the survivors' longest gap between two steps around it, and for the removal
+the steps lost and the pause. The same loop and kill as above otherwise.
+
 Ray Train v2 beside it, on the same cluster, same model, same kill, measured
 the same way: `TorchTrainer` (4 workers, DDP) with
 `FailureConfig(max_failures=3)` and a checkpoint every `--rt-every` steps;
@@ -23,7 +32,7 @@ itself in the middle of backward with buckets in flight.
 Prints p50/p95/max and writes bench/results/recovery.json. Reports, never
 asserts.
 
-    .venv/bin/python bench/recovery.py [--reps 10] [--rt-reps 3] [--large-reps 3] [--seed 0]
+    .venv/bin/python bench/recovery.py [--reps 10] [--scale-reps 2] [--rt-reps 3] [--large-reps 3] [--seed 0]
 """
 
 from __future__ import annotations
@@ -36,12 +45,14 @@ import random
 import signal
 import statistics
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 import torch
 from own_dashboard import own_dashboard
 from results_file import write_results
+from scale import FileDiscovery, longest_gap, wait_progress
 from small_mlp import make_mlp, raytrain_checkpoint, raytrain_resume, sgd_step
 
 import ray_elastic as elastic
@@ -80,15 +91,20 @@ def train_fn(config: dict) -> int:
         model = make_mlp()
         opt = elastic.torch.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))
     state = elastic.torch.TorchState(model=model, optimizer=opt, step=0)
-    hook = config["hook"]
+    hook = config.get("hook") or (lambda step: None)
 
     @elastic.run
     def train(state) -> int:
         g = torch.Generator().manual_seed(elastic.rank())
         while state.step < config["steps"]:
+            # the ranks agree on stopping (rank 0's view), so none leaves the ring alone
+            if config.get("stop") and state.step % 10 == 0 and elastic.broadcast_object(os.path.exists(config["stop"])):
+                break
             sgd_step(model, opt, g)
             state.step += 1
             elastic.report({"step": state.step, "world_size": elastic.size()})
+            if config.get("progress") and elastic.rank() == 0 and state.step % 10 == 0:
+                Path(config["progress"]).write_text(json.dumps({"step": state.step, "world_size": elastic.size()}))
             hook(state.step)
             time.sleep(0.005)  # stands for more compute per step
             if state.step % COMMIT_EVERY == 0:
@@ -112,15 +128,67 @@ def one_rep(kill_rank: int, kill_step: int, workdir: str, rep: int, ddp: bool = 
     ).fit()
     killed = json.loads(Path(marker).read_text())
     after = [(t, m) for t, m in zip(result.metric_times, result.metrics, strict=True) if t > killed["time"]]
-    t_next, m_next = next((t, m) for t, m in after if m["world_size"] == 3)
+    # the survivors' first step at 3; if there is none (the killed host's cool-down ended first, so the
+    # survivors resumed at 4), the first step after the kill that went back (the rollback), at any size
+    pairs = list(zip(after, after[1:], strict=False))
+    rolled_back = next(((t, m) for (_, prev), (t, m) in pairs if m["step"] <= prev["step"]), after[-1])
+    t_next, m_next = next(((t, m) for t, m in after if m["world_size"] == 3), rolled_back)
     resumed_from = m_next["step"] - 1
     return {
         "kill_rank": kill_rank,
         "kill_step": kill_step,
         "recovery_s": t_next - killed["time"],
         "steps_lost": kill_step - resumed_from,
+        "world_after": m_next["world_size"],
         "reset_s": next(e.reset_duration for e in result.events if e.kind == "worker_failed"),
     }
+
+
+def scale_rep(nodes: list[str], workdir: str, rep: int, ddp: bool) -> dict:
+    """2 workers on the first node; the second node offered (scale-up to 4), then withdrawn (graceful removal)."""
+    tag = f"{rep}{'-ddp' if ddp else ''}"
+    hosts_file = os.path.join(workdir, f"hosts-{tag}.json")
+    progress, stop = os.path.join(workdir, f"progress-{tag}"), os.path.join(workdir, f"stop-{tag}")
+    Path(hosts_file).write_text(json.dumps({nodes[0]: 2}))
+    trainer = elastic.ElasticTrainer(
+        train_fn,
+        min_workers=2,
+        max_workers=4,
+        config={"steps": 20_000, "ddp": ddp, "progress": progress, "stop": stop},
+        discovery=FileDiscovery(hosts_file),
+        discovery_interval=1,
+        verbose=0,
+    )
+    box: dict = {}
+    runner = threading.Thread(target=lambda: box.setdefault("result", trainer.fit()), daemon=True)
+    runner.start()
+    wait_progress(progress, "2 workers training", lambda p: p["step"] >= 50)
+    Path(hosts_file).write_text(json.dumps({nodes[0]: 2, nodes[1]: 2}))
+    t_offered = time.time()
+    seen = wait_progress(progress, "the world to grow to 4", lambda p: p["world_size"] == 4)
+    wait_progress(progress, "steady steps at 4", lambda p, s=seen["step"]: p["step"] >= s + 50)
+    Path(hosts_file).write_text(json.dumps({nodes[0]: 2}))
+    t_withdrawn = time.time()
+    seen = wait_progress(progress, "the world to shrink to 2", lambda p: p["world_size"] == 2)
+    wait_progress(progress, "steady steps at 2", lambda p, s=seen["step"]: p["step"] >= s + 30)
+    Path(stop).touch()
+    runner.join(120)
+    result = box["result"]
+    times, metrics = result.metric_times, result.metrics
+    first4 = next(i for i, m in enumerate(metrics) if m["world_size"] == 4)
+    first2 = next(i for i, m in enumerate(metrics) if i > first4 and m["world_size"] == 2)
+    return {
+        "up_first_step_s": times[first4] - t_offered,
+        "up_pause_s": longest_gap(times, t_offered, times[first4] + 1),
+        "up_steps_lost": metrics[first4 - 1]["step"] - (metrics[first4]["step"] - 1),
+        "down_to_world2_s": times[first2] - t_withdrawn,
+        "down_pause_s": longest_gap(times, t_withdrawn, times[first2] + 1),
+        "down_steps_lost": metrics[first2 - 1]["step"] - (metrics[first2]["step"] - 1),
+        "events": [(e.kind, e.world_size, e.reset_duration, e.detail) for e in result.events],
+    }
+
+
+SCALE_KEYS = ("up_first_step_s", "up_pause_s", "up_steps_lost", "down_to_world2_s", "down_pause_s", "down_steps_lost")
 
 
 def raytrain_train_fn(config: dict) -> None:
@@ -231,14 +299,14 @@ def main() -> None:
     parser.add_argument("--rt-reps", type=int, default=3, help="Ray Train repetitions (0 to skip)")
     parser.add_argument("--rt-every", type=int, default=50, help="Ray Train: steps between checkpoints")
     parser.add_argument("--large-reps", type=int, default=3, help="25.1M-parameter repetitions (0 to skip)")
+    parser.add_argument("--scale-reps", type=int, default=2, help="scale-up + removal repetitions per path (0 to skip)")
     parser.add_argument("--no-ddp", action="store_true", help="skip the prepare_model (DDP) repetitions")
     args = parser.parse_args()
     import ray
     from ray.cluster_utils import Cluster
 
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, **own_dashboard()})
-    for _ in range(2):
-        cluster.add_node(num_cpus=2)
+    nodes = [cluster.add_node(num_cpus=2).node_id for _ in range(2)]
     ray.init(address=cluster.address, logging_level=logging.ERROR)
     cluster.wait_for_nodes()
     rng = random.Random(args.seed)
@@ -254,6 +322,19 @@ def main() -> None:
                     f"rep {rep}{' (DDP)' if ddp else ''}: rank {row['kill_rank']} killed after step "
                     f"{row['kill_step']}: next step after {row['recovery_s']:.3f} s (reset {row['reset_s']:.3f} s), "
                     f"{row['steps_lost']} steps redone",
+                    flush=True,
+                )
+        scale_rows: dict[str, list[dict]] = {"optimizer": [], "ddp": []}
+        for rep in range(args.scale_reps):
+            for ddp in (False,) if args.no_ddp else (False, True):
+                row = scale_rep(nodes, workdir, rep, ddp)
+                scale_rows["ddp" if ddp else "optimizer"].append(row)
+                print(
+                    f"scale rep {rep}{' (DDP)' if ddp else ''}: up: first step at 4 after "
+                    f"{row['up_first_step_s']:.2f} s, pause {row['up_pause_s']:.3f} s, "
+                    f"{row['up_steps_lost']} steps lost; down: at 2 after "
+                    f"{row['down_to_world2_s']:.2f} s, pause {row['down_pause_s']:.3f} s, "
+                    f"{row['down_steps_lost']} steps lost",
                     flush=True,
                 )
         large_rows = []
@@ -289,6 +370,14 @@ def main() -> None:
             f"p95 {ddp_summary['p95_s']:.3f} s, max {ddp_summary['max_s']:.3f} s; median steps redone "
             f"{ddp_summary['median_steps_lost']}"
         )
+    scale_summary = {
+        path: {k: statistics.median(r[k] for r in path_rows) for k in SCALE_KEYS}
+        | {"up_pause_max_s": max(r["up_pause_s"] for r in path_rows), "reps": len(path_rows)}
+        for path, path_rows in scale_rows.items()
+        if path_rows
+    }
+    for path, sm in scale_summary.items():
+        print(f"scale-up and removal, {path}, median over reps: " + ", ".join(f"{k} {v:.3f}" for k, v in sm.items()))
     large_summary = summarize(large_rows) if large_rows else None
     if large_summary:
         print(
@@ -315,6 +404,8 @@ def main() -> None:
         large_summary=large_summary,
         ddp_rows=ddp_rows,
         ddp_summary=ddp_summary,
+        scale_rows=scale_rows,
+        scale_summary=scale_summary,
     )
 
 
