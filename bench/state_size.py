@@ -82,6 +82,12 @@ def peak_rss() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0
 
 
+def cpu_s() -> float:
+    """CPU seconds this process used so far, all its threads (Gloo's and the sync's own included)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def make_model(params_m: int) -> torch.nn.Module:
     layers = max(1, round(params_m * 1e6 / (WIDTH * WIDTH + WIDTH)))
     model = torch.nn.Sequential(*[torch.nn.utils.skip_init(torch.nn.Linear, WIDTH, WIDTH) for _ in range(layers)])
@@ -119,9 +125,17 @@ def train_fn(config: dict) -> int:
     measured_bw = []
 
     def timed_sync(sync=state.sync) -> None:
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), cpu_s()
         sync()
-        log(workdir, kind="sync", rank=elastic.rank(), size=elastic.size(), sync_s=time.perf_counter() - started)
+        log(
+            workdir,
+            kind="sync",
+            rank=elastic.rank(),
+            size=elastic.size(),
+            sync_s=time.perf_counter() - started,
+            agreed_s=state.last_sync.agreed_after,
+            cpu_s=cpu_s() - cpu,
+        )
 
     def timed_restore(restore=state.restore) -> None:
         began, started = time.time(), time.perf_counter()
@@ -248,6 +262,9 @@ def one_size(params_m: int, node_a: str, node_b: str, workdir: str) -> dict:
     state_bytes = commits[0]["state_bytes"]
     bw = next(r for r in logs if r["kind"] == "bandwidth")["bytes_per_s"]
     newcomer_bps = state_bytes / newcomer_sync["sync_s"]
+    # from the agreement on: the transfer itself, without the wait for the survivors to reach their sync
+    transfer_s = newcomer_sync["sync_s"] - newcomer_sync["agreed_s"]
+    holders_sync = [r for r in syncs if r["size"] == 3 and r["rank"] != 2 and r["time"] < killed["time"]]
     by_pid: dict[int, float] = {}
     for r in commits:
         by_pid[r["pid"]] = max(by_pid.get(r["pid"], 0.0), r["peak_over_state"])
@@ -259,6 +276,11 @@ def one_size(params_m: int, node_a: str, node_b: str, workdir: str) -> dict:
         "up_newcomer_sync_s": newcomer_sync["sync_s"],
         "up_newcomer_gbps": newcomer_bps / GB,
         "up_newcomer_over_loopback": newcomer_bps / bw,
+        "up_newcomer_agreed_s": newcomer_sync["agreed_s"],
+        "up_newcomer_transfer_over_loopback": state_bytes / transfer_s / bw,
+        "up_newcomer_cpu_s": newcomer_sync["cpu_s"],
+        "up_holders_sync_s": [r["sync_s"] for r in holders_sync],
+        "up_holders_cpu_s": [r["cpu_s"] for r in holders_sync],
         "up_survivor_pause_s": times[first3] - times[first3 - 1],
         "step_s_at_2": statistics.median(steps2) if steps2 else None,
         "step_s_at_3": statistics.median(steps3) if steps3 else None,
@@ -324,6 +346,14 @@ def main() -> None:
             f"{r['up_newcomer_sync_s']:>8.3f}s {r['up_newcomer_gbps']:>6.2f} {r['loopback_broadcast_gbps']:>6.2f} "
             f"{r['up_newcomer_over_loopback']:>5.0%} {r['up_survivor_pause_s']:>6.2f}s {r['commit_s']:>6.3f}s "
             f"{r['commit_over_copy']:>5.2f}x {'/'.join(f'{p:.2f}' for p in r['worker_peak_over_state']):>14}"
+        )
+    print(f"{'params':>7} {'newcomer':>9} {'agreed':>7} {'transfer %':>10} {'cpu':>6} {'holders sync':>13} {'cpu':>10}")
+    for r in rows:
+        print(
+            f"{r['params_m']:>6}M {r['up_newcomer_sync_s']:>8.3f}s {r['up_newcomer_agreed_s']:>6.3f}s "
+            f"{r['up_newcomer_transfer_over_loopback']:>10.0%} {r['up_newcomer_cpu_s']:>5.2f}s "
+            f"{'/'.join(f'{x:.2f}' for x in r['up_holders_sync_s']):>12}s "
+            f"{'/'.join(f'{x:.2f}' for x in r['up_holders_cpu_s']):>9}s"
         )
     for note in skipped:
         print(note)

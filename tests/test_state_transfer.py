@@ -152,3 +152,60 @@ def test_sync_moves_state_only_to_the_ranks_that_lack_rank0s_commit():
     assert results["newcomer", 2][1] == 3, "the newcomer took rank 0's plain values (epoch)"
     params = 300 * 200 + 200 + 200 * 3 + 3 + 3 * 5 + 5
     assert results["newcomer", 2][3] >= 3 * 4 * params, "the newcomer received the model and both Adam moments"
+
+
+def chunked_member(rank: int, size: int, port: int, out) -> None:
+    """Large tensors in slices from two holders into a newcomer's fresh memory, with the toucher both ways."""
+    import torch.distributed as dist
+
+    from ray_elastic.collective.torch_gloo import TorchGlooGroup
+    from ray_elastic.state import pages
+    from ray_elastic.state.sync_plan import SyncPlan
+    from ray_elastic.torch.broadcast import send_tensors_
+
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, size, rank == 0)
+    ring = TorchGlooGroup(store, rank, size, timeout=30)
+    plan = SyncPlan(rank, holders=(0, 1), receivers=(2,))
+    for faults_in in (True, False):  # madvise(MADV_POPULATE_WRITE), then a toucher that writes zeros
+        pages._madvise = pages._madvise if faults_in else None
+        g = torch.Generator().manual_seed(7)
+        shapes = [(1000, 700), (3,), (257, 1031), (5, 7), (2000, 300)]
+        if rank < 2:
+            tensors = [torch.randn(*s, generator=g) for s in shapes]
+            tensors.append(torch.randn(300, 500, generator=g).t())  # not contiguous
+        else:
+            tensors = [torch.empty(*s) for s in shapes] + [torch.empty(500, 300)]
+        received = send_tensors_(ring, plan, tensors, chunk_bytes=64 * 2**10)
+        digests = [hashlib.sha256(t.contiguous().numpy().tobytes()).hexdigest() for t in tensors]
+        out.put((faults_in, rank, received, digests))
+    ring.close()
+
+
+def test_a_newcomer_receives_large_tensors_in_slices_bitwise_whether_its_pages_are_faulted_in_or_written():
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=chunked_member, args=(r, 3, port, out)) for r in range(3)]
+    for p in procs:
+        p.start()
+    try:
+        results = {}
+        deadline = time.monotonic() + 120
+        while len(results) < 6:
+            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            assert not dead and time.monotonic() < deadline, f"a member failed ({dead}) or timed out"
+            try:
+                faults_in, rank, *rest = out.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            results[faults_in, rank] = rest
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+    for faults_in in (True, False):
+        assert results[faults_in, 0][1] == results[faults_in, 1][1] == results[faults_in, 2][1]
+        assert results[faults_in, 2][0] == 4 * (700_000 + 3 + 257 * 1031 + 35 + 600_000 + 150_000)
+        assert results[faults_in, 0][0] == results[faults_in, 1][0] == 0

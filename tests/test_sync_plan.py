@@ -53,10 +53,18 @@ def test_chunks_cover_every_byte_once_and_stay_within_the_bound(sizes):
     assert sum(c.nbytes for c in chunks) == sum(sizes)
 
 
-def test_small_tensors_are_packed_and_a_large_one_travels_alone_in_slices():
-    chunks = schedule_chunks([10, 10, 10, 200, 3], senders=[0], chunk_bytes=64, direct_bytes=32)
-    assert [[p.buffer for p in c.pieces] for c in chunks] == [[0, 1, 2], [3], [3], [3], [3], [4]]
-    assert [c.nbytes for c in chunks] == [30, 64, 64, 64, 8, 3]
+def test_small_tensors_are_packed_ahead_and_a_large_one_travels_alone_in_slices():
+    chunks = schedule_chunks([10, 10, 10, 200, 3, 40, 20], senders=[0], chunk_bytes=64, direct_bytes=32)
+    assert [[p.buffer for p in c.pieces] for c in chunks] == [[0, 1, 2, 4, 6], [3], [3], [3], [3], [5]]
+    assert [c.nbytes for c in chunks] == [53, 64, 64, 64, 8, 40]
+
+
+def test_small_tensors_between_large_ones_cost_one_message_not_one_each():
+    # a model's layers: a 4 MB weight and a 4 KB bias each, then Adam's moments and step counts
+    sizes = [4 * 2**20, 4 * 2**10] * 10 + [4 * 2**20, 4 * 2**20, 4] * 10
+    chunks = schedule_chunks(sizes, senders=[0, 1], chunk_bytes=16 * 2**20)
+    assert len(chunks) == 30 + 1
+    assert covered(chunks, sizes)
 
 
 def test_holders_share_the_sending_in_contiguous_runs():

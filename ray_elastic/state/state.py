@@ -35,6 +35,7 @@ class SyncReport:
     receivers: tuple[int, ...]
     received_bytes: int  # tensor bytes this rank received (0 on a holder)
     seconds: float
+    agreed_after: float = 0.0  # seconds until the ranks agreed on who holds it: mostly the wait for the last rank
 
 
 class State:
@@ -133,11 +134,12 @@ class ObjectState(State):
         started = time.perf_counter()
         ring = current_ring()
         plan = agree(ring, self.commit_id)
+        agreed = time.perf_counter() - started
         shared = share_object(ring, plan, (self.commit_id, self._saved) if ring.rank == 0 else None)
         if plan.receives:
             self.commit_id, self._saved = shared
             self.restore()
-        self.last_sync = SyncReport(plan.holders, plan.receivers, 0, time.perf_counter() - started)
+        self.last_sync = SyncReport(plan.holders, plan.receivers, 0, time.perf_counter() - started, agreed)
 
     def checkpoint_payload(self) -> dict[str, Any]:
         return self._saved  # save() replaces the dict rather than mutating it

@@ -105,8 +105,8 @@ def schedule_chunks(
     """Cut buffers of `sizes` bytes, in order, into chunks of at most `chunk_bytes`, spread over `senders`.
 
     A buffer of at least `direct_bytes` (default `chunk_bytes // 16`) travels
-    in chunks of its own, sent from and received into its memory; smaller
-    ones are packed together. Sender k sends the chunks that start in the
+    in chunks of its own, sent from and received into its memory; the smaller
+    ones are packed together, ahead of the large ones. Sender k sends the chunks that start in the
     k-th of `len(senders)` equal shares of the bytes, so each sender reads one
     contiguous run of the state.
     """
@@ -114,27 +114,25 @@ def schedule_chunks(
         raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
     if not senders:
         raise ValueError("a transfer needs at least one sender")
-    direct = max(1, chunk_bytes // 16) if direct_bytes is None else direct_bytes
+    direct = min(chunk_bytes, max(1, chunk_bytes // 16) if direct_bytes is None else direct_bytes)
+    # the small buffers first, packed together: one message for all of them, not one between every two large ones
     pieces_per_chunk: list[list[Piece]] = []
     packed: list[Piece] = []
     room = chunk_bytes
     for index, size in enumerate(sizes):
-        if size >= direct:
-            if packed:
+        if 0 < size < direct:
+            if size > room:
                 pieces_per_chunk.append(packed)
                 packed, room = [], chunk_bytes
-            pieces_per_chunk.extend(
-                [Piece(index, start, min(size, start + chunk_bytes))] for start in range(0, size, chunk_bytes)
-            )
-            continue
-        if size > room:
-            pieces_per_chunk.append(packed)
-            packed, room = [], chunk_bytes
-        if size:
             packed.append(Piece(index, 0, size))
             room -= size
     if packed:
         pieces_per_chunk.append(packed)
+    for index, size in enumerate(sizes):
+        if size >= direct:
+            pieces_per_chunk.extend(
+                [Piece(index, start, min(size, start + chunk_bytes))] for start in range(0, size, chunk_bytes)
+            )
     total = sum(sizes)
     chunks, start = [], 0
     for pieces in pieces_per_chunk:

@@ -4,14 +4,17 @@
 the tensors' bytes go in chunks of at most `CHUNK_BYTES` from the ranks that
 hold the commit to the ranks that do not, and only to them. A chunk is a
 slice of one large tensor (sent from and received into the tensor itself, no
-copy) or several small tensors packed into one message; at most `WINDOW`
-chunks per rank are in flight, so the extra memory is bounded by
-`WINDOW * CHUNK_BYTES` whatever the model's size. With several holders,
-each sends its own contiguous share, so a receiver draws from all of them.
-A receiver's tensors are often fresh memory (a newcomer's optimizer moments),
-whose first touch costs about as much as the transfer itself on a VM: a
-thread touches each chunk just ahead of its receive, so the page faults
-overlap the transfer instead of following it.
+copy) or several small tensors packed into one message (all the small
+ones first, so a model's biases and step counts cost one message, not one
+each); at most `WINDOW` chunks per rank are in flight, so the extra memory is
+bounded by `WINDOW * CHUNK_BYTES` whatever the model's size. With several
+holders, each sends its own contiguous share, so a receiver draws from all
+of them. A receiver's tensors are often fresh memory (a newcomer's optimizer
+moments), whose first touch costs about as much as the transfer itself on a
+VM: a thread faults each chunk's pages in ahead of its receive
+(`ray_elastic.state.pages`: without writing them, so it never holds a
+receive back), and the page faults overlap the transfer instead of
+following it.
 
 `broadcast_tensors_` copies rank 0's tensors to every rank, coalesced per
 dtype (one flat broadcast each), for the user-facing helpers.
@@ -29,6 +32,7 @@ import torch
 from ray_elastic.collective import group
 from ray_elastic.collective.base import CollectiveGroup, CollectiveWork
 from ray_elastic.collective.checked import root_rank_in
+from ray_elastic.state.pages import can_populate, populate_range
 from ray_elastic.state.sync_plan import Chunk, SyncPlan, order_transfers, schedule_chunks
 
 CHUNK_BYTES = 16 * 2**20
@@ -59,9 +63,33 @@ def send_tensors_(
         mine = [(i, s, r) for i, s, r in order_transfers(chunks, plan.receivers) if ring.rank in (s, r)]
     else:
         mine = [(i, 0, ring.rank) for i in range(len(chunks))]
+    toucher = _Toucher([chunks[i] for i, _, _ in mine], views) if p2p and plan.receives else None
+    try:
+        received = _exchange(ring, plan, chunks, mine, views, toucher, window)
+    finally:
+        if toucher is not None:
+            toucher.close()  # a transfer cut short is restored next: no thread may write into it then
+    if plan.receives:
+        with torch.no_grad():
+            for t, c in pairs:
+                if c is not t:
+                    t.copy_(c)
+    return received
+
+
+def _exchange(
+    ring: CollectiveGroup,
+    plan: SyncPlan,
+    chunks: list[Chunk],
+    mine: list[tuple[int, int, int]],
+    views: list[torch.Tensor],
+    toucher: _Toucher | None,
+    window: int,
+) -> int:
+    """This rank's sends and receives of `mine`, at most `window` in flight; returns the bytes it kept."""
+    p2p = ring.point_to_point
     received = 0
     inflight: deque[tuple[CollectiveWork, Callable[[], None] | None]] = deque()
-    toucher = _Toucher([chunks[i] for i, _, _ in mine], views) if p2p and plan.receives else None
     with torch.no_grad():
         for k, (i, sender, receiver) in enumerate(mine):
             chunk = chunks[i]
@@ -80,17 +108,22 @@ def send_tensors_(
                 _finish(inflight.popleft())
         while inflight:
             _finish(inflight.popleft())
-        if plan.receives:
-            for t, c in pairs:
-                if c is not t:
-                    t.copy_(c)
     return received
 
 
 class _Toucher:
-    """Writes each chunk's bytes once, in receive order, on its own thread: the page faults of fresh memory."""
+    """Faults each chunk's memory in once, in receive order, on its own thread: the page faults of fresh memory.
+
+    Where the kernel can fault a range in without writing it
+    (`ray_elastic.state.pages`), the thread runs ahead of the receives
+    without holding them back: a page it has not reached yet is faulted in
+    by the receive itself, so both share the faults. Elsewhere it writes
+    zeros, and each receive waits until its chunk was written.
+    """
 
     def __init__(self, chunks: list[Chunk], views: list[torch.Tensor]) -> None:
+        self.writes = not can_populate()
+        self._closed = False
         self._done = 0  # chunks touched so far
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._run, args=(chunks, views), name="ray_elastic-touch", daemon=True)
@@ -99,16 +132,36 @@ class _Toucher:
     def _run(self, chunks: list[Chunk], views: list[torch.Tensor]) -> None:
         with torch.no_grad():
             for chunk in chunks:
+                if self._closed:
+                    return
                 for p in chunk.pieces if len(chunk.pieces) == 1 else ():
-                    views[p.buffer][p.start : p.stop].zero_()
+                    piece = views[p.buffer][p.start : p.stop]
+                    if self.writes:
+                        piece.zero_()
+                    else:
+                        populate(piece)  # a page it cannot fault in, the receive faults in itself
                 with self._cond:
                     self._done += 1
                     self._cond.notify_all()
 
     def wait_past(self, k: int) -> None:
-        """Block until chunk `k` (in receive order) was touched, so its receive never races the thread."""
+        """Block until chunk `k` (in receive order) was written, so its receive never races the thread."""
+        if not self.writes:
+            return
         with self._cond:
             self._cond.wait_for(lambda: self._done > k)
+
+    def close(self) -> None:
+        """Stop after the chunk in hand and wait for the thread (a chunk or less: bounded)."""
+        self._closed = True
+        self._thread.join()
+
+
+def populate(t: torch.Tensor) -> bool:
+    """Fault a contiguous CPU tensor's pages in, writable, without writing them; False where that is not possible."""
+    if t.device.type != "cpu":
+        return False
+    return populate_range(t.data_ptr(), t.numel() * t.element_size())
 
 
 def _pack(chunk: Chunk, views: list[torch.Tensor]) -> torch.Tensor:

@@ -651,12 +651,13 @@ class TorchState(State):
         started = time.perf_counter()
         ring = current_ring()
         plan = agree(ring, self.commit_id)
+        agreed = time.perf_counter() - started
         received = 0
         if plan.moves_state:
             received = self._transfer(ring, plan)
         for handler in self._handlers.values():
             handler.after_sync()
-        self.last_sync = SyncReport(plan.holders, plan.receivers, received, time.perf_counter() - started)
+        self.last_sync = SyncReport(plan.holders, plan.receivers, received, time.perf_counter() - started, agreed)
 
     def _transfer(self, ring: CollectiveGroup, plan: SyncPlan) -> int:
         moving = {name: h for name, h in self._handlers.items() if _moves_only_what_is_needed(h)}
