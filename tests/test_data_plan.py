@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import collections
 
-import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ray_elastic.data.plan import BlockTable, block_order, step_rows
+from ray_elastic.data.plan import BlockTable, EpochOrder, step_rows
 
 
 def rows_of(step) -> list[int]:
@@ -106,12 +105,46 @@ def test_block_table_maps_positions_to_pieces_of_blocks():
         table.pieces(10, 16)
 
 
-def test_a_blocks_permutation_depends_on_seed_epoch_and_block_only():
-    a = block_order(100, seed=1, epoch=2, block=3, shuffle=True)
-    assert np.array_equal(a, block_order(100, seed=1, epoch=2, block=3, shuffle=True)), "the same on every rank"
-    assert sorted(a) == list(range(100))
-    assert not np.array_equal(a, block_order(100, seed=1, epoch=3, block=3, shuffle=True)), "a new order per epoch"
-    assert block_order(100, seed=1, epoch=2, block=3, shuffle=False) is None
+def table_of(*rows: int) -> BlockTable:
+    table = BlockTable()
+    for n in rows:
+        table.add(n)
+    return table
+
+
+def served(order: EpochOrder, start: int, end: int) -> list[tuple[int, int]]:
+    return [(index, int(r)) for index, rows in order.rows(start, end) for r in rows]
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_an_epochs_order_serves_every_row_of_every_block_once(shuffle):
+    table = table_of(5, 0, 3, 7, 4, 6)
+    order = EpochOrder(table, seed=1, epoch=2, shuffle=shuffle, window=4)
+    # served in odd pieces, as batches of changing world sizes would take them
+    cuts = [0, 3, 4, 11, 12, 20, 25]
+    pieces = [p for a, b in zip(cuts, cuts[1:], strict=False) for p in served(order, a, b)]
+    assert sorted(pieces) == sorted((i, r) for i, n in enumerate(table.rows) for r in range(n))
+
+
+def test_shuffling_mixes_rows_across_the_blocks_of_a_window_and_is_replayable():
+    table = table_of(100, 100, 100, 100, 100)
+    order = EpochOrder(table, seed=1, epoch=2, shuffle=True, window=4)
+    first_batch = served(order, 0, 40)
+    assert len({index for index, _ in first_batch}) >= 3, "a batch draws on the window's blocks, not one block"
+    assert all(index < 4 for index, _ in first_batch), "the first window's blocks only"
+    again = EpochOrder(table, seed=1, epoch=2, shuffle=True, window=4)
+    assert served(again, 0, 40) == first_batch, "the same on every rank and after every reset"
+    other = EpochOrder(table, seed=1, epoch=3, shuffle=True, window=4)
+    assert served(other, 0, 40) != first_batch, "a new order each epoch"
+    assert served(EpochOrder(table, 1, 2, False), 0, 3) == [(0, 0), (0, 1), (0, 2)]
+
+
+def test_a_window_is_served_only_once_all_its_blocks_are_known():
+    table = table_of(10, 10, 10, 10, 10, 10)  # one whole window of 4 blocks, and 2 of the next
+    order = EpochOrder(table, seed=0, epoch=0, shuffle=True, window=4)
+    assert order.usable(ended=False) == 40
+    assert order.usable(ended=True) == 60, "the stream ended: the last window is whole as it is"
+    assert EpochOrder(table, 0, 0, shuffle=False).usable(ended=False) == 60
 
 
 def test_datasets_without_ray_data_installed_name_the_extra(monkeypatch):

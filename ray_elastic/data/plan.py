@@ -114,8 +114,58 @@ class BlockTable:
         return bisect.bisect_right(self.starts, position) - 1
 
 
-def block_order(num_rows: int, seed: int, epoch: int, block: int, shuffle: bool) -> np.ndarray | None:
-    """The permutation of a block's rows for this epoch, or None to keep them in order."""
-    if not shuffle:
-        return None
-    return np.random.default_rng([seed, epoch, block]).permutation(num_rows)
+SHUFFLE_WINDOW = 4  # blocks whose rows one shuffled stretch of the epoch mixes
+
+
+class EpochOrder:
+    """Which block row stands at each position of an epoch: the table's rows in order, or shuffled by windows.
+
+    With `shuffle`, the blocks are taken `window` at a time and the rows of
+    each window are visited in a permutation drawn from `(seed, epoch,
+    window index)`: rows mix across neighbouring blocks as well as within
+    them, the same on every rank and after every reset. A window is usable
+    once all its blocks are known (or the epoch's stream ended), so a rank
+    holds at most `window` blocks of it at a time.
+    """
+
+    def __init__(self, table: BlockTable, seed: int, epoch: int, shuffle: bool, window: int = SHUFFLE_WINDOW) -> None:
+        self.table = table
+        self.seed = seed
+        self.epoch = epoch
+        self.shuffle = shuffle
+        self.window = window
+        self._orders: dict[int, np.ndarray] = {}
+
+    def usable(self, ended: bool) -> int:
+        """How many positions can be served now."""
+        if ended or not self.shuffle:
+            return self.table.known
+        whole = len(self.table) // self.window * self.window
+        return self.table.starts[whole] if whole < len(self.table) else self.table.known
+
+    def rows(self, start: int, end: int) -> list[tuple[int, np.ndarray]]:
+        """`(block index, rows of that block)` for positions `[start, end)`, grouped by block, in block order."""
+        if not self.shuffle:
+            return [(index, np.arange(first, stop)) for index, first, stop in self.table.pieces(start, end)]
+        picked: dict[int, list[np.ndarray]] = {}
+        position = start
+        while position < end:
+            w = self.table.block_of(position) // self.window
+            first_block = w * self.window
+            last_block = min(first_block + self.window, len(self.table))
+            base = self.table.starts[first_block]
+            limit = self.table.starts[last_block] if last_block < len(self.table) else self.table.known
+            stop = min(end, limit)
+            order = self._order(w, limit - base)[position - base : stop - base] + base  # positions in the window
+            blocks = np.searchsorted(np.asarray(self.table.starts[first_block:last_block]), order, side="right") - 1
+            for b in np.unique(blocks):
+                index = first_block + int(b)
+                picked.setdefault(index, []).append(order[blocks == b] - self.table.starts[index])
+            position = stop
+        return [(index, np.concatenate(parts)) for index, parts in sorted(picked.items())]
+
+    def _order(self, w: int, rows: int) -> np.ndarray:
+        if w not in self._orders or len(self._orders[w]) != rows:
+            self._orders = {k: v for k, v in self._orders.items() if k >= w - 1}  # keep the current and the last
+            self._orders[w] = np.random.default_rng([self.seed, self.epoch, w]).permutation(rows)
+        return self._orders[w]

@@ -39,7 +39,7 @@ import numpy as np
 import ray
 
 from ray_elastic.auth import Authed
-from ray_elastic.data.plan import BlockTable, block_order, step_rows
+from ray_elastic.data.plan import SHUFFLE_WINDOW, BlockTable, EpochOrder, step_rows
 from ray_elastic.leftovers import run_namespace
 from ray_elastic.runtime.process import current, maybe_current
 
@@ -143,7 +143,8 @@ class DataShard:
         while True:
             while True:
                 try:
-                    step = step_rows(self.position, self._table.known, self._total(), rank, size, batch_size, drop_last)
+                    usable = self._order().usable(self._ended)
+                    step = step_rows(self.position, usable, self._total(), rank, size, batch_size, drop_last)
                     break
                 except LookupError as need:
                     self._learn_blocks(need.args[0])
@@ -165,6 +166,12 @@ class DataShard:
         self._refs: dict[int, Any] = {}  # block index -> (reference, first row), from this rank's position on
         self._blocks: dict[int, Any] = {}  # block index -> (the block, first row), fetched
         self._ended = False
+        self._epoch_order: EpochOrder | None = None
+
+    def _order(self) -> EpochOrder:
+        if self._epoch_order is None or self._epoch_order.epoch != self.epoch:
+            self._epoch_order = EpochOrder(self._table, self.seed, self.epoch, self.shuffle)
+        return self._epoch_order
 
     def _total(self) -> int | None:
         return self._table.known if self._ended else None
@@ -176,14 +183,14 @@ class DataShard:
             index = start + offset
             if index == len(self._table):
                 self._table.add(rows)
-            if ref is not None and index >= self._table.block_of(self.position):
+            if ref is not None and index >= self._first_needed():
                 self._refs[index] = ref  # held from this rank's position on only
         if ended and start + len(entries) >= len(self._table):
             self._ended = True
 
     def _learn_blocks(self, rows: int) -> None:
         """Wait until `rows` rows of the epoch are known or the epoch's stream ended."""
-        while self._table.known < rows and not self._ended:
+        while self._order().usable(self._ended) < rows and not self._ended:
             self._ask_feed(len(self._table))
 
     def _block(self, index: int) -> Any:
@@ -208,14 +215,13 @@ class DataShard:
 
         parts = []
         for start, end in ranges:
-            for index, first, stop in self._table.pieces(start, end):
+            for index, rows in self._order().rows(start, end):
                 block, offset = self._block(index)  # the table's block `index` is rows [offset, ...) of `block`
                 block = BlockAccessor.for_block(block)
-                order = block_order(self._table.rows[index], self.seed, self.epoch, index, self.shuffle)
-                if order is None:
-                    piece = block.slice(offset + first, offset + stop, copy=False)
+                if not self.shuffle:  # one contiguous run of the block
+                    piece = block.slice(offset + int(rows[0]), offset + int(rows[-1]) + 1, copy=False)
                 else:
-                    piece = block.take((offset + order[first:stop]).tolist())
+                    piece = block.take((offset + rows).tolist())
                 parts.append(BlockAccessor.for_block(piece).to_batch_format("numpy"))
         if not parts:
             return {}
@@ -223,9 +229,14 @@ class DataShard:
             return parts[0]
         return {key: np.concatenate([p[key] for p in parts]) for key in parts[0]}
 
+    def _first_needed(self) -> int:
+        """The first block the rest of the epoch may read: the position's, or with shuffling its window's first."""
+        block = self._table.block_of(self.position)
+        return block // SHUFFLE_WINDOW * SHUFFLE_WINDOW if self.shuffle else block
+
     def _let_go_and_prefetch(self) -> None:
         """Drop what lies before the position; start fetching the next few blocks into this node's store."""
-        current = self._table.block_of(self.position)
+        current = self._first_needed()
         for index in [i for i in self._blocks if i < current]:
             del self._blocks[index]
         for index in [i for i in self._refs if i < current]:
@@ -300,10 +311,10 @@ def _to_format(batch: dict[str, np.ndarray], batch_format: str) -> Any:
 def get_dataset_shard(name: str, *, shuffle: bool = False, seed: int = 0) -> DataShard:
     """This worker's shard of the dataset passed as `ElasticTrainer(..., datasets={name: ds})`.
 
-    `shuffle`: each epoch visits each block's rows in a permutation drawn from
-    `(seed, epoch, block)`, the same on every rank and after every reset (the
-    blocks themselves come in the dataset's order). Every call for one name
-    returns the same shard.
+    `shuffle`: each epoch takes the blocks 4 at a time and visits the rows of
+    each such window in a permutation drawn from `(seed, epoch, window)`, the
+    same on every rank and after every reset (the windows come in the
+    dataset's order). Every call for one name returns the same shard.
     """
     ctx = maybe_current()
     if ctx is None:
