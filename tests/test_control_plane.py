@@ -28,7 +28,9 @@ pytestmark = pytest.mark.integration
 
 
 def test_kv_actor_sigkilled_mid_run_costs_nothing(cluster, no_leaks, tmp_path):
-    fut = start_and_reach_step(tmp_path, config={"steps": 120, "deadline_s": 120}, min_workers=4)
+    # 100 steps of 50 ms after step 20: the run outlasts the KV actor's restart (1-2 s), which it records
+    config = {"steps": 120, "step_time": 0.05, "deadline_s": 120}
+    fut = start_and_reach_step(tmp_path, config=config, min_workers=4)
     [kv] = [a for a in run_namespaces_alive() if a["name"] == "kv"]
     os.kill(actor_pid("kv", kv["namespace"]), signal.SIGKILL)
     result = fut.result(timeout=120)
@@ -68,8 +70,10 @@ def steps_once_each(result) -> list[int]:
 
 def test_driver_sigkilled_mid_run_then_with_the_kv_actor_costs_no_step(cluster, no_leaks, tmp_path):
     """The driver's process SIGKILLed by a test outside the run; later the driver's and the KV actor's at once."""
-    faults = [fault(tmp_path, rank=0, step=70, action="kill_both")]
-    fut = start_and_reach_step(tmp_path, config={"faults": faults, "steps": 120, "deadline_s": 120}, min_workers=4)
+    # the second kill comes seconds after the first (30 ms steps), once the first restart is done
+    faults = [fault(tmp_path, rank=0, step=150, action="kill_both")]
+    config = {"faults": faults, "steps": 200, "step_time": 0.03, "deadline_s": 120}
+    fut = start_and_reach_step(tmp_path, config=config, min_workers=4)
     [driver] = [a for a in run_namespaces_alive() if a["name"] == "driver"]
     os.kill(actor_pid("driver", driver["namespace"]), signal.SIGKILL)
     result = fut.result(timeout=120)
@@ -77,9 +81,9 @@ def test_driver_sigkilled_mid_run_then_with_the_kv_actor_costs_no_step(cluster, 
     assert kinds[:2] == ["start", "driver_restarted"], result.events
     assert sorted(kinds[2:]) == ["driver_restarted", "kv_restarted"], result.events
     assert result.resets == 0, "no reset and no rollback: the workers trained on without their driver"
-    assert result.return_value["steps"] == 120 and result.return_value["world_size"] == 4
+    assert result.return_value["steps"] == 200 and result.return_value["world_size"] == 4
     # every report reached fit() once and in order, those the dead drivers held unfetched included
-    assert [m["step"] for m in result.metrics] == list(range(1, 121))
+    assert [m["step"] for m in result.metrics] == list(range(1, 201))
     assert_same_state(result)
 
 

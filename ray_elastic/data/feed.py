@@ -10,7 +10,8 @@ epoch's table. Ranks read the table and fetch the blocks themselves from
 the object store; the actor holds references only.
 
 Memory stays bounded: the thread stops pulling once the table runs
-`ahead_blocks` past the furthest block any rank asked for (Ray Data's own
+`ahead_blocks` past the furthest block any rank asked for, or the blocks
+ahead of it take a quarter of the object store (Ray Data's own
 backpressure then holds the execution), and a commit lets go of the
 blocks below the position committed before it (`release`), so a dataset
 larger than the object store streams through it. A block asked for after
@@ -41,11 +42,13 @@ def _count_rows(ref: Any) -> int:
 class _Epoch:
     """One epoch of one dataset: its table of ((block reference, first row) or None once released, rows)."""
 
-    def __init__(self, dataset: Any, ahead: int) -> None:
+    def __init__(self, dataset: Any, ahead: int, budget: float) -> None:
         self.dataset = dataset
         self.ahead = ahead
         self.refs: list[Any] = []
         self.rows: list[int] = []
+        self.sizes: list[int] = []  # bytes of each block
+        self.budget = budget  # bytes the blocks ahead of the furthest rank may take in the object store
         self.ended = False
         self.error: str | None = None
         self.wanted = 0  # the furthest block index asked for
@@ -64,6 +67,7 @@ class _Epoch:
             for bundle in self.dataset.iter_internal_ref_bundles():
                 for entry, part in zip(bundle.blocks, bundle.slices, strict=True):
                     ref = entry.ref
+                    size = entry.metadata.size_bytes or 0
                     if part is not None:  # the bundle carries rows [start, end) of the block
                         offset, rows = part.start_offset, part.num_rows
                     else:
@@ -73,7 +77,7 @@ class _Epoch:
                     with self.cond:
                         if generation != self.generation:
                             return
-                        while index > self.wanted + self.ahead and generation == self.generation:
+                        while self._too_far(index) and generation == self.generation:
                             self.cond.wait(1.0)
                         if index < len(self.refs):
                             if self.refs[index] is None and index >= self.released_below:
@@ -81,6 +85,7 @@ class _Epoch:
                         else:
                             self.refs.append((ref, offset))
                             self.rows.append(rows)
+                            self.sizes.append(size)
                         index += 1
                         self.cond.notify_all()
             with self.cond:
@@ -92,6 +97,12 @@ class _Epoch:
             with self.cond:
                 self.error = f"{type(e).__name__}: {e}"
                 self.cond.notify_all()
+
+    def _too_far(self, index: int) -> bool:
+        """Whether producing block `index` now would run too far ahead: `ahead` blocks, or `budget` bytes."""
+        if index <= self.wanted:
+            return False
+        return index > self.wanted + self.ahead or sum(self.sizes[self.wanted : index]) > self.budget
 
     def blocks(self, start: int, wait_s: float) -> tuple[list[tuple[Any, int]], bool]:
         """Table entries from `start` on (at least one unless the epoch ended), and whether it ended.
@@ -166,6 +177,8 @@ class Feed:
             dataset.context.enable_progress_bars = False  # the feed is no terminal: the bars would fill the logs
             self._datasets[name] = dataset
         self._ahead = ahead_blocks
+        # the blocks ahead of the furthest rank take at most a quarter of the object store
+        self._budget = 0.25 * ray.cluster_resources().get("object_store_memory", float("inf"))
         self._epochs: dict[tuple[str, int], _Epoch] = {}
         self._lock = threading.Lock()
 
@@ -175,7 +188,7 @@ class Feed:
         with self._lock:
             key = (name, epoch)
             if key not in self._epochs:
-                self._epochs[key] = _Epoch(self._datasets[name], self._ahead)
+                self._epochs[key] = _Epoch(self._datasets[name], self._ahead, self._budget)
             return self._epochs[key]
 
     def blocks(self, name: str, epoch: int, start: int, wait_s: float) -> tuple[list[tuple[Any, int]], bool]:

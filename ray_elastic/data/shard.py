@@ -46,7 +46,7 @@ from ray_elastic.runtime.process import current, maybe_current
 logger = logging.getLogger(__name__)
 
 _WAIT_S = 600.0  # the feed producing the next blocks of an epoch (reading and preprocessing included)
-_PREFETCH_BLOCKS = 4
+_PREFETCH_BLOCKS = 2
 _LIVE: dict[str, DataShard] = {}  # this worker's shards, by dataset name
 
 
