@@ -17,14 +17,17 @@ import ray
 logger = logging.getLogger(__name__)
 
 
+CONTROL_ACTORS = frozenset({"driver", "kv", "feed"})  # the run's own named actors besides its workers
+
+
 def run_namespace(run_id: str) -> str:
     return f"ray_elastic_{run_id}"
 
 
-def remove_run_actors(namespace: str) -> None:
-    """Kill every named actor of the run still alive (detached workers included)."""
+def remove_run_actors(namespace: str, keep: frozenset[str] = frozenset()) -> None:
+    """Kill every named actor of the run still alive (detached workers included), but those named in `keep`."""
     for entry in ray.util.list_named_actors(all_namespaces=True):
-        if entry.get("namespace") == namespace:
+        if entry.get("namespace") == namespace and entry["name"] not in keep:
             try:
                 ray.kill(ray.get_actor(entry["name"], namespace=namespace), no_restart=True)
             except ValueError:  # gone in between

@@ -423,6 +423,14 @@ def _cleanup(driver: Any, kv: Any, run_id: str, namespace: str, graceful: bool) 
         raise KeyboardInterrupt
 
 
+def _plain_function(fn: Callable[..., Any]) -> types.FunctionType | None:
+    """The Python function behind `fn` (through functools.partial, decorators, a callable object), if any."""
+    fn = inspect.unwrap(getattr(fn, "func", fn))
+    if not isinstance(fn, types.FunctionType):
+        fn = inspect.getattr_static(type(fn), "__call__", None)
+    return fn if isinstance(fn, types.FunctionType) else None
+
+
 def dataset_names_asked(fn: Callable[..., Any]) -> set[str]:
     """The names `fn` passes to `get_dataset_shard` as a literal first argument (its own code and nested code).
 
@@ -431,10 +439,8 @@ def dataset_names_asked(fn: Callable[..., Any]) -> set[str]:
     """
     import dis
 
-    fn = inspect.unwrap(getattr(fn, "func", fn))
-    if not isinstance(fn, types.FunctionType):
-        fn = inspect.getattr_static(type(fn), "__call__", None)
-    if not isinstance(fn, types.FunctionType):
+    fn = _plain_function(fn)
+    if fn is None:
         return set()
     names: set[str] = set()
     todo, seen = [fn.__code__], set()
@@ -461,10 +467,8 @@ def refers_to(fn: Callable[..., Any], name: str, depth: int = 3) -> bool:
     the trainer refuse a combination before any worker starts; a reference it
     cannot see (through another module) is left to the worker's own check.
     """
-    fn = inspect.unwrap(getattr(fn, "func", fn))  # functools.partial, decorators
-    if not isinstance(fn, types.FunctionType):
-        fn = inspect.getattr_static(type(fn), "__call__", None)  # a callable object
-    if not isinstance(fn, types.FunctionType):
+    fn = _plain_function(fn)
+    if fn is None:
         return False
     seen: set[types.CodeType] = set()
     todo = [(fn.__code__, 0)]

@@ -63,7 +63,12 @@ from ray_elastic.driver import snapshot
 from ray_elastic.driver.core import DriverCore, WorkerStatus
 from ray_elastic.driver.metrics_log import MetricsLog
 from ray_elastic.driver.progress import start_probe
-from ray_elastic.leftovers import remove_run_placement_groups, run_placement_groups
+from ray_elastic.leftovers import (
+    CONTROL_ACTORS,
+    remove_run_actors,
+    remove_run_placement_groups,
+    run_placement_groups,
+)
 from ray_elastic.payload import unpack
 from ray_elastic.protocol import DriverStatus, RunOutcome
 from ray_elastic.worker_actor import actor_class
@@ -307,14 +312,10 @@ class DriverActor:
                 self._spawn(m.Spawn(worker_id, rec.host))
             else:
                 self._queue.put_nowait(_Died(worker_id, "it was gone when the restarted driver looked for it"))
-        for entry in await loop.run_in_executor(None, lambda: ray.util.list_named_actors(all_namespaces=True)):
-            name = entry.get("name")
-            if entry.get("namespace") == self.namespace and name not in alive and name not in ("driver", "kv"):
-                try:  # a worker the dead driver was told to stop
-                    ray.kill(ray.get_actor(name, namespace=self.namespace), no_restart=True)
-                except ValueError:
-                    pass
-        await loop.run_in_executor(None, lambda: remove_run_placement_groups(self.namespace, frozenset(alive)))
+        # workers the dead driver was told to stop; the run's control actors (the feed too) stay
+        keep = frozenset(alive)
+        await loop.run_in_executor(None, lambda: remove_run_actors(self.namespace, keep | CONTROL_ACTORS))
+        await loop.run_in_executor(None, lambda: remove_run_placement_groups(self.namespace, keep))
         for worker_id in self.core.plan:  # the notice of the current generation, if the dead driver had not sent it
             if worker_id in self._handles:
                 self._handles[worker_id].notify.remote(self.core.generation)
