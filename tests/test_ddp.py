@@ -1,8 +1,10 @@
 """`elastic.torch.prepare_model`: torch's DistributedDataParallel on the elastic ring.
 
 On the session's cluster (2 nodes x 2 CPUs): one run of digits with a DDP
-model lives through a SIGKILL, a scale-up to 3 (the replacement among the
-newcomers) and a graceful removal back to 2, and the ranks must hold bitwise-equal state after
+model at world 4 lives through a SIGKILL of rank 3 before its backward
+(rank 1, no ring neighbour of it, must leave DDP's reducer at the driver's
+abandon, not at Gloo's 300 s timeout), the replacement's scale-up back to 4
+and a graceful removal of a host down to 2, and the ranks must hold bitwise-equal state after
 every sync and train every sample exactly once per epoch (the soak's ledger
 check). A second run checks DDP's semantics in real workers: gradients
 averaged as DDP averages them, `no_sync()` accumulation, options passed
@@ -66,7 +68,9 @@ def ledger_train_fn(config: dict) -> dict:
         while True:
             for i, (x, y, idx) in enumerate(loader):
                 opt.zero_grad()
-                torch.nn.functional.cross_entropy(model(x), y).backward()
+                loss = torch.nn.functional.cross_entropy(model(x), y)
+                _fire_faults(config, state.step, phase="backward")  # the others wait in DDP's reducer for it
+                loss.backward()
                 opt.step()
                 model(x[:1])  # a forward no backward follows (a loss logged with gradients on), then maybe a reset
                 sampler.record_batch(i, batch)
@@ -112,7 +116,7 @@ def fit_in_thread(trainer: ElasticTrainer) -> Future:
 def test_ddp_through_sigkill_scale_up_and_graceful_removal_exactly_once_and_equal(cluster, no_leaks, tmp_path):
     hosts_file = tmp_path / "hosts.json"
     first, second = (n.node_id for n in cluster.worker_nodes_at_start)
-    hosts_file.write_text(json.dumps({first: 1, second: 1}))
+    hosts_file.write_text(json.dumps({first: 2, second: 2}))
     progress, stop = tmp_path / "progress.json", tmp_path / "stop"
     ledger_dir = tmp_path / "ledger"
     ledger_dir.mkdir()
@@ -120,7 +124,9 @@ def test_ddp_through_sigkill_scale_up_and_graceful_removal_exactly_once_and_equa
         "ledger_dir": str(ledger_dir),
         "progress": str(progress),
         "stop": str(stop),
-        "faults": [{"rank": 1, "step": 12, "action": "sigkill", "marker": str(tmp_path / "killed")}],
+        "faults": [
+            {"rank": 3, "step": 12, "phase": "backward", "action": "sigkill", "marker": str(tmp_path / "killed")}
+        ],
     }
     fut = fit_in_thread(
         ElasticTrainer(
@@ -144,9 +150,10 @@ def test_ddp_through_sigkill_scale_up_and_graceful_removal_exactly_once_and_equa
 
         return check
 
-    wait_until((tmp_path / "killed").exists, 60, "rank 1 to be SIGKILLed")
-    hosts_file.write_text(json.dumps({first: 2, second: 1}))  # the replacement and one more boot together
-    wait_until(world_at_least(0, 3), 30, "the scale-up to 3 workers")
+    wait_until((tmp_path / "killed").exists, 60, "rank 3 to be SIGKILLed")
+    # the three survivors train on: rank 1 (no ring neighbour of rank 3) left DDP's reducer at the abandon
+    wait_until(world_at_least(13, 3), 30, "the survivors' first step at world 3")
+    wait_until(world_at_least(13, 4), 30, "the replacement's scale-up back to 4 workers")
     hosts_file.write_text(json.dumps({first: 2}))
     wait_until(world_at_least(0, 2), 30, "the graceful removal back to 2 workers")
     stop.touch()
@@ -154,11 +161,13 @@ def test_ddp_through_sigkill_scale_up_and_graceful_removal_exactly_once_and_equa
 
     kinds = [e.kind for e in result.events]
     assert kinds[0] == "start" and "worker_failed" in kinds and "hosts_removed" in kinds
-    assert max(e.world_size for e in result.events) == 3
+    failed = next(e for e in result.events if e.kind == "worker_failed")
+    assert failed.world_size == 3 and failed.reset_duration is not None and failed.reset_duration < 10, failed
+    assert max(e.world_size for e in result.events) == 4
     value = result.return_value
     assert len(set(value["digests"])) == 1, "ranks ended with different state"
     assert len(value["sync_checks"]) >= 2 and all(value["sync_checks"]), "state differed right after a sync"
-    figures = check_ledger(str(ledger_dir), value["n"], value["epochs"], max_world=3)
+    figures = check_ledger(str(ledger_dir), value["n"], value["epochs"], max_world=4)
     assert figures["rolled_back_lines"] > 0, "the SIGKILL should have rolled some steps back"
 
 

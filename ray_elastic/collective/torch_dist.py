@@ -72,7 +72,10 @@ class TorchDistGroup(CollectiveGroup):
         self._timeout_s = timeout
         self._lock = threading.Lock()
         self._waiting: set[threading.Event] = set()
-        self._inflight: list[Any] = []  # works started and maybe not finished (abandoned, or never waited on)
+        # works started and not yet seen finished (abandoned, or never waited on), by id: a finished one is
+        # dropped at once (holding DDP's bucket works until dozens piled up cost 5-15% of a step at 23M)
+        self._inflight: dict[int, Any] = {}
+        self._futures: dict[int, tuple[torch.futures.Future, str]] = {}  # abandonable_future's, not yet completed
         self._store = store  # torch calls back into this Python object: keep it alive with the group
         if not dist.is_initialized():
             # torch names the default group from a counter that only a successful destroy resets;
@@ -98,20 +101,59 @@ class TorchDistGroup(CollectiveGroup):
         with self._lock:
             for event in self._waiting:
                 event.set()
+            futures, self._futures = list(self._futures.values()), {}
+        for future, what in futures:
+            future.set_exception(HorovodInternalError(f"{what} abandoned: {reason}"))
 
     def _start(self, what: str, start: Callable[[], Any]) -> Any:
         """Start one asynchronous torch collective (its `Work`), unless this generation was abandoned."""
         self.check_abandoned(what)
         work = self._call(what, start)
-        if len(self._inflight) >= 64:
-            self._inflight = [w for w in self._inflight if not w.is_completed()]
-        self._inflight.append(work)
+        self._inflight[id(work)] = work
         return work
+
+    def abandonable_future(
+        self, what: str, start: Callable[[], Any], result: Callable[[], torch.Tensor]
+    ) -> torch.futures.Future:
+        """Start one collective; a torch future that completes with `result()` when it ends.
+
+        The future fails with `HorovodInternalError` on the ring's error, and
+        at once when this generation is abandoned: whoever waits on it (DDP's
+        C++ reducer, for a communication hook's future) leaves then, while
+        the operation itself stays pending on Gloo's thread (see `close`).
+        """
+        future: torch.futures.Future = torch.futures.Future()
+        work = self._start(what, start)
+        key = id(future)
+        with self._lock:
+            self._futures[key] = (future, what)
+
+        def on_done(done: torch.futures.Future) -> None:
+            with self._lock:
+                if self._futures.pop(key, None) is None:
+                    return  # failed already, by abandon()
+            self._inflight.pop(id(work), None)
+            try:
+                done.wait()  # raises the ring's error
+                value = result()
+            except Exception as e:  # noqa: BLE001 - handed to the future's waiter
+                future.set_exception(HorovodInternalError(f"{what} failed: {e}"))
+                return
+            future.set_result(value)
+
+        work.get_future().add_done_callback(on_done)
+        if self.abandoned is not None:  # abandoned between the start and the registration: fail it now
+            with self._lock:
+                pending = self._futures.pop(key, None)
+            if pending is not None:
+                future.set_exception(HorovodInternalError(f"{what} abandoned: {self.abandoned}"))
+        return future
 
     def _wait(self, what: str, work: Any) -> None:
         """Block until `work` is done, or this generation is abandoned (then `HorovodInternalError`)."""
         if not self.abortable:
             work.wait()
+            self._inflight.pop(id(work), None)
             return
         done = threading.Event()
         finished: list[bool] = []  # the future's callback ran: the work ended (Work.is_completed() may lag it)
@@ -131,6 +173,7 @@ class TorchDistGroup(CollectiveGroup):
                 self._waiting.discard(done)
         if not finished:
             raise HorovodInternalError(f"{what} abandoned: {self.abandoned}")
+        self._inflight.pop(id(work), None)
         work.wait()  # done: returns at once, or raises the ring's error
 
     def _run(self, what: str, start: Callable[[], Any]) -> None:
@@ -197,6 +240,7 @@ class TorchDistGroup(CollectiveGroup):
         """
         self.check_abandoned(what)
         work.wait()
+        self._inflight.pop(id(work), None)
 
     def allgather(self, value: T) -> T:
         t, _ = self._stage(value)
@@ -268,8 +312,8 @@ class TorchDistGroup(CollectiveGroup):
 
     def close(self) -> None:
         _graveyard[:] = [(pg, works) for pg, works in _graveyard if not all(w.is_completed() for w in works)]
-        pending = [w for w in self._inflight if not w.is_completed()]
-        self._inflight = []
+        pending = [w for w in self._inflight.values() if not w.is_completed()]
+        self._inflight = {}
         if dist.is_initialized():
             # a gradient bucket never waited on after an earlier one failed, or an abandoned collective:
             # dropping the group now would block in its destructor until Gloo times the operation out

@@ -13,18 +13,23 @@ shapes). DDP's own broadcast of rank 0's parameters is skipped when the run
 loop already synced the state in this generation (`TorchState` broadcast
 them): a reset costs no second copy of the model.
 
-The gradients are reduced by DDP's own C++ reducer, untouched (a Python
-communication hook measured 1-2 ms of CPU per step more on 2 ranks: the
-ring's thread and autograd's take the GIL for every bucket).
+The gradients are reduced by DDP's C++ reducer. On Gloo, its allreduce of
+each bucket goes through a communication hook of ours
+(`_abandonable_allreduce`) that averages as DDP does, on a future the
+driver's abandon fails: without it, a rank whose ring neighbours survived a
+death would wait in the reducer until Gloo's `collective_timeout` (300 s).
+On NCCL, DDP's own reduction is kept (NCCL has its own watchdog).
 `gradient_as_bucket_view` defaults to True here (each `.grad` is a view into
 DDP's bucket, saving one copy of the gradients per step, as
 `DistributedOptimizer` does); pass False for DDP's default. Around it:
 
-- host-change agreement: a training forward (gradients on, not in
-  `no_sync()`) starts one asynchronous one-number allreduce of this rank's
-  host-change notice, which runs while forward and backward compute; the
-  `check_host_updates()` after the step reads its result instead of running
-  a collective of its own;
+- host-change agreement: on Gloo, the first bucket's allreduce of a
+  training forward's backward carries this rank's host-change notice as one
+  more element, and the `check_host_updates()` after the step reads it; when
+  no reduction followed the forward, the check runs its own one-number
+  collective, on every rank alike. On NCCL, a training forward (gradients
+  on, not in `no_sync()`) starts one asynchronous one-number allreduce of
+  the notice, which runs while forward and backward compute;
 - failures: DDP raises a failed allreduce from `backward()` as a plain
   `RuntimeError`. `prepare_model` registers with the worker's runtime what
   such an error looks like (a `torch.distributed` error, or Gloo's), so the
@@ -78,6 +83,7 @@ class ElasticDDP(torch.nn.Module):
         object.__setattr__(self, "_ddp_kwargs", dict(ddp_kwargs))
         object.__setattr__(self, "_ddp", None)
         object.__setattr__(self, "_generation", -1)
+        object.__setattr__(self, "_carrier", None)  # the last training forward's notice (see _carry_notice)
 
     @property
     def ddp(self) -> DistributedDataParallel:
@@ -113,13 +119,18 @@ class ElasticDDP(torch.nn.Module):
             ddp = DistributedDataParallel(self.module, init_sync=not synced, **self._ddp_kwargs)
         except Exception as e:
             raise _as_ring_error(e, ctx, "building DistributedDataParallel") from e
+        if getattr(ctx.group, "abortable", False):
+            ddp.register_comm_hook(_HookState(ctx.group, self), _abandonable_allreduce)
         return ddp
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         ddp = self.ddp
         ctx = current()
         if torch.is_grad_enabled() and ddp.require_backward_grad_sync:
-            self._agree_on_notice(ctx)
+            if getattr(ctx.group, "abortable", False):
+                self._carry_notice(ctx)
+            else:
+                self._agree_on_notice(ctx)
         try:
             return ddp(*args, **kwargs)
         except HorovodInternalError:
@@ -127,14 +138,36 @@ class ElasticDDP(torch.nn.Module):
         except Exception as e:
             raise _as_ring_error(e, ctx, "DistributedDataParallel's forward") from e
 
+    def _carry_notice(self, ctx: Any) -> None:
+        """Let this step's first gradient bucket carry the host-change notice (Gloo, with the hook).
+
+        `check_host_updates()` after the step reads the reduced notice; if no
+        reduction followed this forward (no backward, or none that reduced),
+        it runs its own one-number collective, on every rank alike. Until
+        then the worker counts as inside a collective, so the driver's
+        stuck-rank check does not take a rank waiting in DDP's reducer for one
+        stuck in user code.
+        """
+        carrier = _NoticeCarrier(int(ctx.notice > ctx.generation))
+        object.__setattr__(self, "_carrier", carrier)
+        collective_activity(True)
+
+        def resolve() -> bool:
+            try:
+                if carrier.future is None:
+                    return ctx.group.max_int(ctx.notice) > ctx.generation
+                carrier.future.wait()  # done by the end of backward: returns at once, or raises the ring's error
+                return carrier.reduced > 0
+            finally:
+                collective_activity(False)
+
+        ctx.membership.agree_on_notice_later(resolve)
+
     def _agree_on_notice(self, ctx: Any) -> None:
-        """Start the one-number allreduce that tells every rank whether any holds a host-change notice.
+        """Start the one-number allreduce that tells every rank whether any holds a host-change notice (NCCL).
 
         It runs while forward and backward compute; `check_host_updates()`
         waits for it (done by then) instead of running a collective itself.
-        Meanwhile the worker counts as inside a collective, so the driver's
-        stuck-rank check does not take a rank waiting in DDP's reducer for one
-        stuck in user code.
         """
         # a fresh tensor each time: an earlier one may still be in flight if no check came between two forwards
         notice = torch.tensor([int(ctx.notice > ctx.generation)], device=getattr(ctx.group, "device", None))
@@ -155,6 +188,70 @@ class ElasticDDP(torch.nn.Module):
         """Backward passes inside accumulate gradients locally; the first one after it reduces them all."""
         with self.ddp.no_sync():
             yield
+
+
+class _NoticeCarrier:
+    """One training forward's host-change notice, carried by the first gradient bucket of its backward."""
+
+    __slots__ = ("notice", "future", "reduced")
+
+    def __init__(self, notice: int) -> None:
+        self.notice = notice
+        self.future: torch.futures.Future | None = None  # the carrying bucket's allreduce, once started
+        self.reduced = 0  # the notices summed over the ranks, once it finished
+
+
+class _HookState:
+    """What the communication hook of one generation's DDP needs: its ring, and the module's current carrier."""
+
+    __slots__ = ("group", "owner")
+
+    def __init__(self, group: Any, owner: ElasticDDP) -> None:
+        self.group = group
+        self.owner = owner
+
+
+def _abandonable_allreduce(state: _HookState, bucket: dist.GradBucket) -> torch.futures.Future:
+    """DDP's averaging allreduce of one bucket, on a future the driver's abandon can fail.
+
+    Without a hook, DDP's C++ reducer waits on Gloo's own future at the end
+    of `backward()`, which nothing but Gloo's `collective_timeout` ends: a
+    rank whose ring neighbours survived a death (they leave the ring without
+    closing their links to it) would wait there 300 s. This hook's future
+    fails as soon as the driver abandons the generation.
+
+    It divides by the world size, as DDP does without a hook. The first
+    bucket of a training forward's backward also carries that forward's
+    host-change notice, as one more element: the division writes into a
+    buffer one longer, and the reduced buffer (its view without the
+    notice) is what DDP copies into the gradients.
+    """
+    group = state.group
+    buffer = bucket.buffer()
+    carrier = getattr(state.owner, "_carrier", None)
+    if carrier is not None and carrier.future is None:
+        n = buffer.numel()
+        flat = torch.empty(n + 1, dtype=buffer.dtype, device=buffer.device)
+        torch.div(buffer, group.size, out=flat[:n])
+        flat[n] = carrier.notice
+
+        def carried() -> torch.Tensor:
+            carrier.reduced = int(flat[n].item())
+            return flat[:n]
+
+        future = group.abandonable_future(
+            "DDP's gradient allreduce", lambda: dist.all_reduce(flat, async_op=True), carried
+        )
+        carrier.future = future
+        return future
+    buffer.div_(group.size)
+    return group.abandonable_future(
+        "DDP's gradient allreduce", lambda: dist.all_reduce(buffer, async_op=True), lambda: buffer
+    )
+
+
+# DDP checks the hook's annotations against the classes themselves, not the strings this module's annotations are
+_abandonable_allreduce.__annotations__.update({"bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]})
 
 
 def is_ring_error(e: BaseException) -> bool:
