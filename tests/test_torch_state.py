@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -190,3 +192,30 @@ def test_every_save_gives_a_new_commit_id_and_a_loaded_checkpoint_a_new_lineage(
     assert state.commit_id == ids[-1], "a restore returns to the last commit: same id"
     state.load_checkpoint(state.checkpoint_payload())
     assert state.commit_id.lineage != ids[0].lineage, "a loaded checkpoint is a state no other rank holds"
+
+
+def test_the_background_copy_of_a_restored_commit_holds_off_while_a_sync_transfers():
+    """A survivor's re-copy of its commit waits for the sync's sends and receives (a newcomer's page faults)."""
+    from ray_elastic.torch import broadcast
+
+    model, opt = make()
+    state = TorchState(model=model, optimizer=opt)
+    train_steps(model, opt, 1)
+    state.save()
+    committed = snapshot(model, opt)
+    train_steps(model, opt, 2)
+    broadcast._idle.clear()  # what send_tensors_ does while it exchanges chunks
+    try:
+        state.restore()  # trades storages; the commit's buffers are refilled on a thread
+        copiers = [t for t in threading.enumerate() if t.name == "ray_elastic-commit-copy"]
+        assert copiers, "the restore should have started a background copy"
+        copiers[0].join(timeout=0.5)
+        assert copiers[0].is_alive(), "the background copy ran while a transfer was in progress"
+    finally:
+        broadcast._idle.set()
+    copiers[0].join(timeout=30)
+    assert not copiers[0].is_alive(), "the background copy did not finish after the transfer ended"
+    assert_same(snapshot(model, opt), committed)
+    train_steps(model, opt, 1)  # the step waits for the copy; the commit is whole again
+    state.restore()
+    assert_same(snapshot(model, opt), committed)

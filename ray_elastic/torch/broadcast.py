@@ -16,6 +16,11 @@ VM: a thread faults each chunk's pages in ahead of its receive
 receive back), and the page faults overlap the transfer instead of
 following it.
 
+While this process sends or receives, `wait_while_transferring()` blocks:
+a survivor's background copy of its commit (see `ray_elastic.torch.state`)
+holds off meanwhile, since its memory traffic made each of a newcomer's page
+faults about 3 times as costly when both ran at once.
+
 `broadcast_tensors_` copies rank 0's tensors to every rank, coalesced per
 dtype (one flat broadcast each), for the user-facing helpers.
 """
@@ -37,6 +42,14 @@ from ray_elastic.state.sync_plan import Chunk, SyncPlan, order_transfers, schedu
 
 CHUNK_BYTES = 16 * 2**20
 WINDOW = 4
+
+_idle = threading.Event()  # set while this process sends or receives no sync's state
+_idle.set()
+
+
+def wait_while_transferring() -> None:
+    """Block while this process sends or receives a sync's state (a transfer ends, or fails, within its timeouts)."""
+    _idle.wait()
 
 
 def send_tensors_(
@@ -64,9 +77,11 @@ def send_tensors_(
     else:
         mine = [(i, 0, ring.rank) for i in range(len(chunks))]
     toucher = _Toucher([chunks[i] for i, _, _ in mine], views) if p2p and plan.receives else None
+    _idle.clear()
     try:
         received = _exchange(ring, plan, chunks, mine, views, toucher, window)
     finally:
+        _idle.set()
         if toucher is not None:
             toucher.close()  # a transfer cut short is restored next: no thread may write into it then
     if plan.receives:

@@ -19,7 +19,8 @@ Restore, after a failure: tensors that an optimizer of this state steps
 (its parameters and its moments) are not copied back: each live tensor
 trades its storage with its buffer (`tensor.data`, so parameters keep their
 identity and the optimizer's references stay valid), and the buffers are
-refilled from the restored tensors on a background thread. The optimizer's
+refilled from the restored tensors on a background thread (which holds off
+while this process sends or receives a sync's state). The optimizer's
 next `step()` waits for that copy (a step pre-hook), so the rollback never
 waits for a copy of the model, and the commit is whole again before anything
 changes the tensors. A rank whose optimizer did not step since the commit
@@ -57,7 +58,7 @@ from ray_elastic.runtime.process import maybe_current
 from ray_elastic.state.state import State, SyncReport, mismatch
 from ray_elastic.state.sync_plan import SyncPlan, fresh_commit_id
 from ray_elastic.state.transfer import agree, share_object
-from ray_elastic.torch.broadcast import send_tensors_
+from ray_elastic.torch.broadcast import send_tensors_, wait_while_transferring
 from ray_elastic.torch.optimizer import DistributedOptimizer
 from ray_elastic.torch.sampler import ElasticSampler
 
@@ -240,6 +241,7 @@ class _TensorBuffers:
             try:
                 with torch.no_grad():
                     for b, t in pairs:
+                        wait_while_transferring()  # a sync's transfer first (a newcomer's page faults)
                         b.copy_(t)
             except BaseException as e:  # noqa: BLE001 - surfaced by wait(), in the training thread
                 self._copy_error = e
