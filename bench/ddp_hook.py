@@ -15,8 +15,8 @@ neither figure carries Ray's noise:
    inside.
 2. **cost**: world 2, DDP without a hook against DDP with the hook (both with
    `gradient_as_bucket_view=True`, as `prepare_model` sets it, and the hook
-   carrying the host-change notice in its first bucket as it does in a
-   worker), at 0.93M and 23.1M parameters, 5 interleaved rounds in the same
+   reducing the host-change notice behind its first bucket, waited on after
+   the step, as in a worker), at 0.93M and 23.1M parameters, 5 interleaved rounds in the same
    processes. Wall time per step on rank 0, CPU per step of both ranks'
    processes (Gloo's threads included). Before timing, one step on the same
    batch from the same weights: gradients must be bitwise equal between the
