@@ -650,3 +650,32 @@ def test_a_driver_restarted_after_a_death_tells_the_survivors_again_and_messages
     kinds = [k for k, _ in s.kinds()]
     assert kinds == [EventKind.START, EventKind.WORKER_FAILED, EventKind.DRIVER_RESTARTED]
     assert publish.generation == 1 and second.generation == 2
+
+
+def test_a_replacement_started_by_a_failure_is_announced_by_the_generation_that_admits_it():
+    """Found running Horovod scripts: the replacement's hosts_added went out with the failure's generation."""
+    s = Script(min_workers=1, max_workers=2)
+    s.start({"A": 1, "B": 1, "C": 1})  # two workers; C's slot is spare
+    s.send(m.WorkerDied("w2", "SIGKILL", node_alive=True))
+    [failed] = s.of(m.Publish)
+    [replacement] = s.of(m.Spawn)
+    assert failed.generation == 2 and list(failed.plan) == ["w1"] and replacement.host == "C"
+    assert [e.kind for e in s.core.events if e.generation == 2] == [EventKind.WORKER_FAILED]
+    s.sync(failed)
+    s.send(m.WorkerReady(replacement.worker_id), after=3.0)
+    [admitting] = s.of(m.Publish)
+    [added] = [e for e in s.core.events if e.kind is EventKind.HOSTS_ADDED]
+    assert added.generation == admitting.generation == 3
+    assert added.world_size == 2 and added.previous_world_size == 1
+    assert "admitted after booting 3.0 s" in added.detail, added.detail
+
+
+def test_a_newcomer_that_dies_before_it_is_admitted_is_announced_by_no_generation():
+    s = Script(min_workers=1, max_workers=3, cooldown_range=(600.0, 600.0))
+    s.start({"A": 1, "B": 1})
+    s.send(m.HostsDiscovered({"A": 1, "B": 1, "C": 1}))
+    [newcomer] = s.of(m.Spawn)
+    s.send(m.WorkerDied(newcomer.worker_id, "failed to boot", node_alive=True))
+    s.send(m.WorkerDied("w2", "SIGKILL", node_alive=True))
+    s.sync(s.of(m.Publish)[0])
+    assert [e.kind for e in s.core.events if e.kind is EventKind.HOSTS_ADDED] == []

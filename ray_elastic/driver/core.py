@@ -92,6 +92,8 @@ class DriverCore:
         self._final: DriverState | None = None
         self._waiting_since: float | None = started_at
         self._unbound: list[Event] = []  # changes not yet absorbed by a generation
+        # hosts_added events and the newcomers each announces: bound to the generation that admits one of them
+        self._booting: list[tuple[Event, frozenset[str]]] = []
         self._syncing: set[str] = set()  # members of the newest generation still syncing
         self._seq = 0
         self._user_failures = 0
@@ -280,13 +282,10 @@ class DriverCore:
                 while world > self.config.max_workers and add[host]:
                     add[host] -= 1
                     world -= 1
-        added = 0
-        for host, count in add.items():
-            for _ in range(count):
-                self._spawn(host, now)
-                added += 1
+        added = [self._spawn(host, now) for host, count in add.items() for _ in range(count)]
         if added and self.generation > 0:
-            self._unbound.append(self._event(EventKind.HOSTS_ADDED, f"{added} new worker(s)", now))
+            event = self._event(EventKind.HOSTS_ADDED, f"{len(added)} new worker(s)", now)
+            self._booting.append((event, frozenset(added)))
         self._request_autoscale()
 
     def _usable_hosts(self, staying: list[WorkerRecord]) -> dict[str, int]:
@@ -338,12 +337,13 @@ class DriverCore:
             self._autoscale_requested = wanted
             self._actions.append(m.RequestResources(wanted))
 
-    def _spawn(self, host: str, now: float) -> None:
+    def _spawn(self, host: str, now: float) -> str:
         self._seq += 1
         worker_id = f"w{self._seq}"
         self.workers[worker_id] = WorkerRecord(worker_id, host, self._seq, WorkerStatus.STARTING, now)
         self._actions.append(m.Spawn(worker_id, host))
         logger.info("starting worker %s on node %s", worker_id, host[:8])
+        return worker_id
 
     def _kill(self, rec: WorkerRecord, failed: bool = False) -> None:
         """Stop a worker. With `failed`, its death comes back as `WorkerDied` and takes the failure path."""
@@ -666,11 +666,16 @@ class DriverCore:
         else:
             self._actions.append(m.RecordMetric("reset"))
             logger.info("generation %d: world size %d -> %d", self.generation, old_size, size)
-        for ev in self._unbound:
-            if ev.kind is EventKind.HOSTS_ADDED:
+        booting = []
+        for ev, newcomers in self._booting:
+            if newcomers & set(self.plan):
                 # the others' pause starts now; the boot before it cost them nothing
                 ev.detail += f", admitted after booting {wall - ev.time:.1f} s"
                 ev.time = wall
+                self._unbound.append(ev)
+            elif any(self.workers[w].status in (WorkerStatus.STARTING, WorkerStatus.READY) for w in newcomers):
+                booting.append((ev, newcomers))  # still booting: announced by the generation that admits them
+        self._booting = booting
         if any(ev.kind is not EventKind.RESET_REQUESTED for ev in self._unbound):
             self._last_timeout_reset = None  # the membership changed: a later timeout is a new story
         for ev in self._unbound:
