@@ -65,6 +65,8 @@ class KVServer:
         # per-rank families being waited for, by (generation, prefix, count); a complete one's values
         # are encoded once and the same reply goes to every rank
         self._families: dict[tuple[int, str, int], _Family] = {}
+        # keys of no generation, kept until overwritten (lost with the actor: what is here is a hint)
+        self._lasting: dict[str, bytes] = {}
 
     def share_reply(self, packed: bytes) -> Any:
         """How a complete family's packed values go back to every rank: here as they are.
@@ -165,6 +167,16 @@ class KVServer:
         self._calls += 1
         self._check_generation(generation)
         self._put(generation, key, value)
+
+    async def set_lasting(self, key: str, value: bytes) -> None:
+        """A key of no generation: it outlives resets (not a restart of this actor). Rank 0's state layout."""
+        self._calls += 1
+        self._lasting[key] = value
+
+    async def get_lasting(self, key: str) -> bytes | None:
+        """A key `set_lasting` wrote, or None: never waits."""
+        self._calls += 1
+        return self._lasting.get(key)
 
     async def note(self, generation: int, key: str, value: bytes) -> None:
         """`set` for a caller that does not wait for the answer: a superseded generation's write is dropped."""

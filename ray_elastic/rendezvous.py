@@ -117,6 +117,13 @@ class KVClient:
     def get(self, generation: int, key: str, timeout: float) -> bytes:
         return self._call("get", generation, key, timeout, timeout=timeout)
 
+    def post_lasting(self, key: str, value: bytes) -> None:
+        """Write a key of no generation (it outlives resets), without waiting for it."""
+        self.handle.set_lasting.remote(key, value)
+
+    def get_lasting(self, key: str, timeout: float = 10.0) -> bytes | None:
+        return self._call("get_lasting", key, timeout=timeout)
+
     def multi_get(self, generation: int, keys: Iterable[str], timeout: float) -> list[bytes]:
         return self._call("multi_get", generation, list(keys), timeout, timeout=timeout)
 

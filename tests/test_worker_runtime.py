@@ -197,3 +197,87 @@ def test_rank_0s_reports_reach_the_driver_in_the_background_and_others_are_not_k
     assert [(name, wid, [m for _, m in batch], seq) for name, (wid, batch, seq) in shipped] == [
         ("add_metrics", "w0", [{"loss": 0.5}, {"loss": 0.25}], 1)
     ]
+
+
+class FakeLastingKV:
+    """The KV's keys of no generation, in memory."""
+
+    def __init__(self) -> None:
+        self.lasting: dict[str, bytes] = {}
+
+    def post_lasting(self, key: str, value: bytes) -> None:
+        self.lasting[key] = value
+
+    def get_lasting(self, key: str, timeout: float = 10.0) -> bytes | None:
+        return self.lasting.get(key)
+
+
+def adam_model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 4))
+    return model, torch.optim.Adam(model.parameters(), lr=0.01)
+
+
+def test_a_newcomer_faults_in_rank0s_optimizer_layout_while_waiting_and_receives_into_it(world_of_one, monkeypatch):
+    """Rank 0 publishes its Adam moments' layout at a commit; a newcomer allocates them before its sync."""
+    import itertools
+
+    kv = FakeLastingKV()
+    world_of_one.membership.kv = kv
+    monkeypatch.setattr(torch_state, "_state_numbers", itertools.count())
+    model, opt = adam_model()
+    state = torch_state.TorchState(model=model, optimizer=opt)
+    assert kv.lasting == {}, "no optimizer state yet: nothing to publish"
+    model(torch.randn(8, 64)).sum().backward()
+    opt.step()
+    state.save()
+    assert len(kv.lasting) == 1, "rank 0 publishes its layout at a commit"
+    published = dict(kv.lasting)
+    state.save()
+    assert kv.lasting == published and len(kv.lasting) == 1
+    rank0 = state._handlers["optimizer"]
+    description = rank0.describe()
+
+    # a newcomer in another process: no ring yet, the same code builds the same state
+    newcomer = make_context()
+    newcomer.membership.kv = kv
+    monkeypatch.setattr(torch_state, "_state_numbers", itertools.count())
+    model2, opt2 = adam_model()
+    state2 = torch_state.TorchState(model=model2, optimizer=opt2)
+    newcomer.membership.run_join_preparations()  # what _join does before it waits to be admitted
+    handler = state2._handlers["optimizer"]
+    assert opt2.state == {}, "preparing must leave the optimizer as it was"
+    prepared = {k: t.data_ptr() for k, t in handler._prepared.items()}
+    want = {(i, key) for i, key, _, _ in description["tensors"]}
+    assert set(prepared) == want, "every moment of rank 0's commit is allocated ahead"
+    handler.receive(description)
+    params = handler._params()
+    got = {(i, key): opt2.state[params[i]][key].data_ptr() for i, key in want}
+    assert got == prepared, "the sync receives into the tensors prepared while waiting"
+    handler.after_sync()
+    assert handler._prepared == {}
+    newcomer.shutdown()
+
+
+def test_building_a_torch_state_inside_a_ring_runs_no_collective_and_a_later_save_does(world_of_one):
+    """A Horovod script's newcomer builds its state already in the ring, while the survivors are in their sync.
+
+    A collective in the constructor's commit (the sampler's union agreement)
+    met the survivors' sync agreement instead, and the run hung.
+    """
+    ring = world_of_one.membership.group
+    calls = []
+    max_int = ring.max_int
+
+    def counting(value: int) -> int:
+        calls.append(value)
+        return max_int(value)
+
+    ring.max_int = counting
+    dataset = list(range(32))
+    sampler = torch_state.ElasticSampler(dataset, shuffle=False)
+    model, opt = adam_model()
+    state = torch_state.TorchState(model=model, optimizer=opt, sampler=sampler)
+    assert calls == [], "the constructor's commit ran a collective"
+    state.save()
+    assert len(calls) == 1, "a later commit agrees on the sampler's union"

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections.abc import Callable
 
 import ray
@@ -68,17 +69,40 @@ class Membership:
         self._announced = False
         self._abandoned: tuple[int, str] = (0, "")  # the newest generation the driver declared dead, and why
         self._ring_error_checks: list[Callable[[BaseException], bool]] = []  # see add_ring_error_check
+        self._join_preparations: list[weakref.WeakMethod] = []  # see add_join_preparation
 
     # ---- joining and leaving -------------------------------------------------
     def ensure_joined(self) -> None:
         if self.group is None:
             self._join()
 
+    def add_join_preparation(self, prepare: Callable[[], None]) -> None:
+        """Run `prepare` (a bound method; held weakly) while this worker first waits to be admitted.
+
+        `TorchState` uses it to allocate and fault in a newcomer's optimizer
+        state from rank 0's published layout while the survivors finish their
+        step, instead of during the sync. Best effort: an error is logged.
+        """
+        self._join_preparations.append(weakref.WeakMethod(prepare))
+
+    def run_join_preparations(self) -> None:
+        """Run (once) what `add_join_preparation` registered."""
+        preparations, self._join_preparations = self._join_preparations, []
+        for ref in preparations:
+            prepare = ref()
+            if prepare is None:
+                continue
+            try:
+                prepare()
+            except Exception as e:  # noqa: BLE001 - an optimization: the sync allocates what is missing
+                logger.warning("worker %s: preparing for the sync failed (%s); going on", self.worker_id, e)
+
     def _join(self) -> None:
         if not self._announced:
             load_backend(self.settings.backend)
             self.driver.worker_ready.remote(self.worker_id)
             self._announced = True
+            self.run_join_preparations()
         deadline = time.monotonic() + self.settings.rendezvous_timeout
         after = self.generation
         while True:

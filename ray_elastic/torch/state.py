@@ -44,6 +44,9 @@ rank, whenever some rank needs state.
 from __future__ import annotations
 
 import copy
+import itertools
+import logging
+import pickle
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -55,12 +58,16 @@ import torch
 from ray_elastic.collective import group as current_ring
 from ray_elastic.collective.base import CollectiveGroup
 from ray_elastic.runtime.process import maybe_current
+from ray_elastic.state.pages import can_populate, populate_range
 from ray_elastic.state.state import State, SyncReport, mismatch
 from ray_elastic.state.sync_plan import SyncPlan, fresh_commit_id
 from ray_elastic.state.transfer import agree, share_object
 from ray_elastic.torch.broadcast import send_tensors_, wait_while_transferring
 from ray_elastic.torch.optimizer import DistributedOptimizer
 from ray_elastic.torch.sampler import ElasticSampler
+
+logger = logging.getLogger(__name__)
+_state_numbers = itertools.count()  # each TorchState of this process, in construction order
 
 
 class StateHandler:
@@ -326,6 +333,8 @@ class OptimizerHandler(StateHandler):
         self._values: dict[tuple[int, str], Any] = {}  # non-tensor state (e.g. a float step)
         self._hyper: list[dict[str, Any]] = []
         self._stepped = False  # a step pre-hook tells this handler before the optimizer changes its state
+        self._shapes: tuple[tuple[int, str, tuple[int, ...], torch.dtype], ...] = ()  # the saved tensors' layout
+        self._prepared: dict[tuple[int, str], torch.Tensor] = {}  # see prepare
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -371,8 +380,35 @@ class OptimizerHandler(StateHandler):
         else:
             self._buffers.save(tensors)
         self._layout = layout
+        self._shapes = tuple((i, key, tuple(t.shape), t.dtype) for (i, key), t in zip(layout, tensors, strict=True))
         self._values = copy.deepcopy(values)
         self._hyper = copy.deepcopy(self._hyper_params())
+
+    def layout(self) -> tuple[tuple[int, str, tuple[int, ...], torch.dtype], ...]:
+        """(param index, key, shape, dtype) of each tensor of the last commit: what a newcomer will receive."""
+        return self._shapes
+
+    def prepare(self, layout: Sequence[tuple[int, str, tuple[int, ...], torch.dtype]]) -> int:
+        """Allocate the tensors `layout` names, their pages faulted in, for `receive` to use; returns the bytes.
+
+        A newcomer calls it with rank 0's published layout while it waits to
+        be admitted, so the first touch of that fresh memory (on a VM about
+        as costly as receiving its bytes) is off the sync's path. Kept apart
+        from the optimizer's state until `receive` takes them: an optimizer
+        that ends up receiving nothing is left as it was.
+        """
+        params = self._params()
+        nbytes = 0
+        for i, key, shape, dtype in layout:
+            if i >= len(params) or params[i].device.type != "cpu":
+                continue
+            t = torch.empty(shape, dtype=dtype)
+            size = t.numel() * t.element_size()
+            if not (can_populate() and populate_range(t.data_ptr(), size)):
+                t.zero_()
+            self._prepared[(i, key)] = t
+            nbytes += size
+        return nbytes
 
     def restore(self) -> None:
         params = self._params()
@@ -428,12 +464,19 @@ class OptimizerHandler(StateHandler):
             st = state.setdefault(params[i], {})
             current = st.get(key)
             if not (isinstance(current, torch.Tensor) and tuple(current.shape) == shape and current.dtype == dtype):
-                # on the parameter's device: a newcomer's state must sit where rank 0's does (a GPU)
-                st[key] = torch.empty(shape, dtype=dtype, device=params[i].device)
+                ready = self._prepared.pop((i, key), None)
+                if ready is not None and tuple(ready.shape) == shape and ready.dtype == dtype:
+                    st[key] = ready  # allocated and faulted in while this newcomer waited (see prepare)
+                else:
+                    # on the parameter's device: a newcomer's state must sit where rank 0's does (a GPU)
+                    st[key] = torch.empty(shape, dtype=dtype, device=params[i].device)
         for (i, key), v in skeleton["values"].items():
             state.setdefault(params[i], {})[key] = v
         for group, hyper in zip(self.optimizer.param_groups, skeleton["hyper"], strict=True):
             group.update(hyper)
+
+    def after_sync(self) -> None:
+        self._prepared.clear()  # what a sync did not take
 
     def tensors(self) -> list[torch.Tensor]:
         # by key: the same order on every rank, whatever order each rank's optimizer created its state in
@@ -477,8 +520,7 @@ class SamplerHandler(StateHandler):
 
     def prepare_save(self) -> None:
         # record_indices() marks only this rank's samples: OR the bitmaps so every rank holds all.
-        # Agree first, so no rank enters the union alone; before the first ring (the commit in
-        # TorchState's constructor) there is nobody to agree with.
+        # Agree first, so no rank enters the union alone (TorchState's first commit skips this).
         ctx = maybe_current()
         ring = ctx.group if ctx is not None else None
         if ring is not None and ring.max_int(int(self.value.needs_union)):
@@ -592,8 +634,17 @@ class TorchState(State):
             values["optimizer"] = optimizer
         object.__setattr__(self, "_handlers", {k: _handler_for(v) for k, v in values.items()})
         object.__setattr__(self, "_hooked", {})  # id(optimizer) -> (optimizer, its step pre-hook's handle)
+        # where rank 0 publishes its optimizers' layout for newcomers: states are built in the same order everywhere
+        object.__setattr__(self, "_layout_key", f"torch_state_layout/{next(_state_numbers)}")
+        object.__setattr__(self, "_published", None)
         super().__init__()
-        self.save()
+        # no collective in this first commit: a newcomer of a Horovod script is already in the ring when it
+        # builds its state, while the survivors wait in their sync's agreement (the two would never meet);
+        # the sync right after gives every rank rank 0's state
+        self._save(later=False, collectives=False)
+        ctx = maybe_current()
+        if ctx is not None:
+            ctx.membership.add_join_preparation(self._prepare_newcomer)
 
     def __getattr__(self, name: str) -> Any:
         handlers = self.__dict__.get("_handlers", {})
@@ -631,10 +682,11 @@ class TorchState(State):
         """Make the live state the commit; the tensors an optimizer steps are copied in the background."""
         self._save(later=True)
 
-    def _save(self, later: bool) -> None:
+    def _save(self, later: bool, collectives: bool = True) -> None:
         self._guard()
         for handler in self._handlers.values():
-            handler.prepare_save()
+            if collectives:
+                handler.prepare_save()
         after = self.commit_id.next()
         self.commit_id = fresh_commit_id()  # until every handler saved, this is nobody's commit
         for handler in self._handlers.values():
@@ -643,6 +695,32 @@ class TorchState(State):
             else:
                 handler.save()
         self.commit_id = after
+        self._publish_layout()
+
+    def _publish_layout(self) -> None:
+        """On rank 0: put its optimizers' state layout in the run's KV when it changed (a few KB, not awaited)."""
+        ctx = maybe_current()
+        group = None if ctx is None else ctx.membership.group
+        if group is None or group.rank != 0:
+            return
+        layouts = {n: h.layout() for n, h in self._handlers.items() if isinstance(h, OptimizerHandler) and h.layout()}
+        if layouts and layouts != self._published:
+            ctx.membership.kv.post_lasting(self._layout_key, pickle.dumps(layouts))
+            object.__setattr__(self, "_published", layouts)
+
+    def _prepare_newcomer(self) -> None:
+        """While this worker first waits to be admitted: allocate and fault in what rank 0's commit will send."""
+        ctx = maybe_current()
+        raw = None if ctx is None else ctx.membership.kv.get_lasting(self._layout_key)
+        if raw is None:
+            return  # the run's first workers, or no optimizer state yet
+        started = time.perf_counter()
+        nbytes = 0
+        for name, layout in pickle.loads(raw).items():
+            handler = self._handlers.get(name)
+            if isinstance(handler, OptimizerHandler):
+                nbytes += handler.prepare(layout)
+        logger.info("prepared %.0f MB of optimizer state in %.3f s", nbytes / 1e6, time.perf_counter() - started)
 
     def restore(self) -> None:
         for handler in self._handlers.values():
