@@ -134,12 +134,17 @@ def test_user_types_get_their_registered_handler():
     assert counter.n == 5
 
 
-def test_a_restore_trades_storage_instead_of_copying_and_a_second_failure_still_returns_to_the_commit():
+def committed_after(steps: int):
+    """A model and Adam trained `steps` steps and committed: (model, opt, state, the commit's snapshot)."""
     model, opt = make()
     state = TorchState(model=model, optimizer=opt)
-    train_steps(model, opt, 2)
+    train_steps(model, opt, steps)
     state.save()
-    committed = snapshot(model, opt)
+    return model, opt, state, snapshot(model, opt)
+
+
+def test_a_restore_trades_storage_instead_of_copying_and_a_second_failure_still_returns_to_the_commit():
+    model, opt, state, committed = committed_after(2)
     train_steps(model, opt, 2, seed=3)
     before = [p.data_ptr() for p in model.parameters()]
     state.restore()
@@ -198,11 +203,7 @@ def test_the_background_copy_of_a_restored_commit_holds_off_while_a_sync_transfe
     """A survivor's re-copy of its commit waits for the sync's sends and receives (a newcomer's page faults)."""
     from ray_elastic.torch import broadcast
 
-    model, opt = make()
-    state = TorchState(model=model, optimizer=opt)
-    train_steps(model, opt, 1)
-    state.save()
-    committed = snapshot(model, opt)
+    model, opt, state, committed = committed_after(1)
     train_steps(model, opt, 2)
     broadcast._idle.clear()  # what send_tensors_ does while it exchanges chunks
     try:
