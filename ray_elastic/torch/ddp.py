@@ -26,11 +26,11 @@ DDP's bucket, saving one copy of the gradients per step, as
 - host-change agreement: on Gloo, a one-number allreduce of this rank's
   host-change notice starts right behind the first bucket's allreduce of a
   training forward's backward, and the `check_host_updates()` after the
-  step reads it; when
-  no reduction followed the forward, the check runs its own one-number
-  collective, on every rank alike. On NCCL, a training forward (gradients
-  on, not in `no_sync()`) starts one asynchronous one-number allreduce of
-  the notice, which runs while forward and backward compute;
+  step reads it; when no reduction followed the forward, the check runs its
+  own one-number collective, on every rank alike. On NCCL, a training
+  forward (gradients on, not in `no_sync()`) starts one asynchronous
+  one-number allreduce of the notice, which runs while forward and backward
+  compute;
 - failures: DDP raises a failed allreduce from `backward()` as a plain
   `RuntimeError`. `prepare_model` registers with the worker's runtime what
   such an error looks like (a `torch.distributed` error, or Gloo's), so the
@@ -140,7 +140,7 @@ class ElasticDDP(torch.nn.Module):
             raise _as_ring_error(e, ctx, "DistributedDataParallel's forward") from e
 
     def _carry_notice(self, ctx: Any) -> None:
-        """Let this step's first gradient bucket carry the host-change notice (Gloo, with the hook).
+        """Have the hook reduce this forward's host-change notice behind its first gradient bucket (Gloo).
 
         `check_host_updates()` after the step reads the reduced notice; if no
         reduction followed this forward (no backward, or none that reduced),
@@ -229,7 +229,7 @@ def _abandonable_allreduce(state: _HookState, bucket: dist.GradBucket) -> torch.
     on the same Gloo thread, so the check after the step finds it done. (An
     earlier version carried the notice as one more element of the first
     bucket: the copy into a buffer one longer, and DDP's copy back out of
-    it, cost ~1.7 ms per step at 0.93M parameters, more than the allreduce.)
+    it, cost about 1 ms per step more at 0.93M parameters.)
     """
     group = state.group
     buffer = bucket.buffer()
