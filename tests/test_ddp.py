@@ -152,10 +152,10 @@ def test_ddp_through_sigkill_scale_up_and_graceful_removal_exactly_once_and_equa
 
     wait_until((tmp_path / "killed").exists, 60, "rank 3 to be SIGKILLed")
     # the three survivors train on: rank 1 (no ring neighbour of rank 3) left DDP's reducer at the abandon
-    wait_until(world_at_least(13, 3), 30, "the survivors' first step at world 3")
-    wait_until(world_at_least(13, 4), 30, "the replacement's scale-up back to 4 workers")
+    wait_until(world_at_least(13, 3), 60, "the survivors' first step at world 3")
+    wait_until(world_at_least(13, 4), 90, "the replacement's scale-up back to 4 workers")
     hosts_file.write_text(json.dumps({first: 2}))
-    wait_until(world_at_least(0, 2), 30, "the graceful removal back to 2 workers")
+    wait_until(world_at_least(0, 2), 60, "the graceful removal back to 2 workers")
     stop.touch()
     result = fut.result(timeout=60)
 
