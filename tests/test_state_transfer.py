@@ -1,7 +1,7 @@
 """A sync over a real torch Gloo ring of 3 processes (no Ray): only the ranks that lack rank 0's commit receive.
 
 Each process builds a `TorchGlooGroup` over one TCP store and stands in for a
-worker's runtime (`group` and `ensure_joined` are all a sync asks of it).
+worker's runtime (`group`, `ensure_joined` and the membership's KV are all a sync asks of it).
 """
 
 from __future__ import annotations
@@ -15,6 +15,31 @@ import time
 import torch
 
 
+class LastingKV:
+    """The run's KV as far as rank 0's layout for newcomers goes (this process's own dict)."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, bytes] = {}
+
+    def post_lasting(self, key: str, value: bytes) -> None:
+        self.values[key] = value
+
+    def get_lasting(self, key: str) -> bytes | None:
+        return self.values.get(key)
+
+
+class Membership:
+    """What `TorchState` asks of a worker's membership: the ring, the KV, the newcomer's preparations."""
+
+    def __init__(self, group) -> None:
+        self.group = group
+        self.kv = LastingKV()
+        self.preparations: list = []
+
+    def add_join_preparation(self, prepare) -> None:
+        self.preparations.append(prepare)
+
+
 class Runtime:
     """What `TorchState.sync` asks of a worker's runtime: the ring."""
 
@@ -22,6 +47,7 @@ class Runtime:
         from ray_elastic.runtime.process import ActivityMarks
 
         self.group = group
+        self.membership = Membership(group)
         self.activity = ActivityMarks()
 
     def ensure_joined(self) -> None:
