@@ -43,7 +43,7 @@ nettools:
 
 test: $(STAMP) nettools
 	$(BIN)/ruff check ray_elastic tests examples bench
-	$(BIN)/python -m pytest -q -ra tests
+	$(BIN)/python -m pytest -q -ra --durations=30 tests
 
 # the conformance suite and the numpy example through a SIGKILL, on pygloo
 test-pygloo: $(STAMP310)
