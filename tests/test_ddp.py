@@ -285,3 +285,24 @@ def test_a_train_fn_without_prepare_model_is_not_refused_for_it():
     with pytest.raises(ValueError) as info:  # this interpreter has no pygloo: the backend check speaks
         ElasticTrainer(_train_plain, 2, 2, backend="pygloo")
     assert "prepare_model" not in str(info.value)
+
+
+def test_the_abandonable_hook_averages_bitwise_as_ddp_does_at_world_3(tmp_path):
+    """Without Ray: 3 torch processes over our Gloo ring; a world that is no power of 2 shows any rounding apart."""
+    import torch.multiprocessing as mp
+    from ddp_hook_ranks import grads_of_both
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=grads_of_both, args=(r, 3, str(tmp_path), out)) for r in range(3)]
+    for p in procs:
+        p.start()
+    try:
+        found = [out.get(timeout=120) for _ in procs]
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+    assert all(f["hook"] == f["ddp"] for f in found), "the hook's average differs from DDP's own in some bit"
+    assert len({f["hook"] for f in found}) == 1, "ranks hold different gradients after the hook's reduction"

@@ -221,9 +221,12 @@ def _abandonable_allreduce(state: _HookState, bucket: dist.GradBucket) -> torch.
     closing their links to it) would wait there 300 s. This hook's future
     fails as soon as the driver abandons the generation.
 
-    It divides by the world size in place, as DDP does without a hook (there
-    DDP fuses the division into its copy of each gradient into the bucket;
-    with a hook it only copies, so this is one more pass over the bucket).
+    It scales by the reciprocal of the world size in place, as DDP does
+    without a hook (there DDP fuses the multiplication into its copy of each
+    gradient into the bucket; with a hook it only copies, so this is one more
+    pass over the bucket). Multiplying, not dividing, keeps the gradients
+    bitwise equal to DDP's at every world size, 3 included, and a
+    multiplication is cheaper than a division.
     Right behind the first bucket of a training forward's backward, a
     one-number allreduce of that forward's host-change notice starts, queued
     on the same Gloo thread, so the check after the step finds it done. (An
@@ -233,7 +236,7 @@ def _abandonable_allreduce(state: _HookState, bucket: dist.GradBucket) -> torch.
     """
     group = state.group
     buffer = bucket.buffer()
-    buffer.div_(group.size)
+    buffer.mul_(1.0 / group.size)
     future = group.abandonable_future(
         "DDP's gradient allreduce", lambda: dist.all_reduce(buffer, async_op=True), lambda: buffer
     )
