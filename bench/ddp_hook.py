@@ -1,26 +1,30 @@
-"""The DDP path's communication hook, without Ray: the hang it ends, and what it costs.
+"""The DDP path's abandonable reduction, without Ray: the hang it ends, and what it costs.
 
-`prepare_model` on Gloo reduces DDP's buckets through `_abandonable_allreduce`
-(ray_elastic/torch/ddp.py), whose future the driver's abandon fails. Plain
-torch processes over `TorchGlooGroup` (the ring our workers use), no Ray, so
+`prepare_model` on Gloo builds each generation's DDP over `_AbandonableGroup`
+(ray_elastic/torch/ddp.py), a process group whose allreduce futures the
+driver's abandon fails (until 2026-11-24 a communication hook,
+`_abandonable_allreduce`, did that; the file keeps its name). Plain torch
+processes over `TorchGlooGroup` (the ring our workers use), no Ray, so
 neither figure carries Ray's noise:
 
 1. **hang**: 4 ranks train DDP over the 0.93M MLP; at step 3 rank 3 exits
    (its sockets close, as on a SIGKILL) right before its backward. Each
    survivor times its `backward()`; a timer abandons its ring 2 s after the
    backward started, standing for the driver's abandon; the survivors stay
-   alive (their links open) until the end, as in a worker. DDP's own reduction
-   against the hook. A survivor that has not left `backward()` by the
-   deadline (20 s; the process group's timeout is 60 s) is reported as still
-   inside.
-2. **cost**: world 2, DDP without a hook against DDP with the hook (both with
-   `gradient_as_bucket_view=True`, as `prepare_model` sets it, and the hook
-   reducing the host-change notice behind its first bucket, waited on after
-   the step, as in a worker), at 0.93M and 23.1M parameters, 5 interleaved rounds in the same
-   processes. Wall time per step on rank 0, CPU per step of both ranks'
+   alive (their links open) until the end, as in a worker. DDP over Gloo
+   as it is against DDP over our group. A survivor that has not left
+   `backward()` by the deadline (20 s; the process group's timeout is 60 s)
+   is reported as still inside.
+2. **cost**: world 2, three variants in the same processes, 5 interleaved
+   rounds, at 0.93M and 23.1M parameters: `ddp`, DDP as bare scripts and
+   Ray Train's `prepare_model` build it (`gradient_as_bucket_view=False`);
+   `ddp_views`, the same with `gradient_as_bucket_view=True`; `ours`, as
+   `prepare_model` builds it (our group, bucket views, the host-change
+   notice reduced behind the first bucket and waited on after the step, as
+   in a worker). Wall time per step on rank 0, CPU per step of both ranks'
    processes (Gloo's threads included). Before timing, one step on the same
    batch from the same weights: gradients must be bitwise equal between the
-   two variants and across ranks.
+   variants and across ranks.
 
 Prints tables and writes bench/results/ddp_hook.json. Reports, never asserts.
 
@@ -46,7 +50,7 @@ from results_file import write_results
 from throughput import batch, make_model
 
 from ray_elastic.collective.torch_gloo import TorchGlooGroup
-from ray_elastic.torch.ddp import _abandonable_allreduce, _HookState, _NoticeCarrier
+from ray_elastic.torch.ddp import _AbandonableGroup, _NoticeCarrier
 
 HANG_DEADLINE_S = 20.0
 ABANDON_AFTER_S = 2.0
@@ -59,27 +63,30 @@ def _ring(control: str, rank: int, world: int, timeout: float) -> TorchGlooGroup
     return TorchGlooGroup(store, rank, world, timeout)
 
 
-def _ddp(model: torch.nn.Module, group: TorchGlooGroup, hook: bool) -> tuple[torch.nn.Module, types.SimpleNamespace]:
-    ddp = torch.nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True)
+VARIANTS = ("ddp", "ddp_views", "ours")
+
+
+def _ddp(model: torch.nn.Module, group: TorchGlooGroup, variant: str) -> tuple[torch.nn.Module, types.SimpleNamespace]:
     owner = types.SimpleNamespace(_carrier=None)  # stands for ElasticDDP, which holds the forward's carrier
-    if hook:
-        ddp.register_comm_hook(_HookState(group, owner), _abandonable_allreduce)
-    return ddp, owner
+    kwargs = {"gradient_as_bucket_view": variant != "ddp"}
+    if variant == "ours":
+        kwargs["process_group"] = _AbandonableGroup(group, owner)
+    return torch.nn.parallel.DistributedDataParallel(model, **kwargs), owner
 
 
 # ---- 1. the hang --------------------------------------------------------------------------
 
 
-def _hang_rank(rank: int, world: int, control: str, hook: bool, out: mp.Queue) -> None:
+def _hang_rank(rank: int, world: int, control: str, variant: str, out: mp.Queue) -> None:
     torch.set_num_threads(1)
     group = _ring(control, rank, world, 60.0)
     torch.manual_seed(0)
-    model, owner = _ddp(make_model("mlp1m"), group, hook)
+    model, owner = _ddp(make_model("mlp1m"), group, variant)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     for step in range(FAULT_STEP + 1):
         x, y = batch("mlp1m", step)
         opt.zero_grad()
-        if hook:
+        if variant == "ours":
             owner._carrier = _NoticeCarrier(0)
         loss = torch.nn.functional.cross_entropy(model(x), y)
         if step == FAULT_STEP:
@@ -101,12 +108,12 @@ def _hang_rank(rank: int, world: int, control: str, hook: bool, out: mp.Queue) -
         opt.step()
 
 
-def measure_hang(hook: bool) -> list[dict]:
+def measure_hang(variant: str) -> list[dict]:
     world = 4
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     with tempfile.TemporaryDirectory() as control:
-        procs = [ctx.Process(target=_hang_rank, args=(r, world, control, hook, out)) for r in range(world)]
+        procs = [ctx.Process(target=_hang_rank, args=(r, world, control, variant, out)) for r in range(world)]
         for p in procs:
             p.start()
         rows: dict[int, dict] = {}
@@ -129,7 +136,7 @@ def measure_hang(hook: bool) -> list[dict]:
             if p.is_alive():
                 p.kill()
             p.join()
-    return [{"variant": "hook" if hook else "ddp", **rows[r]} for r in sorted(rows)]
+    return [{"variant": variant, **rows[r]} for r in sorted(rows)]
 
 
 # ---- 2. the cost --------------------------------------------------------------------------
@@ -144,27 +151,27 @@ def _cost_rank(rank: int, world: int, control: str, name: str, rounds: int, out:
     torch.set_num_threads(1)
     group = _ring(control, rank, world, 600.0)
     variants = {}
-    for variant in ("ddp", "hook"):
+    for variant in VARIANTS:
         torch.manual_seed(0)
-        model, owner = _ddp(make_model(name), group, variant == "hook")
+        model, owner = _ddp(make_model(name), group, variant)
         variants[variant] = (model, owner, torch.optim.SGD(model.parameters(), lr=0.01))
 
     def step(variant: str, k: int) -> None:
         model, owner, opt = variants[variant]
         x, y = batch(name, k)
         opt.zero_grad()
-        if variant == "hook":
+        if variant == "ours":
             owner._carrier = carrier = _NoticeCarrier(0)
         torch.nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
-        if variant == "hook":
+        if variant == "ours":
             carrier.future.wait()  # what check_host_updates() reads after the step
 
     digests = {}
-    for variant in ("ddp", "hook"):
+    for variant in VARIANTS:
         model, owner, opt = variants[variant]
         x, y = batch(name, 0)
-        if variant == "hook":
+        if variant == "ours":
             owner._carrier = _NoticeCarrier(0)
         torch.nn.functional.cross_entropy(model(x), y).backward()
         digests[variant] = _grad_digest(model)
@@ -173,7 +180,7 @@ def _cost_rank(rank: int, world: int, control: str, name: str, rounds: int, out:
     steps = STEPS[name]
     k = 1
     for rnd in range(rounds):
-        order = ("ddp", "hook") if rnd % 2 == 0 else ("hook", "ddp")
+        order = VARIANTS[rnd % 3 :] + VARIANTS[: rnd % 3]
         for variant in order:
             for _ in range(3):  # warm-up
                 step(variant, k)
@@ -207,11 +214,11 @@ def measure_cost(name: str, rounds: int) -> dict:
         procs = [ctx.Process(target=_cost_rank, args=(r, world, control, name, rounds, out)) for r in range(world)]
         for p in procs:
             p.start()
-        records = [out.get(timeout=900) for _ in range(world * (1 + 2 * rounds))]
+        records = [out.get(timeout=900) for _ in range(world * (1 + len(VARIANTS) * rounds))]
         for p in procs:
             p.join(timeout=60)
     digests = [r["digests"] for r in records if "digests" in r]
-    equal = len({d["ddp"] for d in digests} | {d["hook"] for d in digests}) == 1
+    equal = len({d[v] for d in digests for v in VARIANTS}) == 1
     windows = [r for r in records if "variant" in r]
 
     def per_round(variant: str, key: str, ranks: str) -> list[float]:
@@ -221,20 +228,18 @@ def measure_cost(name: str, rounds: int) -> dict:
             vals.append(next(w[key] for w in rows if w["rank"] == 0) if ranks == "rank0" else sum(w[key] for w in rows))
         return vals
 
-    ddp_wall, hook_wall = per_round("ddp", "wall_ms", "rank0"), per_round("hook", "wall_ms", "rank0")
-    ddp_cpu, hook_cpu = per_round("ddp", "cpu_ms", "all"), per_round("hook", "cpu_ms", "all")
-    return {
-        "model": name,
-        "world": world,
-        "grads_bitwise_equal": equal,
-        "ddp_wall_ms": round(statistics.median(ddp_wall), 3),
-        "hook_wall_ms": round(statistics.median(hook_wall), 3),
-        "wall_ratio": round(statistics.median(h / d for h, d in zip(hook_wall, ddp_wall, strict=True)), 3),
-        "ddp_cpu_ms": round(statistics.median(ddp_cpu), 3),
-        "hook_cpu_ms": round(statistics.median(hook_cpu), 3),
-        "cpu_ratio": round(statistics.median(h / d for h, d in zip(hook_cpu, ddp_cpu, strict=True)), 3),
-        "wall_ratio_per_round": [round(h / d, 3) for h, d in zip(hook_wall, ddp_wall, strict=True)],
-    }
+    row: dict = {"model": name, "world": world, "grads_bitwise_equal": equal}
+    wall = {v: per_round(v, "wall_ms", "rank0") for v in VARIANTS}
+    cpu = {v: per_round(v, "cpu_ms", "all") for v in VARIANTS}
+    for v in VARIANTS:
+        row[f"{v}_wall_ms"] = round(statistics.median(wall[v]), 3)
+        row[f"{v}_cpu_ms"] = round(statistics.median(cpu[v]), 3)
+    for v in ("ddp", "ddp_views"):  # ours over each: ratios of time, so above 1 means ours is slower
+        walls = [o / d for o, d in zip(wall["ours"], wall[v], strict=True)]
+        row[f"ours_over_{v}_wall"] = round(statistics.median(walls), 3)
+        row[f"ours_over_{v}_cpu"] = round(statistics.median(o / d for o, d in zip(cpu["ours"], cpu[v], strict=True)), 3)
+        row[f"ours_over_{v}_wall_per_round"] = [round(r, 3) for r in walls]
+    return row
 
 
 def main() -> None:
@@ -244,8 +249,8 @@ def main() -> None:
     args = parser.parse_args()
     hang: list[dict] = []
     if not args.skip_hang:
-        for hook in (False, True):
-            hang += measure_hang(hook)
+        for variant in ("ddp", "ours"):
+            hang += measure_hang(variant)
         print(
             f"\nrank 3 of 4 gone before its backward; a timer abandons each survivor's ring {ABANDON_AFTER_S:g} s "
             "into its backward"
@@ -255,15 +260,17 @@ def main() -> None:
             left = "-" if row["left_after_s"] is None else f"{row['left_after_s']:.2f} s"
             print(f"{row['variant']:8} {row['rank']:>4} {left:>22}  {row['error']}")
     cost = [measure_cost(name, args.rounds) for name in ("mlp1m", "mlp25m")]
-    print(f"\nworld 2, {args.rounds} interleaved rounds: DDP without a hook against DDP with ours")
+    print(f"\nworld 2, {args.rounds} interleaved rounds; ms per step (wall on rank 0, CPU of both ranks)")
     print(
-        f"{'model':8} {'wall ms DDP':>12} {'wall ms hook':>13} {'ratio':>7} {'CPU ms DDP':>11} {'CPU ms hook':>12} "
-        f"{'ratio':>7}  grads equal"
+        f"{'model':8} {'wall ddp':>9} {'views':>7} {'ours':>7} {'ours/ddp':>9} {'ours/views':>11} "
+        f"{'CPU ddp':>8} {'views':>7} {'ours':>7} {'ours/ddp':>9} {'ours/views':>11}  grads equal"
     )
     for c in cost:
         print(
-            f"{c['model']:8} {c['ddp_wall_ms']:>12.2f} {c['hook_wall_ms']:>13.2f} {c['wall_ratio']:>7.3f} "
-            f"{c['ddp_cpu_ms']:>11.2f} {c['hook_cpu_ms']:>12.2f} {c['cpu_ratio']:>7.3f}  {c['grads_bitwise_equal']}"
+            f"{c['model']:8} {c['ddp_wall_ms']:>9.2f} {c['ddp_views_wall_ms']:>7.2f} {c['ours_wall_ms']:>7.2f} "
+            f"{c['ours_over_ddp_wall']:>9.3f} {c['ours_over_ddp_views_wall']:>11.3f} {c['ddp_cpu_ms']:>8.2f} "
+            f"{c['ddp_views_cpu_ms']:>7.2f} {c['ours_cpu_ms']:>7.2f} {c['ours_over_ddp_cpu']:>9.3f} "
+            f"{c['ours_over_ddp_views_cpu']:>11.3f}  {c['grads_bitwise_equal']}"
         )
     write_results(
         "ddp_hook", hang + cost, rounds=args.rounds, abandon_after_s=ABANDON_AFTER_S, hang_deadline_s=HANG_DEADLINE_S

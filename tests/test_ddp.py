@@ -287,10 +287,10 @@ def test_a_train_fn_without_prepare_model_is_not_refused_for_it():
     assert "prepare_model" not in str(info.value)
 
 
-def test_the_abandonable_hook_averages_bitwise_as_ddp_does_at_world_3(tmp_path):
+def test_ddp_over_the_abandonable_group_averages_bitwise_as_over_gloo_at_world_3(tmp_path):
     """Without Ray: 3 torch processes over our Gloo ring; a world that is no power of 2 shows any rounding apart."""
     import torch.multiprocessing as mp
-    from ddp_hook_ranks import grads_of_both
+    from ddp_group_ranks import grads_of_both
 
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
@@ -304,5 +304,5 @@ def test_the_abandonable_hook_averages_bitwise_as_ddp_does_at_world_3(tmp_path):
             p.join(30)
             if p.is_alive():
                 p.kill()
-    assert all(f["hook"] == f["ddp"] for f in found), "the hook's average differs from DDP's own in some bit"
-    assert len({f["hook"] for f in found}) == 1, "ranks hold different gradients after the hook's reduction"
+    assert all(f["ours"] == f["ddp"] for f in found), "DDP's average over our group differs from over Gloo in some bit"
+    assert len({f["ours"] for f in found}) == 1, "ranks hold different gradients after the reduction over our group"

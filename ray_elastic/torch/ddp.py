@@ -13,30 +13,32 @@ shapes). DDP's own broadcast of rank 0's parameters is skipped when the run
 loop already synced the state in this generation (`TorchState` broadcast
 them): a reset costs no second copy of the model.
 
-The gradients are reduced by DDP's C++ reducer. On Gloo, its allreduce of
-each bucket goes through a communication hook of ours
-(`_abandonable_allreduce`) that averages as DDP does, on a future the
-driver's abandon fails: without it, a rank whose ring neighbours survived a
-death would wait in the reducer until Gloo's `collective_timeout` (300 s).
-On NCCL, DDP's own reduction is kept (NCCL has its own watchdog).
-`gradient_as_bucket_view` defaults to True here (each `.grad` is a view into
-DDP's bucket, saving one copy of the gradients per step, as
-`DistributedOptimizer` does); pass False for DDP's default. Around it:
+The gradients are reduced by DDP's C++ reducer, averaged as DDP averages
+them. On Gloo, DDP is built over `_AbandonableGroup`, a process group of
+ours around the ring's, whose allreduces the driver's abandon ends: without
+it, a rank whose ring neighbours survived a death would wait in the reducer
+until Gloo's `collective_timeout` (300 s). On NCCL, DDP runs on the ring's
+process group as it is (NCCL has its own watchdog).
+`gradient_as_bucket_view` defaults to True (each `.grad` is a view into
+DDP's bucket: DDP scales each gradient into its bucket and copies nothing
+back, one pass over the gradients per step where DDP's default makes two);
+pass False for DDP's default. Around it:
 
 - host-change agreement: on Gloo, a one-number allreduce of this rank's
-  host-change notice starts right behind the first bucket's allreduce of a
+  host-change notice starts right behind the first allreduce of a
   training forward's backward, and the `check_host_updates()` after the
   step reads it; when no reduction followed the forward, the check runs its
   own one-number collective, on every rank alike. On NCCL, a training
   forward (gradients on, not in `no_sync()`) starts one asynchronous
   one-number allreduce of the notice, which runs while forward and backward
   compute;
-- failures: DDP raises a failed allreduce from `backward()` as a plain
-  `RuntimeError`. `prepare_model` registers with the worker's runtime what
-  such an error looks like (a `torch.distributed` error, or Gloo's), so the
-  run loop (`@elastic.run`) rolls back and resets instead of failing the run
-  as for a bug in `train_fn`; errors of DDP's collectives in forward are
-  raised as `HorovodInternalError` at once.
+- failures: on Gloo a failed or abandoned allreduce leaves `backward()` as
+  `HorovodInternalError`; on NCCL DDP raises it as a plain `RuntimeError`.
+  `prepare_model` registers with the worker's runtime what such an error
+  looks like (a `torch.distributed` error, or Gloo's), so the run loop
+  (`@elastic.run`) rolls back and resets instead of failing the run as for
+  a bug in `train_fn`; errors of DDP's collectives in forward are raised as
+  `HorovodInternalError` at once.
 
 Call the prepared model alike on every rank (DDP's buffer broadcast needs
 that too); to evaluate on one rank, call `prepared.module`.
@@ -116,13 +118,13 @@ class ElasticDDP(torch.nn.Module):
     def _build(self, ctx: Any) -> DistributedDataParallel:
         # TorchState's sync already broadcast rank 0's parameters in this generation: skip DDP's second copy
         synced = ctx.membership.synced_generation == ctx.generation
+        kwargs = dict(self._ddp_kwargs)
+        if getattr(ctx.group, "abortable", False):
+            kwargs["process_group"] = _AbandonableGroup(ctx.group, self)
         try:
-            ddp = DistributedDataParallel(self.module, init_sync=not synced, **self._ddp_kwargs)
+            return DistributedDataParallel(self.module, init_sync=not synced, **kwargs)
         except Exception as e:
             raise _as_ring_error(e, ctx, "building DistributedDataParallel") from e
-        if getattr(ctx.group, "abortable", False):
-            ddp.register_comm_hook(_HookState(ctx.group, self), _abandonable_allreduce)
-        return ddp
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         ddp = self.ddp
@@ -140,7 +142,7 @@ class ElasticDDP(torch.nn.Module):
             raise _as_ring_error(e, ctx, "DistributedDataParallel's forward") from e
 
     def _carry_notice(self, ctx: Any) -> None:
-        """Have the hook reduce this forward's host-change notice behind its first gradient bucket (Gloo).
+        """Have the ring reduce this forward's host-change notice behind its backward's first allreduce (Gloo).
 
         `check_host_updates()` after the step reads the reduced notice; if no
         reduction followed this forward (no backward, or none that reduced),
@@ -151,6 +153,7 @@ class ElasticDDP(torch.nn.Module):
         """
         carrier = _NoticeCarrier(int(ctx.notice > ctx.generation))
         object.__setattr__(self, "_carrier", carrier)
+        self._ddp.process_group.new_backward()  # forward built this generation's DDP, over our group
         collective_activity(True)
 
         def resolve() -> bool:
@@ -202,60 +205,118 @@ class _NoticeCarrier:
         self.reduced = 0  # the notices summed over the ranks, once it finished
 
 
-class _HookState:
-    """What the communication hook of one generation's DDP needs: its ring, and the module's current carrier."""
+class _AbandonableGroup(dist.ProcessGroup):
+    """The ring's Gloo process group as one generation's DDP sees it: a backward leaves at the driver's abandon.
 
-    __slots__ = ("group", "owner")
+    DDP's C++ reducer, without a communication hook, reduces each bucket with
+    this group's `allreduce` and waits on the returned work's future at the
+    end of `backward()`. Gloo's own future ends only with the operation, or
+    at Gloo's `collective_timeout` (300 s): a rank whose ring neighbours
+    survived a death (they leave the ring without closing their links to it)
+    would wait there that long. Here each allreduce runs on a future of
+    `TorchDistGroup.abandonable_future`, which fails as soon as the driver
+    abandons the generation, and the first allreduce of a backward queues a
+    final callback on autograd's engine that waits for them all and raises
+    the ring's error from `backward()`. The reducer itself is handed a
+    future that always succeeds: torch 2.13's reducer crashes the process
+    (SIGSEGV in `parseCppCommHookResult`) on a failed future of the built-in
+    reduction, and the callback runs before the reducer's own finalization,
+    which never runs after a failure (the generation's DDP is dropped).
+    Broadcasts (DDP's sync of buffers in forward) wait abandonably too.
+    Anything else DDP calls (the parameter-shape check's allgather when it is
+    built) goes to the Gloo group as it is.
 
-    def __init__(self, group: Any, owner: ElasticDDP) -> None:
-        self.group = group
-        self.owner = owner
+    Being a process group and not a communication hook keeps DDP's own
+    averaging: it multiplies by 1/world inside its copy of each fresh
+    gradient into the bucket, and with `gradient_as_bucket_view` nothing is
+    copied back, so a step makes one pass over the gradients besides the
+    allreduce (a hook gets the bucket unscaled and has to scale it in a
+    second pass; Ray Train's DDP scales in its copy and copies back out).
 
-
-def _abandonable_allreduce(state: _HookState, bucket: dist.GradBucket) -> torch.futures.Future:
-    """DDP's averaging allreduce of one bucket, on a future the driver's abandon can fail.
-
-    Without a hook, DDP's C++ reducer waits on Gloo's own future at the end
-    of `backward()`, which nothing but Gloo's `collective_timeout` ends: a
-    rank whose ring neighbours survived a death (they leave the ring without
-    closing their links to it) would wait there 300 s. This hook's future
-    fails as soon as the driver abandons the generation.
-
-    It scales by the reciprocal of the world size in place, as DDP does
-    without a hook (there DDP fuses the multiplication into its copy of each
-    gradient into the bucket; with a hook it only copies, so this is one more
-    pass over the bucket). Multiplying, not dividing, keeps the gradients
-    bitwise equal to DDP's at every world size, 3 included, and a
-    multiplication is cheaper than a division.
-    Right behind the first bucket of a training forward's backward, a
-    one-number allreduce of that forward's host-change notice starts, queued
-    on the same Gloo thread, so the check after the step finds it done. (An
-    earlier version carried the notice as one more element of the first
-    bucket: the copy into a buffer one longer, and DDP's copy back out of
-    it, cost about 1 ms per step more at 0.93M parameters.)
+    Right behind the first allreduce after a training forward (the first
+    bucket's, or with `find_unused_parameters` the used-parameter map's), a
+    one-number allreduce of that forward's host-change notice starts,
+    queued on the same Gloo thread, so the check after the step finds it done.
     """
-    group = state.group
-    buffer = bucket.buffer()
-    buffer.mul_(1.0 / group.size)
-    future = group.abandonable_future(
-        "DDP's gradient allreduce", lambda: dist.all_reduce(buffer, async_op=True), lambda: buffer
-    )
-    carrier = getattr(state.owner, "_carrier", None)
-    if carrier is not None and carrier.future is None:
-        notice = torch.tensor([carrier.notice], dtype=torch.int64)
 
-        def reduced() -> torch.Tensor:
-            carrier.reduced = int(notice.item())
-            return notice
+    def __init__(self, group: Any, owner: Any) -> None:
+        inner = dist.distributed_c10d._get_default_group()
+        super().__init__(inner.rank(), inner.size())
+        self._group = group
+        self._inner = inner
+        self._owner = owner
+        self._pending: list[torch.futures.Future] = []  # this backward's allreduces, until its final callback
 
-        carrier.future = group.abandonable_future(
-            "check_host_updates", lambda: dist.all_reduce(notice, async_op=True), reduced
+    def getBackendName(self) -> str:  # noqa: N802 - torch's name
+        # not "gloo": for a known name DDP's logger asks this group for that backend's object, which it lacks
+        return "ray_elastic_gloo"
+
+    def new_backward(self) -> None:
+        """A training forward ran: the next allreduce is its backward's first (an earlier backward may have
+        raised before its final callback ran)."""
+        self._pending = []
+
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
+        opts = dist.AllreduceOptions() if opts is None else opts
+        ring = self._group.abandonable_future(
+            "DDP's gradient allreduce", lambda: self._inner.allreduce(tensors, opts), lambda: tensors
         )
-    return future
+        if not self._pending:
+            with contextlib.suppress(RuntimeError):  # called outside a backward (DDP's join): wait() raises
+                torch.autograd.Variable._execution_engine.queue_callback(self._raise_if_failed)
+        self._pending.append(ring)
+        carrier = self._owner._carrier
+        if carrier is not None and carrier.future is None:
+            notice = torch.tensor([carrier.notice], dtype=torch.int64)
+
+            def reduced() -> torch.Tensor:
+                carrier.reduced = int(notice.item())
+                return notice
+
+            carrier.future = self._group.abandonable_future(
+                "check_host_updates", lambda: self._inner.allreduce([notice], dist.AllreduceOptions()), reduced
+            )
+        settled: torch.futures.Future = torch.futures.Future()
+        ring.add_done_callback(lambda _: settled.set_result(tensors))
+        return _FutureWork(ring, settled)
+
+    def _raise_if_failed(self) -> None:
+        """Autograd's final callback: wait for this backward's allreduces; the ring's error leaves `backward()`."""
+        pending, self._pending = self._pending, []
+        for future in pending:
+            future.wait()  # raises HorovodInternalError: the ring failed, or the driver abandoned it
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
+        opts = dist.BroadcastOptions() if opts is None else opts
+        ring = self._group.abandonable_future(
+            "DDP's broadcast", lambda: self._inner.broadcast(tensors, opts), lambda: tensors
+        )
+        return _FutureWork(ring, ring)  # waited on in forward, in the caller's thread: wait() raises there
+
+    def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> dist.Work:
+        return self._inner.allgather(outputs, inputs, dist.AllgatherOptions() if opts is None else opts)
+
+    def barrier(self, opts: Any = None) -> dist.Work:
+        return self._inner.barrier(dist.BarrierOptions() if opts is None else opts)
 
 
-# DDP checks the hook's annotations against the classes themselves, not the strings this module's annotations are
-_abandonable_allreduce.__annotations__.update({"bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]})
+class _FutureWork(dist.Work):
+    """A torch `Work` over one of our futures: `wait()` raises the ring's error; `get_future()` never fails."""
+
+    def __init__(self, ring: torch.futures.Future, settled: torch.futures.Future) -> None:
+        super().__init__()
+        self._ring = ring
+        self._settled = settled
+
+    def wait(self, timeout: Any = None) -> bool:
+        self._ring.wait()  # raises HorovodInternalError when the ring failed or was abandoned
+        return True
+
+    def is_completed(self) -> bool:
+        return self._ring.done()
+
+    def get_future(self) -> torch.futures.Future:
+        return self._settled
 
 
 def is_ring_error(e: BaseException) -> bool:
