@@ -28,7 +28,7 @@ neither figure carries Ray's noise:
 
 Prints tables and writes bench/results/ddp_hook.json. Reports, never asserts.
 
-    .venv/bin/python bench/ddp_hook.py [--rounds 5] [--skip-hang]
+    .venv/bin/python bench/ddp_hook.py [--rounds 5] [--skip-hang] [--models mlp1m,mlp25m]
 """
 
 from __future__ import annotations
@@ -246,6 +246,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--skip-hang", action="store_true")
+    parser.add_argument("--models", default="mlp1m,mlp25m", help="comma-separated, of: " + ", ".join(STEPS))
     args = parser.parse_args()
     hang: list[dict] = []
     if not args.skip_hang:
@@ -259,7 +260,7 @@ def main() -> None:
         for row in hang:
             left = "-" if row["left_after_s"] is None else f"{row['left_after_s']:.2f} s"
             print(f"{row['variant']:8} {row['rank']:>4} {left:>22}  {row['error']}")
-    cost = [measure_cost(name, args.rounds) for name in ("mlp1m", "mlp25m")]
+    cost = [measure_cost(name, args.rounds) for name in args.models.split(",")]
     print(f"\nworld 2, {args.rounds} interleaved rounds; ms per step (wall on rank 0, CPU of both ranks)")
     print(
         f"{'model':8} {'wall ddp':>9} {'views':>7} {'ours':>7} {'ours/ddp':>9} {'ours/views':>11} "
