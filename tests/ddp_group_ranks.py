@@ -10,29 +10,58 @@ import torch
 import torch.distributed as dist
 
 from ray_elastic.collective.torch_gloo import TorchGlooGroup
-from ray_elastic.torch.ddp import _AbandonableGroup
+from ray_elastic.torch.ddp import _AbandonableGroup, _NoticeCarrier
+
+# DDP options whose collectives differ: static_graph and find_unused_parameters reduce a used-parameter map too
+OPTIONS = {"plain": {}, "static_graph": {"static_graph": True}, "find_unused": {"find_unused_parameters": True}}
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)  # BatchNorm's buffers: DDP broadcasts rank 0's at every forward
+    return torch.nn.Sequential(
+        torch.nn.Linear(64, 256), torch.nn.BatchNorm1d(256), torch.nn.ReLU(), torch.nn.Linear(256, 10)
+    )
+
+
+def _digest(tensors: list[torch.Tensor]) -> str:
+    return hashlib.sha1(b"".join(t.detach().numpy().tobytes() for t in tensors)).hexdigest()
 
 
 def grads_of_both(rank: int, world: int, control: str, out) -> None:
-    """Put {rank, variant: digest of the reduced gradients} for DDP over Gloo and DDP over `_AbandonableGroup`."""
+    """Put {rank, option: {variant: digests}} for DDP over Gloo and DDP over `_AbandonableGroup`.
+
+    Per variant: the reduced gradients after the second step (which reduces
+    into the bucket views the first left as `.grad`), the parameters after
+    three SGD steps, and (ours) the host-change notices summed behind the
+    first allreduce of each backward.
+    """
     torch.set_num_threads(1)
     group = TorchGlooGroup(dist.FileStore(os.path.join(control, "store"), world), rank, world, 60.0)
-    generator = torch.Generator().manual_seed(100 + rank)  # every rank its own batch
-    x, y = torch.randn(16, 64, generator=generator), torch.randint(0, 10, (16,), generator=generator)
-    found = {"rank": rank}
-    for variant in ("ddp", "ours"):
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
-        kwargs = {}
-        if variant == "ours":
-            owner = types.SimpleNamespace(_carrier=None)  # stands for ElasticDDP: no notice to carry
-            kwargs["process_group"] = _AbandonableGroup(group, owner)
-        ddp = torch.nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True, **kwargs)
-        for _ in range(2):  # the second step reduces into the bucket views the first one left as .grad
-            ddp.zero_grad(set_to_none=True)
-            torch.nn.functional.cross_entropy(ddp(x), y).backward()
-        flat = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
-        found[variant] = hashlib.sha1(flat.numpy().tobytes()).hexdigest()
+    generator = torch.Generator().manual_seed(100 + rank)  # every rank its own batches
+    batches = [(torch.randn(16, 64, generator=generator), torch.randint(0, 10, (16,), generator=generator))] * 3
+    found: dict = {"rank": rank}
+    for option, kwargs in OPTIONS.items():
+        found[option] = {}
+        for variant in ("ddp", "ours"):
+            model = _model()
+            owner = types.SimpleNamespace(_carrier=None)  # stands for ElasticDDP, which holds the forward's notice
+            extra = {"process_group": _AbandonableGroup(group, owner)} if variant == "ours" else {}
+            ddp = torch.nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True, **kwargs, **extra)
+            opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+            grads, notices = "", []
+            for step, (x, y) in enumerate(batches):
+                if variant == "ours":
+                    owner._carrier = carrier = _NoticeCarrier(int(rank == step))  # rank `step` holds a notice
+                    ddp.process_group.new_backward()
+                opt.zero_grad(set_to_none=True)
+                torch.nn.functional.cross_entropy(ddp(x), y).backward()
+                if step == 1:
+                    grads = _digest([p.grad for p in model.parameters()])
+                opt.step()
+                if variant == "ours":
+                    carrier.future.wait()
+                    notices.append(carrier.reduced)
+            found[option][variant] = {"grads": grads, "params": _digest(list(model.parameters())), "notices": notices}
     out.put(found)
     group.barrier()
     group.close()
