@@ -301,7 +301,12 @@ class _AbandonableGroup(dist.ProcessGroup):
 
 
 class _FutureWork(dist.Work):
-    """A torch `Work` over one of our futures: `wait()` raises the ring's error; `get_future()` never fails."""
+    """A torch `Work` over one of our futures: `wait()` raises the ring's error.
+
+    `get_future()` is what DDP's reducer waits on: for an allreduce a future
+    that never fails (see `_AbandonableGroup`); for a broadcast, waited on
+    through `wait()` in forward, the ring's future itself.
+    """
 
     def __init__(self, ring: torch.futures.Future, settled: torch.futures.Future) -> None:
         super().__init__()
