@@ -37,6 +37,9 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+# how long the launcher waits, after a script's run, for the last lines its workers printed
+OUTPUT_TIMEOUT_S = 10.0
+
 EXAMPLES = """\
 examples:
   ray-elastic run examples/digits.py:train_fn --min-workers 2 --max-workers 4
@@ -457,24 +460,29 @@ def split_script_args(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     return argv[:cut], argv[cut + 1 :]
 
 
-def _print_script_lines_as_they_are() -> None:
+def _print_script_lines_as_they_are() -> Any:
     """Print the workers' output without Ray's `(WorkerActor pid=...)` prefix and deduplication.
 
     The script's lines already carry their rank, and Ray's deduplication
     would merge lines that differ only in numbers (the rank, a loss). This
     swaps the one handler `ray.init` installs in Ray's (internal) dispatcher
-    of forwarded output; where that is missing, Ray's own printing stays.
+    of forwarded output and returns the `WorkerLinePrinter` put in its
+    place; where that handler is missing, Ray's own printing stays and this
+    returns None.
     """
     try:
         from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
     except ImportError:
-        return
-    from ray_elastic.horovod.script import print_worker_lines
+        return None
+    from ray_elastic.horovod.script import WorkerLinePrinter
 
     names = [name for name, _ in dispatcher.handlers]
-    if "ray_print_logs" in names:
-        dispatcher.remove_handler("ray_print_logs")
-        dispatcher.add_handler("ray_elastic_script_lines", print_worker_lines)
+    if "ray_print_logs" not in names:
+        return None
+    printer = WorkerLinePrinter()
+    dispatcher.remove_handler("ray_print_logs")
+    dispatcher.add_handler("ray_elastic_script_lines", printer)
+    return printer
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -504,11 +512,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"ray-elastic: cannot connect to the Ray cluster at {args.address!r}: {e}", file=sys.stderr)
         return 1
     script = is_script(args.target)
-    if script:
-        _print_script_lines_as_they_are()
+    printer = _print_script_lines_as_they_are() if script else None
     start = time.monotonic()
     try:
         result = trainer.fit()
+        if printer is not None and result.events:
+            # Ray forwards output asynchronously: the lines the finishing workers printed last may be in flight
+            missing = printer.wait_for_ends(result.events[-1].world_size, OUTPUT_TIMEOUT_S)
+            if missing:
+                print(
+                    f"ray-elastic: {missing} stream(s) of the finishing workers had not reached the launcher "
+                    f"{OUTPUT_TIMEOUT_S:g} s after the end: their last lines may be missing above",
+                    file=sys.stderr,
+                )
     except TrainingFailedError as e:
         print(f"ray-elastic: training failed: {e}", file=sys.stderr)
         return 1

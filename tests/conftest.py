@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -80,10 +81,27 @@ def no_leaks(cluster):
 
 
 @pytest.fixture(scope="session")
-def ray_start_cluster():
-    """A `ray start --head` cluster with token auth, shared by the Jobs, notebook and CLI tests."""
+def _ray_start_clusters():
+    """The session's `ray start` clusters: one, unless its dashboard died and a new one replaced it."""
+    clusters = []
+    yield clusters
+    for c in clusters:
+        c.stop()
+
+
+@pytest.fixture
+def ray_start_cluster(_ray_start_clusters):
+    """A `ray start --head` cluster with token auth, shared by the Jobs, notebook and CLI tests.
+
+    Checked before each test: a cluster whose dashboard stopped answering is
+    replaced, with a warning that says why, rather than failing every later test.
+    """
     from ray_start import RayStartCluster
 
-    c = RayStartCluster(num_cpus=3)
-    yield c
-    c.stop()
+    if _ray_start_clusters:
+        problem = _ray_start_clusters[-1].unhealthy()
+        if problem is None:
+            return _ray_start_clusters[-1]
+        warnings.warn(f"the shared `ray start` cluster stopped answering; starting a new one: {problem}", stacklevel=1)
+    _ray_start_clusters.append(RayStartCluster(num_cpus=3))
+    return _ray_start_clusters[-1]

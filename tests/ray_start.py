@@ -160,6 +160,32 @@ class RayStartCluster:
     def log(self) -> str:
         return Path(self.log_path).read_text(errors="replace")
 
+    def unhealthy(self, timeout: float = 10.0) -> str | None:
+        """None while the dashboard answers within `timeout` s; else why not, with its log's tail.
+
+        A session-long cluster can lose its dashboard to something outside the
+        tests (the kernel's OOM killer on a crowded machine): the fixture then
+        says so and starts a new cluster instead of failing every test after.
+        """
+        import requests
+
+        if self.proc.poll() is not None:
+            return f"ray start exited with {self.proc.returncode}: {self.log()[-2000:]}"
+        try:
+            reply = requests.get(
+                f"{self.dashboard_url}/api/version",
+                headers={"Authorization": f"Bearer {self.token}"},
+                timeout=timeout,
+            )
+            if reply.ok:
+                return None
+            problem = f"HTTP {reply.status_code}"
+        except requests.RequestException as e:
+            problem = repr(e)
+        dashboard_log = Path(self.temp_dir, "session_latest", "logs", "dashboard.log")
+        tail = dashboard_log.read_text(errors="replace")[-2000:] if dashboard_log.exists() else "(no dashboard.log)"
+        return f"{self.dashboard_url}/api/version: {problem}; dashboard.log ends: {tail}"
+
     def run(self, args: list[str], timeout: float, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
         """Run a command in the repository root with this cluster's environment, for at most `timeout` s."""
         return subprocess.run(

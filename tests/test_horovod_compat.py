@@ -18,6 +18,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -29,7 +30,7 @@ import ray_elastic.horovod.torch as hvd
 from ray_elastic import cli
 from ray_elastic.horovod.common import elastic as common_elastic
 from ray_elastic.horovod.common.exceptions import HorovodInternalError, HostsUpdatedInterrupt
-from ray_elastic.horovod.script import RankPrefixedStream, print_worker_lines
+from ray_elastic.horovod.script import END_OF_OUTPUT, RankPrefixedStream, WorkerLinePrinter
 from ray_elastic.horovod.torch.ops import reduce_op
 
 CLI = os.path.join(VENV_BIN, "ray-elastic")
@@ -235,10 +236,26 @@ def test_worker_lines_carry_their_rank_and_partial_lines_wait_for_their_end():
 
 
 def test_the_launcher_prints_script_lines_unchanged_and_labels_the_rest(capsys):
-    print_worker_lines({"is_err": False, "pid": 7, "actor_name": "WorkerActor", "lines": ["[1]<stdout>:hi", "boot"]})
-    print_worker_lines({"is_err": True, "pid": "autoscaler", "lines": ["status report"]})
+    printer = WorkerLinePrinter()
+    printer({"is_err": False, "pid": 7, "actor_name": "WorkerActor", "lines": ["[1]<stdout>:hi", "boot"]})
+    printer({"is_err": True, "pid": "autoscaler", "lines": ["status report"]})
     out, err = capsys.readouterr()
     assert out == "[1]<stdout>:hi\n(WorkerActor pid=7) boot\n" and err == ""
+
+
+def test_the_launcher_waits_for_every_finishing_workers_last_lines(capsys):
+    printer = WorkerLinePrinter()
+    printer({"is_err": False, "pid": 7, "lines": ["[0]<stdout>:last", END_OF_OUTPUT]})
+    printer({"is_err": True, "pid": 7, "lines": [END_OF_OUTPUT]})
+    printer({"is_err": False, "pid": 8, "lines": [END_OF_OUTPUT]})
+    assert printer.wait_for_ends(2, timeout=0.05) == 1  # worker 8's stderr has not ended
+    last = {"is_err": True, "pid": 8, "lines": ["[1]<stderr>:bye", END_OF_OUTPUT]}
+    late = threading.Timer(0.2, printer, args=(last,))
+    late.start()
+    assert printer.wait_for_ends(2, timeout=30) == 0
+    late.join()
+    out, err = capsys.readouterr()
+    assert out == "[0]<stdout>:last\n" and err == "[1]<stderr>:bye\n"  # the markers are not printed
 
 
 # ---- real runs through the launcher -----------------------------------------------------------

@@ -12,7 +12,12 @@ the top and receives the state at the sync, as in Horovod.
 While the script runs, its `sys.stdout` and `sys.stderr` prefix every line
 with the worker's current rank, `[RANK]<stdout>:` and `[RANK]<stderr>:`
 (`[?]` before it joins), as horovodrun's Gloo launcher does; the launcher
-prints those lines as they are (see `print_worker_lines`).
+prints those lines as they are (see `WorkerLinePrinter`). Ray forwards a
+worker's output to the launcher asynchronously (its log monitor tails the
+worker's files), so when the script ends each worker writes one
+`END_OF_OUTPUT` line to its stdout and its stderr: the launcher waits for
+those of every worker that finished before it exits, so the last lines a
+script printed are never cut off.
 
 `sys.exit(0)` (or `sys.exit()`) ends the script normally; another status is
 the script's failure. A script that ends without having joined the ring (no
@@ -38,6 +43,8 @@ from ray_elastic.runtime.process import maybe_current
 
 # a line printed by a script's worker, as `RankPrefixedStream` writes it
 LINE_PREFIX = re.compile(r"^\[(\d+|\?)\]<(stdout|stderr)>:")
+# a worker's last line on each of its streams once its script has ended; the launcher does not print it
+END_OF_OUTPUT = "ray-elastic: end of the script's output"
 
 
 class ScriptExitError(RuntimeError):
@@ -153,23 +160,56 @@ def rank_prefixed_output() -> Iterator[None]:
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
         sys.stdout, sys.stderr = saved
+        for stream in saved:
+            stream.write(END_OF_OUTPUT + "\n")
+            stream.flush()
 
 
-def print_worker_lines(data: dict[str, Any]) -> None:
-    """Print one batch of worker output Ray forwarded to the launcher: the scripts' lines as they are.
+class WorkerLinePrinter:
+    """Prints the worker output Ray forwards to the launcher: the scripts' lines as they are.
 
+    Called with each batch Ray's log subscriber hands over (from its thread).
     A line of a script (`[RANK]<stdout>:...`) is printed unchanged, to stdout
-    or stderr as the worker wrote it; any other line (Ray's own, the library's
-    actors') keeps a short `(NAME pid=PID)` prefix; the autoscaler's status
-    reports are left out.
+    or stderr as the worker wrote it; any other line (Ray's own, the
+    library's actors') keeps a short `(NAME pid=PID)` prefix; the autoscaler's
+    status reports are left out. `END_OF_OUTPUT` lines are counted, not
+    printed: `wait_for_ends` waits on them.
     """
-    if data.get("pid") == "autoscaler":
-        return  # its status reports are not the job's output (Ray's own printer filters them too)
-    sink = sys.stderr if data.get("is_err") else sys.stdout
-    who = data.get("actor_name") or data.get("task_name") or "ray"
-    out = []
-    for line in data.get("lines", []):
-        out.append(line if LINE_PREFIX.match(line) else f"({who} pid={data.get('pid')}) {line}")
-    if out:
-        sink.write("\n".join(out) + "\n")
-        sink.flush()
+
+    def __init__(self) -> None:
+        self._ended: dict[bool, set[Any]] = {False: set(), True: set()}  # is_err -> pids whose script ended
+        self._changed = threading.Condition()
+
+    def __call__(self, data: dict[str, Any]) -> None:
+        if data.get("pid") == "autoscaler":
+            return  # its status reports are not the job's output (Ray's own printer filters them too)
+        is_err = bool(data.get("is_err"))
+        sink = sys.stderr if is_err else sys.stdout
+        who = data.get("actor_name") or data.get("task_name") or "ray"
+        out = []
+        ended = False
+        for line in data.get("lines", []):
+            if line == END_OF_OUTPUT:
+                ended = True
+            else:
+                out.append(line if LINE_PREFIX.match(line) else f"({who} pid={data.get('pid')}) {line}")
+        if out:
+            sink.write("\n".join(out) + "\n")
+            sink.flush()
+        if ended:
+            with self._changed:
+                self._ended[is_err].add(data.get("pid"))
+                self._changed.notify_all()
+
+    def wait_for_ends(self, workers: int, timeout: float) -> int:
+        """Wait until `workers` workers' stdout and stderr have both ended, at most `timeout` s.
+
+        Returns how many of those streams had not ended by then (0: every line arrived).
+        """
+
+        def missing() -> int:
+            return sum(max(0, workers - len(pids)) for pids in self._ended.values())
+
+        with self._changed:
+            self._changed.wait_for(lambda: missing() == 0, timeout)
+            return missing()
