@@ -123,6 +123,7 @@ def train_fn(config: dict) -> int:
     state_bytes = 3 * 4 * n_params  # float32 parameters and Adam's two moments
     bytes_per_s = copy_speed()
     measured_bw = []
+    first_step_at_3: dict[int, int] = {}
 
     def timed_sync(sync=state.sync) -> None:
         started, cpu = time.perf_counter(), cpu_s()
@@ -161,10 +162,18 @@ def train_fn(config: dict) -> int:
             if elastic.allreduce(int(os.path.exists(config["stop"])), op="max"):
                 break
             x = torch.randn(1, WIDTH, generator=gen)
+            began, cpu_began = time.time(), cpu_s()
+            copying = any(t.name == "ray_elastic-commit-copy" for t in threading.enumerate())
             opt.zero_grad()
             model(x).square().mean().backward()
+            backward_done, backward_cpu = time.time(), cpu_s() - cpu_began
             opt.step()
             state.step += 1
+            if elastic.size() == 3 and state.step <= first_step_at_3.setdefault(elastic.rank(), state.step) + 1:
+                # the first two steps at world 3, every rank: where the survivors' pause at the scale-up goes
+                log(workdir, kind="step", rank=elastic.rank(), step=state.step, began=began,
+                    backward_done=backward_done, stepped=time.time(), backward_cpu=backward_cpu,
+                    copying_at_start=copying)  # fmt: skip
             elastic.report({"step": state.step, "world_size": elastic.size()})
             if elastic.rank() == 0:
                 Path(config["progress"]).write_text(json.dumps({"step": state.step, "world_size": elastic.size()}))
@@ -208,6 +217,29 @@ def wait_progress(path: str, what: str, predicate, timeout: float = 600) -> dict
             return p
         time.sleep(0.05)
     raise TimeoutError(f"timed out after {timeout:g} s waiting for {what}")
+
+
+def pause_breakdown(logs: list[dict], last_at_2: float, killed: float) -> dict[str, list[float]]:
+    """The scale-up's pause, each rank's marks in seconds after rank 0's last step at world 2.
+
+    sync_began / sync_ended: its `state.sync()`; then, for its first two steps at
+    world 3: began, backward_done, stepped, and (not times) the CPU seconds its
+    process used in that backward and whether a background copy of its commit
+    was running when the step began.
+    """
+    marks: dict[str, list[float]] = {}
+    for r in logs:
+        if r["time"] >= killed or r["time"] < last_at_2:
+            continue
+        if r["kind"] == "sync" and r["size"] == 3:
+            marks[f"rank{r['rank']} sync_began"] = [r["time"] - r["sync_s"] - last_at_2]
+            marks[f"rank{r['rank']} sync_ended"] = [r["time"] - last_at_2]
+        elif r["kind"] == "step":
+            for mark in ("began", "backward_done", "stepped"):
+                marks.setdefault(f"rank{r['rank']} {mark}", []).append(r[mark] - last_at_2)
+            marks.setdefault(f"rank{r['rank']} backward_cpu_s", []).append(r["backward_cpu"])
+            marks.setdefault(f"rank{r['rank']} commit_copy_running_at_start", []).append(r["copying_at_start"])
+    return dict(sorted(marks.items()))
 
 
 def one_size(params_m: int, node_a: str, node_b: str, workdir: str) -> dict:
@@ -282,6 +314,7 @@ def one_size(params_m: int, node_a: str, node_b: str, workdir: str) -> dict:
         "up_holders_sync_s": [r["sync_s"] for r in holders_sync],
         "up_holders_cpu_s": [r["cpu_s"] for r in holders_sync],
         "up_survivor_pause_s": times[first3] - times[first3 - 1],
+        "up_pause_breakdown": pause_breakdown(logs, times[first3 - 1], killed["time"]),
         "step_s_at_2": statistics.median(steps2) if steps2 else None,
         "step_s_at_3": statistics.median(steps3) if steps3 else None,
         "fail_reset_s": ev_fail.reset_duration,

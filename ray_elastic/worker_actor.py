@@ -39,6 +39,7 @@ from ray_elastic.exceptions import CollectiveMismatchError, CoordinatorDiedError
 from ray_elastic.leftovers import remove_run_actors, remove_run_placement_groups, run_namespace
 from ray_elastic.payload import unpack
 from ray_elastic.protocol import CoordinatorLost, Finished, Removed, UserError, WorkerOutcome
+from ray_elastic.runtime.allocator import tune_allocator
 from ray_elastic.worker_context import WorkerContext, set_current
 
 logger = logging.getLogger(__name__)
@@ -57,6 +58,7 @@ class WorkerActor:
         driver: Any,
         settings: WorkerConfig,
     ) -> None:
+        tune_allocator()  # before train_fn allocates: a step's freed blocks stay in the heap (see allocator.py)
         self.worker_id = worker_id
         self.ctx = WorkerContext(worker_id, kv, driver, settings)
         self.ctx.run_token = getattr(self, "_run_token", None)  # for the run's other actors (the feed)

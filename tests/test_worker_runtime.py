@@ -254,6 +254,16 @@ def test_a_newcomer_faults_in_rank0s_optimizer_layout_while_waiting_and_receives
     params = handler._params()
     got = {(i, key): opt2.state[params[i]][key].data_ptr() for i, key in want}
     assert got == prepared, "the sync receives into the tensors prepared while waiting"
+    buffers = [b.data_ptr() for b in handler._buffers.buffers]
+    assert len(buffers) == len(want), "the commit's buffers are allocated ahead too"
+    assert not set(buffers) & set(prepared.values())
+    for sent, into in zip(rank0.tensors(), handler.tensors(), strict=True):
+        into.copy_(sent)  # what the transfer does
+    handler.received()  # the newcomer's commit of what it received
+    handler._buffers.wait()
+    assert [b.data_ptr() for b in handler._buffers.buffers] == buffers, "the commit goes into the buffers made ahead"
+    for (i, key), b in zip(handler._layout, handler._buffers.buffers, strict=True):
+        assert torch.equal(b, opt2.state[params[i]][key])
     handler.after_sync()
     assert handler._prepared == {}
     newcomer.shutdown()

@@ -77,11 +77,13 @@ class Membership:
             self._join()
 
     def add_join_preparation(self, prepare: Callable[[], None]) -> None:
-        """Run `prepare` (a bound method; held weakly) while this worker first waits to be admitted.
+        """Run `prepare` (a bound method; held weakly) before this worker first tells the driver it is ready.
 
         `TorchState` uses it to allocate and fault in a newcomer's optimizer
-        state from rank 0's published layout while the survivors finish their
-        step, instead of during the sync. Best effort: an error is logged.
+        state and commit buffers from rank 0's published layout as part of
+        its boot, which the survivors train through, instead of during the
+        sync or its first step, which they wait for. Best effort: an error is
+        logged.
         """
         self._join_preparations.append(weakref.WeakMethod(prepare))
 
@@ -100,9 +102,10 @@ class Membership:
     def _join(self) -> None:
         if not self._announced:
             load_backend(self.settings.backend)
+            # before the announcement: once admitted, the survivors wait in the rendezvous for this worker
+            self.run_join_preparations()
             self.driver.worker_ready.remote(self.worker_id)
             self._announced = True
-            self.run_join_preparations()
         deadline = time.monotonic() + self.settings.rendezvous_timeout
         after = self.generation
         while True:

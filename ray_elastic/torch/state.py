@@ -57,6 +57,7 @@ import torch
 
 from ray_elastic.collective import group as current_ring
 from ray_elastic.collective.base import CollectiveGroup
+from ray_elastic.runtime.allocator import warm_heap
 from ray_elastic.runtime.process import maybe_current
 from ray_elastic.state.pages import can_populate, populate_range
 from ray_elastic.state.state import State, SyncReport, mismatch
@@ -151,6 +152,14 @@ def _sync_from_rank0(handler: StateHandler) -> None:
     if plan.receives:
         handler.received()
     handler.after_sync()
+
+
+def _faulted_in(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised CPU tensor whose pages are already faulted in (zeroed where that is the only way)."""
+    t = torch.empty(shape, dtype=dtype)
+    if not (can_populate() and populate_range(t.data_ptr(), t.numel() * t.element_size())):
+        t.zero_()
+    return t
 
 
 def _swappable(t: torch.Tensor, b: torch.Tensor) -> bool:
@@ -391,24 +400,27 @@ class OptimizerHandler(StateHandler):
     def prepare(self, layout: Sequence[tuple[int, str, tuple[int, ...], torch.dtype]]) -> int:
         """Allocate the tensors `layout` names, their pages faulted in, for `receive` to use; returns the bytes.
 
-        A newcomer calls it with rank 0's published layout while it waits to
-        be admitted, so the first touch of that fresh memory (on a VM about
+        A newcomer calls it with rank 0's published layout before it tells
+        the driver it is ready, so the first touch of that fresh memory (on a VM about
         as costly as receiving its bytes) is off the sync's path. Kept apart
         from the optimizer's state until `receive` takes them: an optimizer
-        that ends up receiving nothing is left as it was.
+        that ends up receiving nothing is left as it was. The buffers of the
+        commit the newcomer makes of what it received are allocated and
+        faulted in too: their first touch would otherwise fall in its first
+        training step, while the survivors wait on its gradients.
         """
         params = self._params()
-        nbytes = 0
+        if any(i >= len(params) or params[i].device.type != "cpu" for i, _, _, _ in layout):
+            return 0  # not this optimizer's layout, or state on a GPU: nothing to gain on the host
+        made = []
         for i, key, shape, dtype in layout:
-            if i >= len(params) or params[i].device.type != "cpu":
-                continue
-            t = torch.empty(shape, dtype=dtype)
-            size = t.numel() * t.element_size()
-            if not (can_populate() and populate_range(t.data_ptr(), size)):
-                t.zero_()
-            self._prepared[(i, key)] = t
-            nbytes += size
-        return nbytes
+            self._prepared[(i, key)] = _faulted_in(shape, dtype)
+            made.append(self._prepared[(i, key)])
+        self._buffers.wait()
+        if not self._buffers.buffers:  # the commit of what it receives keeps this layout's order (receive)
+            self._buffers.buffers = [_faulted_in(shape, dtype) for _, _, shape, dtype in layout]
+            made.extend(self._buffers.buffers)
+        return sum(t.numel() * t.element_size() for t in made)
 
     def restore(self) -> None:
         params = self._params()
@@ -709,7 +721,7 @@ class TorchState(State):
             object.__setattr__(self, "_published", layouts)
 
     def _prepare_newcomer(self) -> None:
-        """While this worker first waits to be admitted: allocate and fault in what rank 0's commit will send."""
+        """Before this worker first says it is ready: allocate and fault in what rank 0's commit will send."""
         ctx = maybe_current()
         raw = None if ctx is None else ctx.membership.kv.get_lasting(self._layout_key)
         if raw is None:
@@ -720,7 +732,15 @@ class TorchState(State):
             handler = self._handlers.get(name)
             if isinstance(handler, OptimizerHandler):
                 nbytes += handler.prepare(layout)
-        logger.info("prepared %.0f MB of optimizer state in %.3f s", nbytes / 1e6, time.perf_counter() - started)
+        # the pages of the first backward's gradients (that step is the one the survivors wait on)
+        trained = [p for h in self._handlers.values() if isinstance(h, ModuleHandler) for p in h.value.parameters()]
+        warmed = warm_heap(p for p in trained if p.requires_grad)
+        logger.info(
+            "prepared %.0f MB of optimizer state and commit buffers, warmed %.0f MB of heap, in %.3f s",
+            nbytes / 1e6,
+            warmed / 1e6,
+            time.perf_counter() - started,
+        )
 
     def restore(self) -> None:
         for handler in self._handlers.values():

@@ -1,0 +1,95 @@
+"""Keeping a training step's freed memory in the heap: glibc's allocator settings for a worker process.
+
+glibc's malloc serves a block of at least `M_MMAP_THRESHOLD` bytes (128 KB
+at start; raised on its own to the largest block freed so far, up to 32 MB)
+with a fresh `mmap` and unmaps it when freed, and returns the heap's free
+top to the OS past `M_TRIM_THRESHOLD`. A training step frees and allocates
+the same sizes every step (gradients set to None, activations, an
+optimizer's temporaries), so on CPU each step can map fresh pages and fault
+each 4 KB page in again: a block exactly as large as the largest one freed
+stays above the threshold for good. Measured here on a 100M-parameter MLP
+of equal 4 MB layers (batch 1, one thread): every backward 0.20-0.22 s with
+glibc's defaults, 0.07 s with freed blocks kept. `tune_allocator` keeps
+them (as tcmalloc and jemalloc do): blocks below 1 GB come from the heap,
+and the heap is never trimmed below 2 GB of free top. The cost: memory a
+step freed stays with the process for the next step instead of going back
+to the OS; a training process's peak is reached every step anyway.
+
+`warm_heap` then lets a newcomer fault in, during its boot, the pages its
+first backward will take for gradients: that step is the one the survivors
+wait on.
+
+Workers call `tune_allocator()` when they start. `RAY_ELASTIC_MALLOC_TUNING=0`
+in the workers' environment leaves glibc's defaults; on a C library other
+than glibc nothing changes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import sys
+from collections.abc import Iterable
+from typing import Any
+
+from ray_elastic.state.pages import can_populate, populate_range
+
+logger = logging.getLogger(__name__)
+
+_M_TRIM_THRESHOLD = -1  # malloc.h
+_M_MMAP_THRESHOLD = -3
+MMAP_THRESHOLD = 1 << 30  # blocks below this come from the heap
+TRIM_THRESHOLD = (1 << 31) - 1  # the largest an int takes: the heap's free top is kept
+ENV = "RAY_ELASTIC_MALLOC_TUNING"
+
+_tuned = False
+
+
+def tune_allocator() -> bool:
+    """Keep freed blocks in the heap (glibc); True if this process's allocator is (now) tuned so."""
+    global _tuned
+    if _tuned:
+        return True
+    if os.environ.get(ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+        return False
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    if not hasattr(libc, "gnu_get_libc_version"):
+        return False  # not glibc (musl's mallopt does nothing)
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    mallopt.restype = ctypes.c_int
+    _tuned = bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+    if not _tuned:
+        logger.debug("glibc refused the allocator thresholds; its defaults stay")
+    return _tuned
+
+
+def warm_heap(like: Iterable[Any]) -> int:
+    """Allocate a block the size of each CPU tensor in `like`, fault it in, free it; returns the bytes.
+
+    With the allocator tuned, the freed blocks stay in this thread's heap,
+    resident, and the gradients of the first backward run on this thread
+    take them instead of faulting fresh pages in. Without it, nothing (the
+    blocks would be unmapped at once).
+    """
+    if not _tuned:
+        return 0
+    import torch  # only torch's state calls this: the allocator's settings must not need torch
+
+    blocks = []
+    for t in like:
+        if t.device.type != "cpu":
+            continue
+        block = torch.empty(t.shape, dtype=t.dtype)
+        if not (can_populate() and populate_range(block.data_ptr(), block.numel() * block.element_size())):
+            block.zero_()
+        blocks.append(block)
+    nbytes = sum(b.numel() * b.element_size() for b in blocks)
+    del blocks
+    return nbytes
