@@ -202,12 +202,14 @@ def test_every_save_gives_a_new_commit_id_and_a_loaded_checkpoint_a_new_lineage(
 def test_the_background_copy_of_a_restored_commit_holds_off_while_a_sync_transfers():
     """A survivor's re-copy of its commit waits for the sync's sends and receives (a newcomer's page faults)."""
     from ray_elastic.torch import broadcast
+    from ray_elastic.torch import state as torch_state
 
     model, opt, state, committed = committed_after(1)
     train_steps(model, opt, 2)
     broadcast._idle.clear()  # what send_tensors_ does while it exchanges chunks
     try:
         state.restore()  # trades storages; the commit's buffers are refilled on a thread
+        torch_state.release_background_copies()  # past the reset's hold: the transfer's still holds it
         copiers = [t for t in threading.enumerate() if t.name == "ray_elastic-commit-copy"]
         assert copiers, "the restore should have started a background copy"
         copiers[0].join(timeout=0.5)
@@ -220,3 +222,40 @@ def test_the_background_copy_of_a_restored_commit_holds_off_while_a_sync_transfe
     train_steps(model, opt, 1)  # the step waits for the copy; the commit is whole again
     state.restore()
     assert_same(snapshot(model, opt), committed)
+
+
+def test_a_restores_re_copy_of_the_commit_waits_for_the_resets_sync_and_the_commit_stays_whole():
+    """The re-copy would share the cores with the ring's re-forming: it starts once the sync returned."""
+    from ray_elastic.torch import state as torch_state
+
+    model, opt, state, committed = committed_after(1)
+    train_steps(model, opt, 2)
+    try:
+        state.restore()  # trades storages; the commit's buffers are to be refilled on a thread
+        copiers = [t for t in threading.enumerate() if t.name == "ray_elastic-commit-copy"]
+        assert copiers, "the restore should have started a background copy"
+        copiers[0].join(timeout=0.5)
+        assert copiers[0].is_alive(), "the re-copy ran before the reset's sync returned"
+        assert_same(snapshot(model, opt), committed)
+    finally:
+        torch_state.release_background_copies()  # what the end of the sync does
+    copiers[0].join(timeout=30)
+    assert not copiers[0].is_alive(), "the re-copy did not run once the sync returned"
+    train_steps(model, opt, 1)
+    state.restore()
+    assert_same(snapshot(model, opt), committed)
+
+
+def test_an_optimizer_step_before_the_sync_returns_runs_the_held_copy_instead_of_waiting_forever():
+    """A restore with no sync after it (a user's own loop): the next step lets the held copy go."""
+    from ray_elastic.torch import state as torch_state
+
+    model, opt, state, committed = committed_after(1)
+    train_steps(model, opt, 2)
+    try:
+        state.restore()
+        train_steps(model, opt, 1)  # its step waits for the copy: the hold must not stop it
+        state.restore()
+        assert_same(snapshot(model, opt), committed)
+    finally:
+        torch_state.release_background_copies()
