@@ -23,10 +23,11 @@ PAGES = 3 * BLOCKS * ELEMENTS * 4 // 4096
 SCRIPT = textwrap.dedent(
     f"""
     import resource, torch
-    from ray_elastic.runtime.allocator import tune_allocator, warm_heap
+    from ray_elastic.runtime.allocator import tune_allocator
+    from ray_elastic.torch.state import warm_heap
     tuned = tune_allocator()
     params = [torch.empty({ELEMENTS}) for _ in range({BLOCKS})]
-    warmed = warm_heap(params)
+    warmed = warm_heap(params)  # what a newcomer's TorchState does while it boots
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     for _ in range(3):
         grads = [torch.ones({ELEMENTS}) for _ in params]  # every page written

@@ -15,9 +15,9 @@ and the heap is never trimmed below 2 GB of free top. The cost: memory a
 step freed stays with the process for the next step instead of going back
 to the OS; a training process's peak is reached every step anyway.
 
-`warm_heap` then lets a newcomer fault in, during its boot, the pages its
-first backward will take for gradients: that step is the one the survivors
-wait on.
+With it, a newcomer's `TorchState` faults in, during its boot, blocks the
+size of its gradients and frees them (`is_tuned()` says whether that pays):
+its first backward, the step the survivors wait on, takes those pages.
 
 Workers call `tune_allocator()` when they start. `RAY_ELASTIC_MALLOC_TUNING=0`
 in the workers' environment leaves glibc's defaults; on a C library other
@@ -30,10 +30,6 @@ import ctypes
 import logging
 import os
 import sys
-from collections.abc import Iterable
-from typing import Any
-
-from ray_elastic.state.pages import can_populate, populate_range
 
 logger = logging.getLogger(__name__)
 
@@ -70,26 +66,6 @@ def tune_allocator() -> bool:
     return _tuned
 
 
-def warm_heap(like: Iterable[Any]) -> int:
-    """Allocate a block the size of each CPU tensor in `like`, fault it in, free it; returns the bytes.
-
-    With the allocator tuned, the freed blocks stay in this thread's heap,
-    resident, and the gradients of the first backward run on this thread
-    take them instead of faulting fresh pages in. Without it, nothing (the
-    blocks would be unmapped at once).
-    """
-    if not _tuned:
-        return 0
-    import torch  # only torch's state calls this: the allocator's settings must not need torch
-
-    blocks = []
-    for t in like:
-        if t.device.type != "cpu":
-            continue
-        block = torch.empty(t.shape, dtype=t.dtype)
-        if not (can_populate() and populate_range(block.data_ptr(), block.numel() * block.element_size())):
-            block.zero_()
-        blocks.append(block)
-    nbytes = sum(b.numel() * b.element_size() for b in blocks)
-    del blocks
-    return nbytes
+def is_tuned() -> bool:
+    """Whether `tune_allocator()` took effect in this process (freed blocks stay in the heap)."""
+    return _tuned

@@ -49,7 +49,7 @@ import logging
 import pickle
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -57,7 +57,7 @@ import torch
 
 from ray_elastic.collective import group as current_ring
 from ray_elastic.collective.base import CollectiveGroup
-from ray_elastic.runtime.allocator import warm_heap
+from ray_elastic.runtime.allocator import is_tuned
 from ray_elastic.runtime.process import maybe_current
 from ray_elastic.state.pages import can_populate, populate_range
 from ray_elastic.state.state import State, SyncReport, mismatch
@@ -160,6 +160,20 @@ def _faulted_in(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     if not (can_populate() and populate_range(t.data_ptr(), t.numel() * t.element_size())):
         t.zero_()
     return t
+
+
+def warm_heap(like: Iterable[torch.Tensor]) -> int:
+    """Fault in a block the size of each CPU tensor in `like` and free it; returns the bytes.
+
+    Where the allocator keeps freed blocks (`allocator.is_tuned()`), they stay
+    in this thread's heap, resident, and the gradients of the first backward
+    run on this thread take them instead of faulting fresh pages in; elsewhere
+    they would be unmapped at once, so nothing is done.
+    """
+    if not is_tuned():
+        return 0
+    blocks = [_faulted_in(tuple(t.shape), t.dtype) for t in like if t.device.type == "cpu"]
+    return sum(b.numel() * b.element_size() for b in blocks)
 
 
 def _swappable(t: torch.Tensor, b: torch.Tensor) -> bool:
