@@ -87,7 +87,7 @@ def _hang_rank(rank: int, world: int, control: str, variant: str, out: mp.Queue)
         x, y = batch("mlp1m", step)
         opt.zero_grad()
         if variant == "ours":
-            owner._carrier = _NoticeCarrier(0)
+            owner._carrier = _NoticeCarrier(0, 1)
         loss = torch.nn.functional.cross_entropy(model(x), y)
         if step == FAULT_STEP:
             if rank == world - 1:
@@ -161,18 +161,18 @@ def _cost_rank(rank: int, world: int, control: str, name: str, rounds: int, out:
         x, y = batch(name, k)
         opt.zero_grad()
         if variant == "ours":
-            owner._carrier = carrier = _NoticeCarrier(0)
+            owner._carrier = carrier = _NoticeCarrier(0, 1)
         torch.nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
         if variant == "ours":
-            carrier.future.wait()  # what check_host_updates() reads after the step
+            carrier.reduced(group)  # what check_host_updates() reads after the step
 
     digests = {}
     for variant in VARIANTS:
         model, owner, opt = variants[variant]
         x, y = batch(name, 0)
         if variant == "ours":
-            owner._carrier = _NoticeCarrier(0)
+            owner._carrier = _NoticeCarrier(0, 1)
         torch.nn.functional.cross_entropy(model(x), y).backward()
         digests[variant] = _grad_digest(model)
         opt.zero_grad()

@@ -51,7 +51,7 @@ def grads_of_both(rank: int, world: int, control: str, out) -> None:
             grads, notices = "", []
             for step, (x, y) in enumerate(batches):
                 if variant == "ours":
-                    owner._carrier = carrier = _NoticeCarrier(int(rank == step))  # rank `step` holds a notice
+                    owner._carrier = carrier = _NoticeCarrier(int(rank == step), 1)  # rank `step` holds a notice
                     ddp.process_group.new_backward()
                 opt.zero_grad(set_to_none=True)
                 torch.nn.functional.cross_entropy(ddp(x), y).backward()
@@ -59,8 +59,7 @@ def grads_of_both(rank: int, world: int, control: str, out) -> None:
                     grads = _digest([p.grad for p in model.parameters()])
                 opt.step()
                 if variant == "ours":
-                    carrier.future.wait()
-                    notices.append(carrier.reduced)
+                    notices.append(carrier.reduced(group)[0])
             found[option][variant] = {"grads": grads, "params": _digest(list(model.parameters())), "notices": notices}
     out.put(found)
     group.barrier()

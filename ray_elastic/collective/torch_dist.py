@@ -38,6 +38,8 @@ T = TypeVar("T")
 
 # abandoned process groups, kept with their pending works until Gloo's timeout ends those
 _graveyard: list[tuple[Any, list[Any]]] = []
+# how long a wait blocks in torch's C++ before it registers a callback that the driver's abandon can end
+_SHORT_WAIT = timedelta(milliseconds=5)
 
 _TORCH_OPS = {
     ReduceOp.SUM: dist.ReduceOp.SUM,
@@ -105,7 +107,7 @@ class TorchDistGroup(CollectiveGroup):
         for future, what in futures:
             future.set_exception(HorovodInternalError(f"{what} abandoned: {reason}"))
 
-    def _start(self, what: str, start: Callable[[], Any]) -> Any:
+    def start(self, what: str, start: Callable[[], Any]) -> Any:
         """Start one asynchronous torch collective (its `Work`), unless this generation was abandoned."""
         self.check_abandoned(what)
         work = self._call(what, start)
@@ -123,7 +125,7 @@ class TorchDistGroup(CollectiveGroup):
         the operation itself stays pending on Gloo's thread (see `close`).
         """
         future: torch.futures.Future = torch.futures.Future()
-        work = self._start(what, start)
+        work = self.start(what, start)
         key = id(future)
         with self._lock:
             self._futures[key] = (future, what)
@@ -149,12 +151,32 @@ class TorchDistGroup(CollectiveGroup):
                 future.set_exception(HorovodInternalError(f"{what} abandoned: {self.abandoned}"))
         return future
 
+    def wait_work(self, what: str, work: Any) -> None:
+        """Wait for a work from `start`, abandonably; the ring's error (or the abandon) as `HorovodInternalError`."""
+        self._call(what, lambda: self._wait(what, work))
+
     def _wait(self, what: str, work: Any) -> None:
-        """Block until `work` is done, or this generation is abandoned (then `HorovodInternalError`)."""
-        if not self.abortable:
-            work.wait()
+        """Block until `work` is done, or this generation is abandoned (then `HorovodInternalError`).
+
+        Most works end within a few milliseconds of the wait: a short wait in
+        torch's C++ catches those. Only a longer one registers a Python
+        callback on Gloo's thread, which takes the GIL to run and competes
+        with the training thread for it (RESULTS.md item 12: such callbacks
+        made Gloo's thread use 40-70% more CPU than under plain DDP).
+        """
+        if not self.abortable or work.is_completed():
+            work.wait()  # done: returns at once, or raises the ring's error
             self._inflight.pop(id(work), None)
             return
+        if self.abandoned is None:
+            try:
+                work.wait(_SHORT_WAIT)
+            except RuntimeError:
+                pass  # not done yet (torch's "Operation timed out!"), or failed: raised again below
+            if work.is_completed():
+                self._inflight.pop(id(work), None)
+                work.wait()
+                return
         done = threading.Event()
         finished: list[bool] = []  # the future's callback ran: the work ended (Work.is_completed() may lag it)
 
@@ -178,8 +200,7 @@ class TorchDistGroup(CollectiveGroup):
 
     def _run(self, what: str, start: Callable[[], Any]) -> None:
         """Start one collective and wait for it, abandonably."""
-        work = self._start(what, start)
-        self._call(what, lambda: self._wait(what, work))
+        self.wait_work(what, self.start(what, start))
 
     def allreduce_(self, value: T, op: ReduceOp = ReduceOp.AVERAGE) -> T:
         t, write_back = self._stage(value)
@@ -194,7 +215,7 @@ class TorchDistGroup(CollectiveGroup):
         t, write_back = self._stage(value)
         if t.numel() == 0 or self.size == 1:
             return CollectiveWork()
-        work = self._start("allreduce", lambda: dist.all_reduce(t, op=_TORCH_OPS[op], async_op=True))
+        work = self.start("allreduce", lambda: dist.all_reduce(t, op=_TORCH_OPS[op], async_op=True))
         return CollectiveWork(
             "allreduce", lambda: self._wait("allreduce", work), lambda: self._finish_allreduce(t, op, write_back)
         )
@@ -223,13 +244,13 @@ class TorchDistGroup(CollectiveGroup):
     def send_async(self, value: T, dst: int) -> CollectiveWork:
         t, _ = self._stage(value)
         what = f"send to rank {dst}"
-        work = self._start(what, lambda: dist.isend(t, dst))
+        work = self.start(what, lambda: dist.isend(t, dst))
         return CollectiveWork(what, lambda: self._wait_message(what, work))
 
     def recv_async(self, value: T, src: int) -> CollectiveWork:
         t, write_back = self._stage(value)
         what = f"receive from rank {src}"
-        work = self._start(what, lambda: dist.irecv(t, src))
+        work = self.start(what, lambda: dist.irecv(t, src))
         return CollectiveWork(what, lambda: self._wait_message(what, work), write_back)
 
     def _wait_message(self, what: str, work: Any) -> None:

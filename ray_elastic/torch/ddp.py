@@ -54,6 +54,7 @@ could not see.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -66,6 +67,8 @@ from ray_elastic.collective.factory import TORCH_BACKENDS
 from ray_elastic.exceptions import HorovodInternalError
 from ray_elastic.runtime.process import collective_activity, current
 
+AGREE_EVERY_S = 0.1  # how often, in training time, the ranks agree on a host change (see _Cadence)
+MAX_CHECKS_PER_AGREEMENT = 1000
 # DDP options this wrapper sets itself: the ring's process group, and the initial sync it decides on
 _OWN_OPTIONS = ("process_group", "device_mesh", "init_sync")
 
@@ -87,6 +90,7 @@ class ElasticDDP(torch.nn.Module):
         object.__setattr__(self, "_ddp", None)
         object.__setattr__(self, "_generation", -1)
         object.__setattr__(self, "_carrier", None)  # the last training forward's notice (see _carry_notice)
+        object.__setattr__(self, "_cadence", _Cadence())  # which training forwards carry it
 
     @property
     def ddp(self) -> DistributedDataParallel:
@@ -120,7 +124,7 @@ class ElasticDDP(torch.nn.Module):
         synced = ctx.membership.synced_generation == ctx.generation
         kwargs = dict(self._ddp_kwargs)
         if getattr(ctx.group, "abortable", False):
-            kwargs["process_group"] = _AbandonableGroup(ctx.group, self)
+            kwargs["process_group"] = _AbandonableGroup(ctx.group, self, settle=bool(kwargs.get("static_graph")))
         try:
             return DistributedDataParallel(self.module, init_sync=not synced, **kwargs)
         except Exception as e:
@@ -130,10 +134,12 @@ class ElasticDDP(torch.nn.Module):
         ddp = self.ddp
         ctx = current()
         if torch.is_grad_enabled() and ddp.require_backward_grad_sync:
-            if getattr(ctx.group, "abortable", False):
+            if not getattr(ctx.group, "abortable", False):
+                self._agree_on_notice(ctx)
+            elif self._cadence.due(ctx.generation):
                 self._carry_notice(ctx)
             else:
-                self._agree_on_notice(ctx)
+                self._skip_notice(ctx)
         try:
             return ddp(*args, **kwargs)
         except HorovodInternalError:
@@ -151,19 +157,41 @@ class ElasticDDP(torch.nn.Module):
         stuck-rank check does not take a rank waiting in DDP's reducer for one
         stuck in user code.
         """
-        carrier = _NoticeCarrier(int(ctx.notice > ctx.generation))
+        cadence = self._cadence
+        carrier = _NoticeCarrier(int(ctx.notice > ctx.generation), cadence.proposal())
         object.__setattr__(self, "_carrier", carrier)
         self._ddp.process_group.new_backward()  # forward built this generation's DDP, over our group
         collective_activity(True)
 
         def resolve() -> bool:
             try:
-                if carrier.future is None:
+                if carrier.work is None:
+                    cadence.agreed(0, 1)
                     return ctx.group.max_int(ctx.notice) > ctx.generation
-                carrier.future.wait()  # started during backward, done by now: returns, or raises the ring's error
-                return carrier.reduced > 0
+                notices, proposals = carrier.reduced(ctx.group)  # started during backward: done by now
+                cadence.agreed(proposals, ctx.group.size)
+                return notices > 0
             finally:
                 collective_activity(False)
+
+        ctx.membership.agree_on_notice_later(resolve)
+
+    def _skip_notice(self, ctx: Any) -> None:
+        """A training forward whose check agrees on nothing: the ranks agreed a moment ago, and will again soon.
+
+        Every rank skips the same checks (the cadence is decided in the
+        agreements), so the `check_host_updates()` after this step returns at
+        once on every rank, and a host change is acted on at the next agreement.
+        """
+        object.__setattr__(self, "_carrier", None)
+        self._ddp.process_group.new_backward()
+        collective_activity(True)
+        cadence = self._cadence
+
+        def resolve() -> bool:
+            collective_activity(False)
+            cadence.skipped()
+            return False
 
         ctx.membership.agree_on_notice_later(resolve)
 
@@ -194,34 +222,100 @@ class ElasticDDP(torch.nn.Module):
             yield
 
 
+class _Cadence:
+    """Which checks agree on the host-change notice (Gloo): about every `AGREE_EVERY_S` of training.
+
+    An agreement is one more meeting of all the ranks, and on a small model
+    the step is short enough for it to count (0.93M parameters, 4 ranks on 2
+    cores: 8-10% of a step's CPU; RESULTS.md item 12). So each agreement
+    also settles how many checks come before the next one: every rank
+    proposes how many of its checks fit in `AGREE_EVERY_S` (from the time
+    between its last two checks), the proposals are summed with the
+    notices, and each rank skips the same `sum // world - 1` checks
+    (those return at once, agreeing on nothing). Checks further apart than
+    `AGREE_EVERY_S` (a slow step, or `check_host_updates()` called only at
+    commits) all agree, as before; so does the first check of every
+    generation. Skipped checks are the same on every rank because every rank
+    runs the same training forwards and checks (DDP needs that anyway).
+    """
+
+    __slots__ = ("generation", "skip", "last_check", "interval")
+
+    def __init__(self) -> None:
+        self.generation = -1
+        self.skip = 0  # checks left before the next agreement
+        self.last_check: float | None = None
+        self.interval: float | None = None  # seconds between this rank's last two checks
+
+    def due(self, generation: int) -> bool:
+        """Whether a training forward of `generation` carries the notice (the first of a generation does)."""
+        if generation != self.generation:
+            self.generation, self.skip, self.last_check, self.interval = generation, 0, None, None
+        return self.skip <= 0
+
+    def proposal(self) -> int:
+        """How many checks this rank would like per agreement: as many as fit in `AGREE_EVERY_S`."""
+        if not self.interval:
+            return 1
+        return max(1, min(MAX_CHECKS_PER_AGREEMENT, int(AGREE_EVERY_S / self.interval)))
+
+    def agreed(self, proposals: int, world: int) -> None:
+        self._checked()
+        self.skip = proposals // world - 1
+
+    def skipped(self) -> None:
+        self._checked()
+        self.skip -= 1
+
+    def _checked(self) -> None:
+        now = time.perf_counter()
+        if self.last_check is not None:
+            self.interval = now - self.last_check
+        self.last_check = now
+
+
 class _NoticeCarrier:
-    """One training forward's host-change notice, reduced right behind the first gradient bucket of its backward."""
+    """One training forward's host-change notice and cadence proposal, reduced behind its backward's first bucket."""
 
-    __slots__ = ("notice", "future", "reduced")
+    __slots__ = ("tensor", "work")
 
-    def __init__(self, notice: int) -> None:
-        self.notice = notice
-        self.future: torch.futures.Future | None = None  # the notice's allreduce, once started
-        self.reduced = 0  # the notices summed over the ranks, once it finished
+    def __init__(self, notice: int, proposal: int) -> None:
+        self.tensor = torch.tensor([notice, proposal], dtype=torch.int64)
+        self.work: Any = None  # their allreduce (a Gloo work), once started
+
+    def reduced(self, group: Any) -> tuple[int, int]:
+        """The notices and the proposals summed over the ranks: waits for the allreduce, abandonably (raises the
+        ring's error)."""
+        group.wait_work("check_host_updates", self.work)
+        notices, proposals = self.tensor.tolist()
+        return notices, proposals
 
 
 class _AbandonableGroup(dist.ProcessGroup):
     """The ring's Gloo process group as one generation's DDP sees it: a backward leaves at the driver's abandon.
 
     DDP's C++ reducer, without a communication hook, reduces each bucket with
-    this group's `allreduce` and waits on the returned work's future at the
-    end of `backward()`. Gloo's own future ends only with the operation, or
+    this group's `allreduce` and waits on the returned work's future in its
+    finalization, a final callback it queues on autograd's engine when the
+    last bucket is ready. Gloo's own future ends only with the operation, or
     at Gloo's `collective_timeout` (300 s): a rank whose ring neighbours
     survived a death (they leave the ring without closing their links to it)
-    would wait there that long. Here each allreduce runs on a future of
-    `TorchDistGroup.abandonable_future`, which fails as soon as the driver
-    abandons the generation, and the first allreduce of a backward queues a
-    final callback on autograd's engine that waits for them all and raises
-    the ring's error from `backward()`. The reducer itself is handed a
-    future that always succeeds: torch 2.13's reducer crashes the process
-    (SIGSEGV in `parseCppCommHookResult`) on a failed future of the built-in
-    reduction, and the callback runs before the reducer's own finalization,
-    which never runs after a failure (the generation's DDP is dropped).
+    would wait there that long. So the first allreduce of a backward queues a
+    final callback of ours, which runs before the reducer's: it waits for
+    the backward's allreduces abandonably (`TorchDistGroup.wait_work`, left
+    at once when the driver abandons the generation) and raises the ring's
+    error from `backward()`. After a failure the reducer's finalization never
+    runs (and the generation's DDP is dropped), which matters twice: it
+    would wait on Gloo's future without end, and torch 2.13's reducer crashes
+    the process (SIGSEGV in `parseCppCommHookResult`) on a failed future.
+    The reducer therefore gets Gloo's own work, and nothing of ours runs on
+    Gloo's thread when it ends: a Python callback there must take the GIL
+    from the training thread, and such callbacks made Gloo's thread use
+    40-70% more CPU than under plain DDP (RESULTS.md item 12). One exception
+    (`settle`): with `static_graph`, the first backward of each DDP reduces
+    every bucket from a final callback and finalizes in the same call, before
+    ours can run; for that backward the reducer gets a future that never
+    fails and ends at the abandon (`TorchDistGroup.abandonable_future`).
     Broadcasts (DDP's sync of buffers in forward) wait abandonably too.
     Anything else DDP calls (the parameter-shape check's allgather when it is
     built) goes to the Gloo group as it is.
@@ -239,13 +333,14 @@ class _AbandonableGroup(dist.ProcessGroup):
     queued on the same Gloo thread, so the check after the step finds it done.
     """
 
-    def __init__(self, group: Any, owner: Any) -> None:
+    def __init__(self, group: Any, owner: Any, settle: bool = False) -> None:
         inner = dist.distributed_c10d._get_default_group()
         super().__init__(inner.rank(), inner.size())
         self._group = group
         self._inner = inner
         self._owner = owner
-        self._pending: list[torch.futures.Future] = []  # this backward's allreduces, until its final callback
+        self._settle = settle  # hand the reducer futures of ours (a static graph's first backward: see above)
+        self._pending: list[dist.Work] = []  # this backward's allreduces, until its final callback
 
     def getBackendName(self) -> str:  # noqa: N802 - torch's name
         # not "gloo": for a known name DDP's logger asks this group for that backend's object, which it lacks
@@ -258,33 +353,34 @@ class _AbandonableGroup(dist.ProcessGroup):
 
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
         opts = dist.AllreduceOptions() if opts is None else opts
-        ring = self._group.abandonable_future(
-            "DDP's gradient allreduce", lambda: self._inner.allreduce(tensors, opts), lambda: tensors
-        )
+        what = "DDP's gradient allreduce"
+        if self._settle:
+            ring = self._group.abandonable_future(what, lambda: self._inner.allreduce(tensors, opts), lambda: tensors)
+            settled: torch.futures.Future = torch.futures.Future()
+            ring.add_done_callback(lambda _: settled.set_result(tensors))
+            work: dist.Work = _FutureWork(ring, settled)
+        else:
+            work = self._group.start(what, lambda: self._inner.allreduce(tensors, opts))
         if not self._pending:
             with contextlib.suppress(RuntimeError):  # called outside a backward (DDP's join): wait() raises
                 torch.autograd.Variable._execution_engine.queue_callback(self._raise_if_failed)
-        self._pending.append(ring)
+        self._pending.append(work)
         carrier = self._owner._carrier
-        if carrier is not None and carrier.future is None:
-            notice = torch.tensor([carrier.notice], dtype=torch.int64)
-
-            def reduced() -> torch.Tensor:
-                carrier.reduced = int(notice.item())
-                return notice
-
-            carrier.future = self._group.abandonable_future(
-                "check_host_updates", lambda: self._inner.allreduce([notice], dist.AllreduceOptions()), reduced
+        if carrier is not None and carrier.work is None:
+            carrier.work = self._group.start(
+                "check_host_updates", lambda: self._inner.allreduce([carrier.tensor], dist.AllreduceOptions())
             )
-        settled: torch.futures.Future = torch.futures.Future()
-        ring.add_done_callback(lambda _: settled.set_result(tensors))
-        return _FutureWork(ring, settled)
+        return work
 
     def _raise_if_failed(self) -> None:
         """Autograd's final callback: wait for this backward's allreduces; the ring's error leaves `backward()`."""
         pending, self._pending = self._pending, []
-        for future in pending:
-            future.wait()  # raises HorovodInternalError: the ring failed, or the driver abandoned it
+        for work in pending:
+            if isinstance(work, _FutureWork):
+                work.wait()  # raises HorovodInternalError: the ring failed, or the driver abandoned it
+            else:
+                self._group.wait_work("DDP's gradient allreduce", work)  # idem
+        self._settle = False  # a static graph's first backward is over: the reducer finalizes after us from now on
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
         opts = dist.BroadcastOptions() if opts is None else opts
@@ -303,9 +399,10 @@ class _AbandonableGroup(dist.ProcessGroup):
 class _FutureWork(dist.Work):
     """A torch `Work` over one of our futures: `wait()` raises the ring's error.
 
-    `get_future()` is what DDP's reducer waits on: for an allreduce a future
-    that never fails (see `_AbandonableGroup`); for a broadcast, waited on
-    through `wait()` in forward, the ring's future itself.
+    `get_future()` is what DDP's reducer waits on: for an allreduce of a
+    static graph's first backward a future that never fails (see
+    `_AbandonableGroup`); for a broadcast, waited on through `wait()` in
+    forward, the ring's future itself.
     """
 
     def __init__(self, ring: torch.futures.Future, settled: torch.futures.Future) -> None:
