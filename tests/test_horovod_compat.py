@@ -30,7 +30,7 @@ import ray_elastic.horovod.torch as hvd
 from ray_elastic import cli
 from ray_elastic.horovod.common import elastic as common_elastic
 from ray_elastic.horovod.common.exceptions import HorovodInternalError, HostsUpdatedInterrupt
-from ray_elastic.horovod.script import END_OF_OUTPUT, RankPrefixedStream, WorkerLinePrinter
+from ray_elastic.horovod.script import END_OF_OUTPUT, RankPrefixedStream, WorkerLinePrinter, rank_prefixed_output
 from ray_elastic.horovod.torch.ops import reduce_op
 
 CLI = os.path.join(VENV_BIN, "ray-elastic")
@@ -256,6 +256,24 @@ def test_the_launcher_waits_for_every_finishing_workers_last_lines(capsys):
     late.join()
     out, err = capsys.readouterr()
     assert out == "[0]<stdout>:last\n" and err == "[1]<stderr>:bye\n"  # the markers are not printed
+
+
+def test_only_a_script_that_ran_to_its_end_marks_the_end_of_its_output(monkeypatch):
+    """A worker that left mid-run (its host removed) must not count as one of the finishing workers."""
+    for raised in (False, True):
+        out, err = io.StringIO(), io.StringIO()
+        monkeypatch.setattr(sys, "stdout", out)
+        monkeypatch.setattr(sys, "stderr", err)
+        try:
+            with rank_prefixed_output():
+                print("working")
+                if raised:
+                    raise SystemExit(0)
+        except SystemExit:
+            pass
+        marks = [s.getvalue().count(END_OF_OUTPUT) for s in (out, err)]
+        assert marks == ([0, 0] if raised else [1, 1]), (raised, out.getvalue(), err.getvalue())
+        assert "working" in out.getvalue()
 
 
 # ---- real runs through the launcher -----------------------------------------------------------

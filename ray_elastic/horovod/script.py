@@ -150,18 +150,27 @@ def _rank_text() -> str:
 
 @contextlib.contextmanager
 def rank_prefixed_output() -> Iterator[None]:
-    """Route `sys.stdout` and `sys.stderr` through `RankPrefixedStream`s while the block runs."""
+    """Route `sys.stdout` and `sys.stderr` through `RankPrefixedStream`s while the block runs.
+
+    A block that ran to its end writes `END_OF_OUTPUT` on both streams. One
+    that raised (a worker that left the run: its host removed, or the run
+    failing) writes none: the launcher waits for the ends of the workers that
+    finished, and a worker that left earlier must not stand in for one of them.
+    """
     saved = sys.stdout, sys.stderr
     sys.stdout = RankPrefixedStream(saved[0], "stdout")
     sys.stderr = RankPrefixedStream(saved[1], "stderr")
+    finished = False
     try:
         yield
+        finished = True
     finally:
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
         sys.stdout, sys.stderr = saved
         for stream in saved:
-            stream.write(END_OF_OUTPUT + "\n")
+            if finished:
+                stream.write(END_OF_OUTPUT + "\n")
             stream.flush()
 
 
