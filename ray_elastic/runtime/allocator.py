@@ -19,7 +19,7 @@ A thread other than the main one (Ray runs `train_fn` on one) allocates
 from an arena of its own, made of heaps of at most 64 MB. The top pad
 (`M_TOP_PAD`, 64 MB here) is the free room glibc keeps when it would
 shrink or unmap one of those heaps. Measured inside Ray (`bench/throughput.py`, DDP path, 0.93M
-parameters): 100-600 page faults per step and rank in the backward, in MKL
+parameters): 30-530 page faults per step and rank in the backward, in MKL
 writing the weight gradients into fresh pages, without the pad; 2-23 with
 it. (A plain loop of allocations on a thread of a bare process did not show
 the difference, so no test holds it; the benchmark does.)
