@@ -199,6 +199,15 @@ def test_every_save_gives_a_new_commit_id_and_a_loaded_checkpoint_a_new_lineage(
     assert state.commit_id.lineage != ids[0].lineage, "a loaded checkpoint is a state no other rank holds"
 
 
+def held_copier(why_not_held: str) -> threading.Thread:
+    """The background copy of the commit a restore started, still running (held) half a second later."""
+    copiers = [t for t in threading.enumerate() if t.name == "ray_elastic-commit-copy"]
+    assert copiers, "the restore should have started a background copy"
+    copiers[0].join(timeout=0.5)
+    assert copiers[0].is_alive(), why_not_held
+    return copiers[0]
+
+
 def test_the_background_copy_of_a_restored_commit_holds_off_while_a_sync_transfers():
     """A survivor's re-copy of its commit waits for the sync's sends and receives (a newcomer's page faults)."""
     from ray_elastic.torch import broadcast
@@ -210,14 +219,11 @@ def test_the_background_copy_of_a_restored_commit_holds_off_while_a_sync_transfe
     try:
         state.restore()  # trades storages; the commit's buffers are refilled on a thread
         torch_state.release_background_copies()  # past the reset's hold: the transfer's still holds it
-        copiers = [t for t in threading.enumerate() if t.name == "ray_elastic-commit-copy"]
-        assert copiers, "the restore should have started a background copy"
-        copiers[0].join(timeout=0.5)
-        assert copiers[0].is_alive(), "the background copy ran while a transfer was in progress"
+        copier = held_copier("the background copy ran while a transfer was in progress")
     finally:
         broadcast._idle.set()
-    copiers[0].join(timeout=30)
-    assert not copiers[0].is_alive(), "the background copy did not finish after the transfer ended"
+    copier.join(timeout=30)
+    assert not copier.is_alive(), "the background copy did not finish after the transfer ended"
     assert_same(snapshot(model, opt), committed)
     train_steps(model, opt, 1)  # the step waits for the copy; the commit is whole again
     state.restore()
@@ -232,15 +238,12 @@ def test_a_restores_re_copy_of_the_commit_waits_for_the_resets_sync_and_the_comm
     train_steps(model, opt, 2)
     try:
         state.restore()  # trades storages; the commit's buffers are to be refilled on a thread
-        copiers = [t for t in threading.enumerate() if t.name == "ray_elastic-commit-copy"]
-        assert copiers, "the restore should have started a background copy"
-        copiers[0].join(timeout=0.5)
-        assert copiers[0].is_alive(), "the re-copy ran before the reset's sync returned"
+        copier = held_copier("the re-copy ran before the reset's sync returned")
         assert_same(snapshot(model, opt), committed)
     finally:
         torch_state.release_background_copies()  # what the end of the sync does
-    copiers[0].join(timeout=30)
-    assert not copiers[0].is_alive(), "the re-copy did not run once the sync returned"
+    copier.join(timeout=30)
+    assert not copier.is_alive(), "the re-copy did not run once the sync returned"
     train_steps(model, opt, 1)
     state.restore()
     assert_same(snapshot(model, opt), committed)

@@ -164,19 +164,15 @@ class TorchDistGroup(CollectiveGroup):
         with the training thread for it (RESULTS.md item 12: such callbacks
         made Gloo's thread use 40-70% more CPU than under plain DDP).
         """
-        if not self.abortable or work.is_completed():
-            work.wait()  # done: returns at once, or raises the ring's error
-            self._inflight.pop(id(work), None)
-            return
-        if self.abandoned is None:
+        if self.abortable and self.abandoned is None and not work.is_completed():
             try:
                 work.wait(_SHORT_WAIT)
             except RuntimeError:
                 pass  # not done yet (torch's "Operation timed out!"), or failed: raised again below
-            if work.is_completed():
-                self._inflight.pop(id(work), None)
-                work.wait()
-                return
+        if not self.abortable or work.is_completed():
+            work.wait()  # done: returns at once, or raises the ring's error
+            self._inflight.pop(id(work), None)
+            return
         done = threading.Event()
         finished: list[bool] = []  # the future's callback ran: the work ended (Work.is_completed() may lag it)
 
