@@ -18,6 +18,7 @@ ring by `collective_timeout`.
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 import weakref
@@ -88,7 +89,17 @@ class Membership:
         self._join_preparations.append(weakref.WeakMethod(prepare))
 
     def run_join_preparations(self) -> None:
-        """Run (once) what `add_join_preparation` registered."""
+        """Run (once) what `add_join_preparation` registered, then collect Python's garbage in full.
+
+        The collection is due anyway: a process that just imported torch and
+        built a model holds a few hundred thousand new objects, and Python's
+        collector traverses them all the next time its oldest generation
+        fills up. That came in a newcomer's sync, while every rank waited for
+        it: 0.15 s of a 0.57 s sync at 100M parameters. Collected here, during
+        the boot the survivors train through, the next full collection waits
+        until a quarter as many objects again have piled up. A process whose
+        user switched the collector off is left as it is.
+        """
         preparations, self._join_preparations = self._join_preparations, []
         for ref in preparations:
             prepare = ref()
@@ -98,6 +109,12 @@ class Membership:
                 prepare()
             except Exception as e:  # noqa: BLE001 - an optimization: the sync allocates what is missing
                 logger.warning("worker %s: preparing for the sync failed (%s); going on", self.worker_id, e)
+        if gc.isenabled():
+            started = time.perf_counter()
+            gc.collect()
+            logger.debug(
+                "worker %s: collected garbage in %.3f s before joining", self.worker_id, time.perf_counter() - started
+            )
 
     def _join(self) -> None:
         if not self._announced:

@@ -7,6 +7,11 @@ and later) makes a range present and writable inside the kernel, without the
 exception per page or the write pass of a `zero_()`. Elsewhere (another OS,
 an older kernel) `populate_range` says False and the caller touches the
 memory itself.
+
+Asking it of memory already present is not free: the kernel still looks each
+page up for writing (about 0.1 s of CPU per 1.2 GB here, a third of a
+newcomer's whole receive). `resident_range` asks `mincore` first, a read of
+the page tables that costs a few milliseconds for the same range.
 """
 
 from __future__ import annotations
@@ -21,13 +26,41 @@ _PAGE = mmap.PAGESIZE
 _probed = False
 
 _madvise = None
+_mincore = None
 if sys.platform.startswith("linux"):
     try:
-        _madvise = ctypes.CDLL(None, use_errno=True).madvise
+        _libc = ctypes.CDLL(None, use_errno=True)
+        _madvise = _libc.madvise
         _madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
         _madvise.restype = ctypes.c_int
+        _mincore = _libc.mincore
+        _mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+        _mincore.restype = ctypes.c_int
     except (OSError, AttributeError):
-        _madvise = None
+        _madvise = _mincore = None
+
+
+def _whole_pages(address: int, nbytes: int) -> tuple[int, int]:
+    """The page-aligned `[start, stop)` of the pages entirely inside `[address, address + nbytes)`."""
+    return -(-address // _PAGE) * _PAGE, (address + nbytes) // _PAGE * _PAGE
+
+
+def resident_range(address: int, nbytes: int) -> bool:
+    """Whether every whole page of `[address, address + nbytes)` is present in memory (False if unknown)."""
+    if _mincore is None:
+        return False
+    start, stop = _whole_pages(address, nbytes)
+    if stop <= start:
+        return True
+    pages = (stop - start) // _PAGE
+    vector = (ctypes.c_ubyte * pages)()
+    if _mincore(start, stop - start, vector) != 0:
+        return False
+    return _NOT_RESIDENT not in bytes(vector).translate(_LOW_BIT)
+
+
+_LOW_BIT = bytes(b & 1 for b in range(256))  # mincore's other bits are reserved
+_NOT_RESIDENT = b"\x00"
 
 
 def populate_range(address: int, nbytes: int) -> bool:
@@ -41,8 +74,7 @@ def populate_range(address: int, nbytes: int) -> bool:
     global _madvise
     if _madvise is None:
         return False
-    start = -(-address // _PAGE) * _PAGE
-    stop = (address + nbytes) // _PAGE * _PAGE
+    start, stop = _whole_pages(address, nbytes)
     if stop <= start:
         return True
     if _madvise(start, stop - start, _MADV_POPULATE_WRITE) == 0:

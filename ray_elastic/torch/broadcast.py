@@ -37,7 +37,7 @@ import torch
 from ray_elastic.collective import group
 from ray_elastic.collective.base import CollectiveGroup, CollectiveWork
 from ray_elastic.collective.checked import root_rank_in
-from ray_elastic.state.pages import can_populate, populate_range
+from ray_elastic.state.pages import can_populate, populate_range, resident_range
 from ray_elastic.state.sync_plan import Chunk, SyncPlan, order_transfers, schedule_chunks
 
 CHUNK_BYTES = 16 * 2**20
@@ -133,7 +133,9 @@ class _Toucher:
     (`ray_elastic.state.pages`), the thread runs ahead of the receives
     without holding them back: a page it has not reached yet is faulted in
     by the receive itself, so both share the faults. Elsewhere it writes
-    zeros, and each receive waits until its chunk was written.
+    zeros, and each receive waits until its chunk was written. A piece
+    already in memory (a model's initialised parameters, the optimizer state
+    a newcomer prepared during its boot) is left alone.
     """
 
     def __init__(self, chunks: list[Chunk], views: list[torch.Tensor]) -> None:
@@ -151,6 +153,8 @@ class _Toucher:
                     return
                 for p in chunk.pieces if len(chunk.pieces) == 1 else ():
                     piece = views[p.buffer][p.start : p.stop]
+                    if resident(piece):
+                        continue
                     if self.writes:
                         piece.zero_()
                     else:
@@ -170,6 +174,11 @@ class _Toucher:
         """Stop after the chunk in hand and wait for the thread (a chunk or less: bounded)."""
         self._closed = True
         self._thread.join()
+
+
+def resident(t: torch.Tensor) -> bool:
+    """Whether a contiguous CPU tensor's pages are all in memory already (False where that cannot be told)."""
+    return t.device.type == "cpu" and resident_range(t.data_ptr(), t.numel() * t.element_size())
 
 
 def populate(t: torch.Tensor) -> bool:
