@@ -6,16 +6,22 @@ parameters (width 1024, batch 1) with `TorchState` + `DistributedOptimizer`
 around Adam, committing every 2 steps. Discovery is a callable reading a JSON
 file, so the benchmark decides when a host comes. One run per size:
 
-1. Two workers on A start. Once both hold the state, they time a broadcast of
-   `min(state, 512 MB)` from rank 0 to rank 1 (three times, the best): the
-   loopback bandwidth of this machine at that moment, the ceiling for a sync.
-2. Scale-up, one newcomer: B is offered one slot; the newcomer boots and builds
-   its model while A trains, then all three reset. Measured: the reset round
-   (the driver's `reset_duration` of the `hosts_added` event), the newcomer's
-   `state.sync()` (time and GB/s against the loopback bandwidth), and the
-   survivors' pause (rank 0's longest gap between steps around it, beside its
-   median step).
-3. Failure, no newcomer: the newcomer (rank 2) SIGKILLs itself one step after
+1. Two workers on A start. Whenever the benchmark asks (always at world 2),
+   both time a broadcast of `min(state, 512 MB)` from rank 0 to rank 1
+   (three times, the best): the loopback bandwidth of this machine, the
+   ceiling for a sync. They measure it before each scale-up and once more at
+   the end.
+2. Scale-up, one newcomer, `--syncs` times (3 by default): B is offered one
+   slot; the newcomer boots and builds its model while A trains, then all
+   three reset; but the last time, B is then withdrawn again (a graceful
+   removal). Measured each time: the reset round (the driver's
+   `reset_duration` of the `hosts_added` event), the newcomer's
+   `state.sync()` (time, and GB/s against the faster of the loopback
+   measurements just before and just after it: this machine is shared, and
+   the ceiling is the figure of a quiet moment), and the survivors' pause
+   (rank 0's longest gap between steps around it, beside its median step).
+   The table gives the median of the scale-ups.
+3. Failure, no newcomer: the last newcomer (rank 2) SIGKILLs itself one step after
    a commit; B is then cooling down, so the two survivors go on alone.
    Measured: the reset round (`worker_failed`'s `reset_duration`),
    SIGKILL-to-next-step (the kill's time, written by the killed process, to
@@ -31,7 +37,7 @@ said so.
 Prints a table and writes bench/results/state_size.json (or `--out NAME`).
 Reports, never asserts.
 
-    .venv/bin/python bench/state_size.py [--sizes 10,100,300] [--out state_size]
+    .venv/bin/python bench/state_size.py [--sizes 10,100,300] [--syncs 3] [--out state_size]
 """
 
 from __future__ import annotations
@@ -118,11 +124,11 @@ def train_fn(config: dict) -> int:
     base_rss = psutil.Process().memory_info().rss
     model = make_model(config["params_m"])
     opt = elastic.torch.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-4))
-    state = elastic.torch.TorchState(model=model, optimizer=opt, step=0)
+    # measured: the benchmark's last bandwidth request carried out (a newcomer receives it with the state)
+    state = elastic.torch.TorchState(model=model, optimizer=opt, step=0, measured=0)
     n_params = sum(p.numel() for p in model.parameters())
     state_bytes = 3 * 4 * n_params  # float32 parameters and Adam's two moments
     bytes_per_s = copy_speed()
-    measured_bw = []
     first_step_at_3: dict[int, int] = {}
 
     def timed_sync(sync=state.sync) -> None:
@@ -146,21 +152,24 @@ def train_fn(config: dict) -> int:
     state.sync = timed_sync  # the run loop calls state.sync(): time it as the newcomer sees it
     state.restore = timed_restore  # and state.restore(): when the survivors noticed the failure
 
+    def measure_bandwidth(request: int) -> None:
+        buf = torch.zeros(min(state_bytes, 512 * 2**20) // 4)
+        elastic.broadcast_(buf, 0)  # connections and pages first
+        best = min(_timed(lambda: elastic.broadcast_(buf, 0)) for _ in range(3))
+        if elastic.rank() == 0:
+            log(workdir, kind="bandwidth", request=request, bytes_per_s=buf.numel() * 4 / best, size=elastic.size())
+
     @elastic.run
     def train(state) -> int:
-        if elastic.size() == 2 and not measured_bw:
-            buf = torch.zeros(min(state_bytes, 512 * 2**20) // 4)
-            elastic.broadcast_(buf, 0)  # connections and pages first
-            best = min(_timed(lambda: elastic.broadcast_(buf, 0)) for _ in range(3))
-            measured_bw.append(buf.numel() * 4 / best)
-            if elastic.rank() == 0:
-                log(workdir, kind="bandwidth", bytes_per_s=measured_bw[0], message_bytes=buf.numel() * 4)
-            del buf
         gen = torch.Generator().manual_seed(elastic.rank())
         while state.step < config["max_steps"]:
-            # every rank leaves at the same step: agree on the stop file
-            if elastic.allreduce(int(os.path.exists(config["stop"])), op="max"):
+            # every rank leaves, and measures the loopback bandwidth, at the same step: agree on the files
+            agreed = elastic.allreduce(2 * read_int(config["measure"]) + os.path.exists(config["stop"]), op="max")
+            if agreed % 2:
                 break
+            if agreed // 2 > state.measured:
+                measure_bandwidth(agreed // 2)
+                state.measured = agreed // 2
             x = torch.randn(1, WIDTH, generator=gen)
             began, cpu_began = time.time(), cpu_s()
             copying = any(t.name == "ray_elastic-commit-copy" for t in threading.enumerate())
@@ -176,7 +185,8 @@ def train_fn(config: dict) -> int:
                     copying_at_start=copying)  # fmt: skip
             elastic.report({"step": state.step, "world_size": elastic.size()})
             if elastic.rank() == 0:
-                Path(config["progress"]).write_text(json.dumps({"step": state.step, "world_size": elastic.size()}))
+                progress = {"step": state.step, "world_size": elastic.size(), "measured": state.measured}
+                Path(config["progress"]).write_text(json.dumps(progress))
             if elastic.rank() == 2 and os.path.exists(config["kill"]) and state.step % COMMIT_EVERY == 1:
                 Path(config["killed"]).write_text(json.dumps({"time": time.time(), "step": state.step}))
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -197,6 +207,13 @@ def train_fn(config: dict) -> int:
         return state.step
 
     return train(state)
+
+
+def read_int(path: str) -> int:
+    try:
+        return int(Path(path).read_text())
+    except (FileNotFoundError, ValueError):
+        return 0
 
 
 def read_logs(workdir: str) -> list[dict]:
@@ -242,11 +259,11 @@ def pause_breakdown(logs: list[dict], last_at_2: float, killed: float) -> dict[s
     return dict(sorted(marks.items()))
 
 
-def one_size(params_m: int, node_a: str, node_b: str, workdir: str) -> dict:
+def one_size(params_m: int, node_a: str, node_b: str, workdir: str, scale_ups: int) -> dict:
     workdir = os.path.join(workdir, f"{params_m}m")
     os.makedirs(workdir)
     hosts = os.path.join(workdir, "hosts.json")
-    paths = {k: os.path.join(workdir, k) for k in ("progress", "stop", "kill", "killed")}
+    paths = {k: os.path.join(workdir, k) for k in ("progress", "stop", "kill", "killed", "measure")}
     Path(hosts).write_text(json.dumps({node_a: 2}))
     trainer = elastic.ElasticTrainer(
         train_fn,
@@ -261,24 +278,39 @@ def one_size(params_m: int, node_a: str, node_b: str, workdir: str) -> dict:
     box: dict = {}
     runner = threading.Thread(target=lambda: box.setdefault("result", trainer.fit()))
     runner.start()
+
+    def measure(request: int) -> None:
+        Path(paths["measure"]).write_text(str(request))
+        wait_progress(paths["progress"], f"bandwidth measurement {request}", lambda p: p["measured"] >= request)
+
     try:
         wait_progress(paths["progress"], "two workers training", lambda p: p["step"] >= 3)
-        Path(hosts).write_text(json.dumps({node_a: 2, node_b: 1}))
-        seen = wait_progress(paths["progress"], "the newcomer to join", lambda p: p["world_size"] == 3)
-        wait_progress(paths["progress"], "steps at 3", lambda p, s=seen["step"]: p["step"] >= s + 3)
+        for k in range(scale_ups):
+            measure(k + 1)
+            Path(hosts).write_text(json.dumps({node_a: 2, node_b: 1}))
+            seen = wait_progress(paths["progress"], f"newcomer {k + 1} to join", lambda p: p["world_size"] == 3)
+            wait_progress(paths["progress"], "steps at 3", lambda p, s=seen["step"]: p["step"] >= s + 3)
+            if k < scale_ups - 1:  # B withdrawn: a graceful removal, then B is offered again
+                Path(hosts).write_text(json.dumps({node_a: 2}))
+                seen = wait_progress(paths["progress"], "the removal", lambda p: p["world_size"] == 2)
+                wait_progress(paths["progress"], "steps at 2", lambda p, s=seen["step"]: p["step"] >= s + 2)
         Path(paths["kill"]).touch()
         seen = wait_progress(paths["progress"], "the survivors after the kill", lambda p: p["world_size"] == 2)
         wait_progress(paths["progress"], "steps at 2 again", lambda p, s=seen["step"]: p["step"] >= s + 2)
+        measure(scale_ups + 1)
     finally:
         Path(paths["stop"]).touch()
         runner.join(300)
     result = box["result"]
     logs = read_logs(workdir)
     times, metrics = result.metric_times, result.metrics
-    ev_up = next(e for e in result.events if e.kind == "hosts_added")
+    ev_up = [e for e in result.events if e.kind == "hosts_added"]
     ev_fail = next(e for e in result.events if e.kind == "worker_failed")
     killed = json.loads(Path(paths["killed"]).read_text())
-    first3 = next(i for i, m in enumerate(metrics) if m["world_size"] == 3)
+    # each scale-up: the index of the first step at world 3 after one at world 2
+    ups = [i for i in range(1, len(metrics)) if metrics[i]["world_size"] == 3 and metrics[i - 1]["world_size"] == 2]
+    first3 = ups[0]
+    first_removal = next((times[i] for i in range(first3, len(metrics)) if metrics[i]["world_size"] == 2), None)
     after_kill = next(i for i, t in enumerate(times) if t > killed["time"] and metrics[i]["world_size"] == 2)
     steps2 = [b - a for a, b in zip(times[1:first3], times[2:first3], strict=False)]
     steps3 = [
@@ -289,32 +321,54 @@ def one_size(params_m: int, node_a: str, node_b: str, workdir: str) -> dict:
     restores = [r for r in logs if r["kind"] == "restore" and r["began"] > killed["time"]]
     synced = max(r["time"] for r in logs if r["kind"] == "sync" and r["time"] > killed["time"] and r["size"] == 2)
     syncs = [r for r in logs if r["kind"] == "sync"]
-    newcomer_sync = next(r for r in syncs if r["size"] == 3 and r["rank"] == 2)
+    # each newcomer's first sync, in order (one process per scale-up)
+    newcomer_syncs = sorted(
+        (next(r for r in syncs if r["pid"] == pid and r["size"] == 3 and r["rank"] == 2) for pid in
+         {r["pid"] for r in syncs if r["size"] == 3 and r["rank"] == 2}),
+        key=lambda r: r["time"],
+    )  # fmt: skip
     commits = [r for r in logs if r["kind"] == "commit"]
     state_bytes = commits[0]["state_bytes"]
-    bw = next(r for r in logs if r["kind"] == "bandwidth")["bytes_per_s"]
-    newcomer_bps = state_bytes / newcomer_sync["sync_s"]
+    bandwidths = [
+        r["bytes_per_s"] for r in sorted((r for r in logs if r["kind"] == "bandwidth"), key=lambda r: r["request"])
+    ]
+    # scale-up k's ceiling: the faster of the measurements just before and just after it
+    ceilings = [max(bandwidths[k], bandwidths[k + 1]) for k in range(len(newcomer_syncs))]
+    over = [state_bytes / r["sync_s"] / bw for r, bw in zip(newcomer_syncs, ceilings, strict=True)]
     # from the agreement on: the transfer itself, without the wait for the survivors to reach their sync
-    transfer_s = newcomer_sync["sync_s"] - newcomer_sync["agreed_s"]
-    holders_sync = [r for r in syncs if r["size"] == 3 and r["rank"] != 2 and r["time"] < killed["time"]]
+    transfer_over = [
+        state_bytes / (r["sync_s"] - r["agreed_s"]) / bw for r, bw in zip(newcomer_syncs, ceilings, strict=True)
+    ]
+    median_k = sorted(range(len(over)), key=over.__getitem__)[len(over) // 2]  # the median scale-up
+    newcomer_sync = newcomer_syncs[median_k]
+    holders_sync = [
+        r for r in syncs if r["size"] == 3 and r["rank"] != 2 and abs(r["time"] - newcomer_sync["time"]) < 5
+    ]
     by_pid: dict[int, float] = {}
     for r in commits:
         by_pid[r["pid"]] = max(by_pid.get(r["pid"], 0.0), r["peak_over_state"])
     return {
         "params_m": params_m,
         "state_gb": state_bytes / GB,
-        "loopback_broadcast_gbps": bw / GB,
-        "up_reset_s": ev_up.reset_duration,
+        # the figures of the median scale-up (by the newcomer's share of the loopback), then every one's
+        "loopback_broadcast_gbps": ceilings[median_k] / GB,
+        "loopback_broadcast_gbps_each": [b / GB for b in bandwidths],
+        "up_reset_s": ev_up[median_k].reset_duration,
+        "up_reset_s_each": [e.reset_duration for e in ev_up],
         "up_newcomer_sync_s": newcomer_sync["sync_s"],
-        "up_newcomer_gbps": newcomer_bps / GB,
-        "up_newcomer_over_loopback": newcomer_bps / bw,
+        "up_newcomer_sync_s_each": [r["sync_s"] for r in newcomer_syncs],
+        "up_newcomer_gbps": state_bytes / newcomer_sync["sync_s"] / GB,
+        "up_newcomer_over_loopback": over[median_k],
+        "up_newcomer_over_loopback_each": over,
         "up_newcomer_agreed_s": newcomer_sync["agreed_s"],
-        "up_newcomer_transfer_over_loopback": state_bytes / transfer_s / bw,
+        "up_newcomer_transfer_over_loopback": transfer_over[median_k],
         "up_newcomer_cpu_s": newcomer_sync["cpu_s"],
         "up_holders_sync_s": [r["sync_s"] for r in holders_sync],
         "up_holders_cpu_s": [r["cpu_s"] for r in holders_sync],
-        "up_survivor_pause_s": times[first3] - times[first3 - 1],
-        "up_pause_breakdown": pause_breakdown(logs, times[first3 - 1], killed["time"]),
+        "up_survivor_pause_s": statistics.median(times[i] - times[i - 1] for i in ups),
+        "up_survivor_pause_s_each": [times[i] - times[i - 1] for i in ups],
+        # the first scale-up's
+        "up_pause_breakdown": pause_breakdown(logs, times[first3 - 1], first_removal or killed["time"]),
         "step_s_at_2": statistics.median(steps2) if steps2 else None,
         "step_s_at_3": statistics.median(steps3) if steps3 else None,
         "fail_reset_s": ev_fail.reset_duration,
@@ -334,6 +388,7 @@ def one_size(params_m: int, node_a: str, node_b: str, workdir: str) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="10,100,300", help="millions of model parameters")
+    parser.add_argument("--syncs", type=int, default=3, help="scale-ups (newcomers) per size; the median is shown")
     parser.add_argument("--out", default="state_size", help="results file name under bench/results/")
     args = parser.parse_args()
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, **own_dashboard()})
@@ -351,12 +406,13 @@ def main() -> None:
                     print(note, flush=True)
                     skipped.append(note)
                     continue
-                row = one_size(size, node_a.node_id, node_b.node_id, workdir)
+                row = one_size(size, node_a.node_id, node_b.node_id, workdir, args.syncs)
                 rows.append(row)
                 print(
                     f"{size}M ({row['state_gb']:.2f} GB): failure reset {row['fail_reset_s']:.3f} s, kill->next step "
                     f"{row['fail_kill_to_next_step_s']:.3f} s; scale-up reset {row['up_reset_s']:.3f} s, newcomer "
-                    f"sync {row['up_newcomer_sync_s']:.3f} s ({row['up_newcomer_over_loopback']:.0%} of loopback)",
+                    f"sync {row['up_newcomer_sync_s']:.3f} s ({row['up_newcomer_over_loopback']:.0%} of loopback; "
+                    f"each scale-up: {', '.join(f'{x:.0%}' for x in row['up_newcomer_over_loopback_each'])})",
                     flush=True,
                 )
     finally:
@@ -390,7 +446,9 @@ def main() -> None:
         )
     for note in skipped:
         print(note)
-    write_results(args.out, rows, sizes=args.sizes, skipped=skipped, commit_every=COMMIT_EVERY, width=WIDTH)
+    write_results(
+        args.out, rows, sizes=args.sizes, syncs=args.syncs, skipped=skipped, commit_every=COMMIT_EVERY, width=WIDTH
+    )
 
 
 if __name__ == "__main__":

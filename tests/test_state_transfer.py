@@ -108,10 +108,31 @@ def one_scenario(rank: int, scenario: str) -> tuple:
         model[0].weight.data.fill_(1.0)
         state = TorchState(model=model, optimizer=torch.optim.Adam(model.parameters(), lr=0.5), epoch=0)
         opt = state.optimizer
+    held_at_the_end = holds_at_the_last_allreduce(state)
     state.sync()
     report = state.last_sync
+    synced = digest(model, opt)
+    state.restore()  # the commit is what this rank synced: its background copy ran, whole, after the sync
+    if digest(model, opt) != synced:
+        synced = "the commit differs from the synced state"
     objects = sync_objects(lockstep)
-    return digest(model, opt), state.epoch, report.receivers, report.received_bytes, objects
+    return synced, state.epoch, report.receivers, report.received_bytes, objects, held_at_the_end
+
+
+def holds_at_the_last_allreduce(state) -> list[bool]:
+    """Records, at the sync's last allreduce, whether this process's commit copies were held off."""
+    from ray_elastic.runtime.process import current
+    from ray_elastic.torch import state as torch_state
+
+    ring, seen = current().group, []
+    max_int = ring.max_int
+
+    def recording(value: int) -> int:
+        seen.append(torch_state._resetting)
+        return max_int(value)
+
+    ring.max_int = recording
+    return seen
 
 
 def sync_objects(lockstep: bool) -> tuple:
@@ -176,6 +197,7 @@ def test_sync_moves_state_only_to_the_ranks_that_lack_rank0s_commit():
     assert all(results[s, r][4] == (5, [1, 2, 3], ()) for s, r in results if s == "failure"), results
     assert all(results[s, r][4] == (5, [1, 2, 3], (2,)) for s, r in results if s == "newcomer"), "ObjectState too"
     assert results["newcomer", 2][1] == 3, "the newcomer took rank 0's plain values (epoch)"
+    assert results["newcomer", 2][5] == [True], "the newcomer's commit copy waits until every rank has received"
     params = 300 * 200 + 200 + 200 * 3 + 3 + 3 * 5 + 5
     assert results["newcomer", 2][3] >= 3 * 4 * params, "the newcomer received the model and both Adam moments"
 
