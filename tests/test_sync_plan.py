@@ -81,3 +81,47 @@ def test_transfers_interleave_senders_and_reach_every_receiver():
     assert len(order) == len(chunks) * 2
     assert [s for _, s, _ in order[:4]] == [0, 0, 1, 1]  # first chunk of each sender early
     assert {(i, r) for i, _, r in order} == {(i, r) for i in range(len(chunks)) for r in (2, 3)}
+
+
+class RecordingRing:
+    """A receiving rank's ring that only counts: the bytes posted and not yet waited for (no transport)."""
+
+    point_to_point = True
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.outstanding = 0
+        self.most = 0
+        self.posted = 0
+
+    def recv_async(self, value, src):
+        from ray_elastic.collective.base import CollectiveWork
+
+        nbytes = value.numel() * value.element_size()
+        self.outstanding += nbytes
+        self.most = max(self.most, self.outstanding)
+        self.posted += 1
+
+        def done() -> None:
+            self.outstanding -= nbytes
+
+        return CollectiveWork("receive", done)
+
+    send_async = recv_async
+
+
+@pytest.mark.parametrize("tensor_mb", [1, 4, 16])
+def test_a_transfer_keeps_at_most_window_times_chunk_bytes_in_flight_whatever_the_tensors_sizes(tensor_mb):
+    """The bound is in bytes: 1 MB tensors get 16 chunks in flight, not 4 (the ranks waited on wake-ups)."""
+    import torch
+
+    from ray_elastic.state.sync_plan import SyncPlan
+    from ray_elastic.torch import broadcast
+
+    tensors = [torch.zeros(tensor_mb * 2**18) for _ in range(24)]  # float32: tensor_mb MB each
+    ring = RecordingRing(rank=2)
+    plan = SyncPlan(2, holders=(0, 1), receivers=(2,))
+    received = broadcast.send_tensors_(ring, plan, tensors, chunk_bytes=4 * 2**20, window=4)
+    assert received == 24 * tensor_mb * 2**20 and ring.outstanding == 0
+    assert ring.most <= 4 * 4 * 2**20, "more than window * chunk_bytes in flight"
+    assert ring.most == 4 * 4 * 2**20, "the window is filled: as many chunks in flight as fit in it"
