@@ -385,6 +385,14 @@ def one_size(params_m: int, node_a: str, node_b: str, workdir: str, scale_ups: i
     }
 
 
+def memory_available(need: float, timeout: float = 60.0) -> float:
+    """The memory available, once it reaches `need` or `timeout` passed (the last size's workers exit slowly)."""
+    deadline = time.monotonic() + timeout
+    while (available := psutil.virtual_memory().available) < need and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return available
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="10,100,300", help="millions of model parameters")
@@ -400,7 +408,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as workdir:
             for size in [int(s) for s in args.sizes.split(",")]:
                 need = 3 * COPIES_PER_WORKER * 12 * size * 1e6
-                available = psutil.virtual_memory().available
+                available = memory_available(need)
                 if need > available:
                     note = f"{size}M: skipped, 3 workers need ~{need / GB:.1f} GB, {available / GB:.1f} GB available"
                     print(note, flush=True)
