@@ -13,8 +13,8 @@ file, so the benchmark decides when a host comes. One run per size:
    the end.
 2. Scale-up, one newcomer, `--syncs` times (3 by default): B is offered one
    slot; the newcomer boots and builds its model while A trains, then all
-   three reset; but the last time, B is then withdrawn again (a graceful
-   removal). Measured each time: the reset round (the driver's
+   three reset; each time but the last, B is then withdrawn again (a
+   graceful removal). Measured each time: the reset round (the driver's
    `reset_duration` of the `hosts_added` event), the newcomer's
    `state.sync()` (time, and GB/s against the faster of the loopback
    measurements just before and just after it: this machine is shared, and
@@ -322,11 +322,11 @@ def one_size(params_m: int, node_a: str, node_b: str, workdir: str, scale_ups: i
     synced = max(r["time"] for r in logs if r["kind"] == "sync" and r["time"] > killed["time"] and r["size"] == 2)
     syncs = [r for r in logs if r["kind"] == "sync"]
     # each newcomer's first sync, in order (one process per scale-up)
-    newcomer_syncs = sorted(
-        (next(r for r in syncs if r["pid"] == pid and r["size"] == 3 and r["rank"] == 2) for pid in
-         {r["pid"] for r in syncs if r["size"] == 3 and r["rank"] == 2}),
-        key=lambda r: r["time"],
-    )  # fmt: skip
+    firsts: dict[int, dict] = {}
+    for r in sorted(syncs, key=lambda r: r["time"]):
+        if r["size"] == 3 and r["rank"] == 2:
+            firsts.setdefault(r["pid"], r)
+    newcomer_syncs = list(firsts.values())
     commits = [r for r in logs if r["kind"] == "commit"]
     state_bytes = commits[0]["state_bytes"]
     bandwidths = [

@@ -92,7 +92,6 @@ class RecordingRing:
         self.rank = rank
         self.outstanding = 0
         self.most = 0
-        self.posted = 0
 
     def recv_async(self, value, src):
         from ray_elastic.collective.base import CollectiveWork
@@ -100,7 +99,6 @@ class RecordingRing:
         nbytes = value.numel() * value.element_size()
         self.outstanding += nbytes
         self.most = max(self.most, self.outstanding)
-        self.posted += 1
 
         def done() -> None:
             self.outstanding -= nbytes
