@@ -287,20 +287,25 @@ def test_a_train_fn_without_prepare_model_is_not_refused_for_it():
     assert "prepare_model" not in str(info.value)
 
 
-def test_ddp_over_the_abandonable_group_averages_bitwise_as_over_gloo_at_world_3(tmp_path):
-    """Without Ray: 3 torch processes over our Gloo ring; a world that is no power of 2 shows any rounding apart.
+@pytest.mark.parametrize("world", [2, 3])
+def test_ddp_over_the_abandonable_group_averages_as_over_gloo(tmp_path, world):
+    """Without Ray: torch processes over our Gloo ring; at world 3 (no power of 2) any rounding shows.
 
     For DDP's plain reduction, `static_graph` and `find_unused_parameters`,
-    with BatchNorm buffers DDP broadcasts at every forward: gradients and
-    parameters bitwise as over Gloo's own group, and the host-change notice
-    reduced behind each backward's first allreduce.
+    with BatchNorm buffers DDP broadcasts at every forward. Over Gloo
+    (`ours_gloo`): gradients and parameters bitwise as over Gloo's own group.
+    Through shared memory (`ours`, these ranks share a machine): every rank
+    bitwise equal, bitwise DDP's at world 2 (a sum of two is the same in
+    any order) and within float rounding of it at world 3 (rank order, not
+    ring order). Both carry the host-change notice behind each backward's
+    first allreduce.
     """
     import torch.multiprocessing as mp
     from ddp_group_ranks import OPTIONS, grads_of_both
 
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=grads_of_both, args=(r, 3, str(tmp_path), out)) for r in range(3)]
+    procs = [ctx.Process(target=grads_of_both, args=(r, world, str(tmp_path), out)) for r in range(world)]
     for p in procs:
         p.start()
     try:
@@ -312,11 +317,22 @@ def test_ddp_over_the_abandonable_group_averages_bitwise_as_over_gloo_at_world_3
                 p.kill()
     for option in OPTIONS:
         for f in found:
-            ddp, ours = f[option]["ddp"], f[option]["ours"]
-            assert ours["grads"] == ddp["grads"], f"{option}: DDP's average over our group differs from over Gloo"
-            assert ours["params"] == ddp["params"], f"{option}: parameters after 3 steps differ from over Gloo"
-            assert ours["notices"] == [1, 1, 1], f"{option}: one rank's notice per step, summed: {ours['notices']}"
-        assert len({f[option]["ours"]["grads"] for f in found}) == 1, f"{option}: ranks hold different gradients"
+            ddp, ours, over_gloo = f[option]["ddp"], f[option]["ours"], f[option]["ours_gloo"]
+            assert ours["shared"], f"{option}: ranks on one machine did not sum through shared memory"
+            assert not over_gloo["shared"]
+            assert over_gloo["grads"] == ddp["grads"], f"{option}: DDP's average over our group differs from Gloo's"
+            assert over_gloo["params"] == ddp["params"], f"{option}: parameters after 3 steps differ from Gloo's"
+            if world == 2:
+                assert ours["grads"] == ddp["grads"], f"{option}: a shared-memory sum of 2 differs from Gloo's"
+                assert ours["params"] == ddp["params"], f"{option}: parameters after 3 steps differ from Gloo's"
+            for mine, theirs in zip(ours["grad_tensors"], ddp["grad_tensors"], strict=True):
+                torch.testing.assert_close(torch.from_numpy(mine), torch.from_numpy(theirs), rtol=1e-5, atol=1e-7)
+            held = [int(step < world) for step in range(3)]  # rank `step` holds a notice at step `step`
+            for variant in (ours, over_gloo):
+                assert variant["notices"] == held, f"{option}: the ranks' notices, summed: {variant['notices']}"
+        for variant in ("ours", "ours_gloo"):
+            assert len({f[option][variant]["grads"] for f in found}) == 1, f"{option}/{variant}: ranks differ"
+            assert len({f[option][variant]["params"] for f in found}) == 1, f"{option}/{variant}: ranks differ"
 
 
 def test_every_rank_skips_the_same_checks_between_agreements_on_a_host_change(monkeypatch):

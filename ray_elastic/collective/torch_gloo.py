@@ -3,6 +3,8 @@
 A `TorchDistGroup` running Gloo: values stay where they are (numpy arrays
 and CPU tensors are reduced in place, without a copy). Gloo reduces with a
 bitwise or, so `bitwise_or_` is one allreduce instead of a gather.
+`shared_ring()` is the generation's shared-memory allreduce when all its
+ranks run on one machine (`ray_elastic.collective.shm`), built on first use.
 """
 
 from __future__ import annotations
@@ -11,7 +13,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ray_elastic.collective.shm import SharedRing
 from ray_elastic.collective.torch_dist import TorchDistGroup
+
+_UNBUILT = object()
 
 
 class TorchGlooGroup(TorchDistGroup):
@@ -20,6 +25,22 @@ class TorchGlooGroup(TorchDistGroup):
     name = "gloo"
     backend = "gloo"
     abortable = True
+    _shared: SharedRing | None | object = _UNBUILT
+
+    def shared_ring(self) -> SharedRing | None:
+        """This generation's shared-memory allreduce, or None where the ranks do not share a machine.
+
+        Built on the first call, which every rank makes at the same point (two collectives).
+        """
+        if self._shared is _UNBUILT:
+            self._shared = SharedRing.build(self, self._timeout_s)
+        return self._shared  # type: ignore[return-value]
+
+    def close(self) -> None:
+        shared, self._shared = self._shared, None
+        if isinstance(shared, SharedRing):
+            shared.close()
+        super().close()
 
     def bitwise_or_(self, value: np.ndarray) -> np.ndarray:
         if self.size == 1:

@@ -64,6 +64,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ray_elastic.collective.base import Max
 from ray_elastic.collective.factory import TORCH_BACKENDS
+from ray_elastic.collective.shm import can_reduce
 from ray_elastic.exceptions import HorovodInternalError
 from ray_elastic.runtime.process import collective_activity, current
 
@@ -123,9 +124,9 @@ class ElasticDDP(torch.nn.Module):
         # TorchState's sync already broadcast rank 0's parameters in this generation: skip DDP's second copy
         synced = ctx.membership.synced_generation == ctx.generation
         kwargs = dict(self._ddp_kwargs)
-        if getattr(ctx.group, "abortable", False):
-            kwargs["process_group"] = _AbandonableGroup(ctx.group, self, settle=bool(kwargs.get("static_graph")))
         try:
+            if getattr(ctx.group, "abortable", False):
+                kwargs["process_group"] = _AbandonableGroup(ctx.group, self, settle=bool(kwargs.get("static_graph")))
             return DistributedDataParallel(self.module, init_sync=not synced, **kwargs)
         except Exception as e:
             raise _as_ring_error(e, ctx, "building DistributedDataParallel") from e
@@ -341,6 +342,8 @@ class _AbandonableGroup(dist.ProcessGroup):
         self._owner = owner
         self._settle = settle  # hand the reducer futures of ours (a static graph's first backward: see above)
         self._pending: list[dist.Work] = []  # this backward's allreduces, until its final callback
+        # the ranks share one machine: gradient sums go through shared memory instead of Gloo (see shm.py)
+        self._shared = group.shared_ring() if hasattr(group, "shared_ring") else None
 
     def getBackendName(self) -> str:  # noqa: N802 - torch's name
         # not "gloo": for a known name DDP's logger asks this group for that backend's object, which it lacks
@@ -354,7 +357,9 @@ class _AbandonableGroup(dist.ProcessGroup):
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
         opts = dist.AllreduceOptions() if opts is None else opts
         what = "DDP's gradient allreduce"
-        if self._settle:
+        if self._shared is not None and can_reduce(tensors, opts.reduceOp == dist.ReduceOp.SUM):
+            work = self._reduce_shared(tensors)
+        elif self._settle:
             ring = self._group.abandonable_future(what, lambda: self._inner.allreduce(tensors, opts), lambda: tensors)
             settled: torch.futures.Future = torch.futures.Future()
             ring.add_done_callback(lambda _: settled.set_result(tensors))
@@ -371,6 +376,18 @@ class _AbandonableGroup(dist.ProcessGroup):
                 "check_host_updates", lambda: self._inner.allreduce([carrier.tensor], dist.AllreduceOptions())
             )
         return work
+
+    def _reduce_shared(self, tensors: list[torch.Tensor]) -> dist.Work:
+        """Sum the bucket through shared memory now; a failure is raised by `_raise_if_failed`, not to the reducer."""
+        reduced: torch.futures.Future = torch.futures.Future()
+        reduced.set_result(tensors)  # what the reducer waits on never fails (torch 2.13 crashes on that)
+        ring = reduced
+        try:
+            self._shared.allreduce_sum_(tensors[0])
+        except HorovodInternalError as e:
+            ring = torch.futures.Future()
+            ring.set_exception(e)
+        return _FutureWork(ring, reduced)
 
     def _raise_if_failed(self) -> None:
         """Autograd's final callback: wait for this backward's allreduces; the ring's error leaves `backward()`."""
