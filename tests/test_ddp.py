@@ -1,12 +1,15 @@
 """`elastic.torch.prepare_model`: torch's DistributedDataParallel on the elastic ring.
 
-On the session's cluster (2 nodes x 2 CPUs): one run of digits with a DDP
-model at world 4 lives through a SIGKILL of rank 3 before its backward
-(rank 1, no ring neighbour of it, must leave DDP's reducer at the driver's
-abandon, not at Gloo's 300 s timeout), the replacement's scale-up back to 4
-and a graceful removal of a host down to 2, and the ranks must hold bitwise-equal state after
-every sync and train every sample exactly once per epoch (the soak's ledger
-check). A second run checks DDP's semantics in real workers: gradients
+On the session's cluster (2 nodes x 2 CPUs): a run of digits with a DDP
+model at world 4 lives through a SIGKILL of rank 3 before its backward, the
+replacement's scale-up back to 4 and a graceful removal of a host down to
+2, and the ranks must hold bitwise-equal state after every sync and train
+every sample exactly once per epoch (the soak's ledger check). It runs
+twice: with the gradient sums in shared memory (the nodes share this
+machine), and over Gloo, as on several machines (there rank 1, no ring
+neighbour of rank 3, must leave DDP's reducer at the driver's abandon, not
+at Gloo's 300 s timeout). Without Ray, the reduction is checked against
+plain DDP's at world 2 and 3. A second run checks DDP's semantics in real workers: gradients
 averaged as DDP averages them, `no_sync()` accumulation, options passed
 through, no collective of its own for `check_host_updates()` after a step,
 and a user's exception still failing the run. Without Ray: pygloo is refused
@@ -31,6 +34,7 @@ from workloads import FileDiscovery, _fire_faults
 
 import ray_elastic as elastic
 from ray_elastic import ElasticTrainer, TrainingFailedError
+from ray_elastic.collective.shm import ENV_SWITCH as SHM_SWITCH
 from ray_elastic.trainer import refers_to
 from ray_elastic.worker_context import current
 
@@ -45,6 +49,8 @@ def ledger_train_fn(config: dict) -> dict:
     """Digits with a DDP model; every rank writes what it trained (the soak's ledger) and rank 0 its progress."""
     torch.set_num_threads(1)
     torch.manual_seed(0)
+    if config.get("gloo"):  # as on ranks of several machines: no shared-memory sums
+        os.environ[SHM_SWITCH] = "0"
     x_train, y_train, _, _ = digits.load_data(0)
     dataset = torch.utils.data.TensorDataset(x_train, y_train, torch.arange(len(y_train)))
     model = elastic.torch.prepare_model(digits.make_model())
@@ -94,6 +100,7 @@ def ledger_train_fn(config: dict) -> dict:
             "n": len(y_train),
             "sync_checks": sync_checks,
             "digests": elastic.allgather_object(digits.state_digest(model.module, opt)),
+            "shared": elastic.allgather_object(model.ddp.process_group._shared is not None),
         }
 
     return train(state)
@@ -113,7 +120,13 @@ def fit_in_thread(trainer: ElasticTrainer) -> Future:
 
 
 @pytest.mark.integration
-def test_ddp_through_sigkill_scale_up_and_graceful_removal_exactly_once_and_equal(cluster, no_leaks, tmp_path):
+@pytest.mark.parametrize("reduction", ["shared memory", "gloo"])
+def test_ddp_through_sigkill_scale_up_and_graceful_removal_exactly_once_and_equal(
+    cluster, no_leaks, tmp_path, reduction
+):
+    """The session's workers share one machine: their sums go through shared memory unless the run says Gloo
+    (as ranks on several machines do), where rank 1, no ring neighbour of rank 3, leaves DDP's reducer at the
+    driver's abandon."""
     hosts_file = tmp_path / "hosts.json"
     first, second = (n.node_id for n in cluster.worker_nodes_at_start)
     hosts_file.write_text(json.dumps({first: 2, second: 2}))
@@ -127,6 +140,7 @@ def test_ddp_through_sigkill_scale_up_and_graceful_removal_exactly_once_and_equa
         "faults": [
             {"rank": 3, "step": 12, "phase": "backward", "action": "sigkill", "marker": str(tmp_path / "killed")}
         ],
+        "gloo": reduction == "gloo",
     }
     fut = fit_in_thread(
         ElasticTrainer(
@@ -151,7 +165,6 @@ def test_ddp_through_sigkill_scale_up_and_graceful_removal_exactly_once_and_equa
         return check
 
     wait_until((tmp_path / "killed").exists, 60, "rank 3 to be SIGKILLed")
-    # the three survivors train on: rank 1 (no ring neighbour of rank 3) left DDP's reducer at the abandon
     wait_until(world_at_least(13, 3), 60, "the survivors' first step at world 3")
     wait_until(world_at_least(13, 4), 90, "the replacement's scale-up back to 4 workers")
     hosts_file.write_text(json.dumps({first: 2}))
@@ -165,6 +178,7 @@ def test_ddp_through_sigkill_scale_up_and_graceful_removal_exactly_once_and_equa
     assert failed.world_size == 3 and failed.reset_duration is not None and failed.reset_duration < 10, failed
     assert max(e.world_size for e in result.events) == 4
     value = result.return_value
+    assert value["shared"] == [reduction == "shared memory"] * 2, f"{reduction} expected, got {value['shared']}"
     assert len(set(value["digests"])) == 1, "ranks ended with different state"
     assert len(value["sync_checks"]) >= 2 and all(value["sync_checks"]), "state differed right after a sync"
     figures = check_ledger(str(ledger_dir), value["n"], value["epochs"], max_world=4)
