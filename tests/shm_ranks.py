@@ -14,7 +14,13 @@ from ray_elastic.collective.torch_gloo import TorchGlooGroup
 from ray_elastic.exceptions import HorovodInternalError
 
 # (dtype, elements): one piece, several pieces of a slot (the test shrinks slots to 64 KiB), an empty tensor
-CASES = [(torch.float32, 1000), (torch.float32, 70_001), (torch.float64, 20_000), (torch.int64, 9_000), (torch.int32, 0)]
+CASES = [
+    (torch.float32, 1000),
+    (torch.float32, 70_001),
+    (torch.float64, 20_000),
+    (torch.int64, 9_000),
+    (torch.int32, 0),
+]
 
 
 def inputs(rank: int, dtype: torch.dtype, n: int) -> torch.Tensor:

@@ -9,10 +9,10 @@ others' wait at once (it exited) or at the driver's abandon (it stalled).
 
 from __future__ import annotations
 
+import shm_ranks
 import torch
 import torch.multiprocessing as mp
 
-import shm_ranks
 from ray_elastic.collective import shm
 
 
