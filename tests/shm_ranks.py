@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from ray_elastic.collective import shm
+from ray_elastic.collective.base import Sum
 from ray_elastic.collective.torch_gloo import TorchGlooGroup
 from ray_elastic.exceptions import HorovodInternalError
 
@@ -68,15 +69,9 @@ def unshared(rank: int, world: int, control: str, shm_dir: str, out) -> None:
     ring = group.shared_ring()
     group.barrier()  # every rank's build is over
     value = torch.full((4,), float(rank + 1))
-    group.allreduce_(value, op=_sum())
+    group.allreduce_(value, op=Sum)
     out.put({"rank": rank, "built": ring is not None, "gloo_sum": value.tolist(), "left": os.listdir(shm_dir)})
     group.close()
-
-
-def _sum():
-    from ray_elastic.collective.base import Sum
-
-    return Sum
 
 
 def peer_lost(rank: int, world: int, control: str, shm_dir: str, how: str, out) -> None:

@@ -99,14 +99,24 @@ class SharedRing:
         self._peers = sorted(peers.items())
         self._timeout_s = timeout_s
         self._broken: str | None = None
+        self._slots: dict[torch.dtype, list[torch.Tensor]] = {}  # each slot viewed as a dtype, made once
+
+    def _slots_as(self, dtype: torch.dtype) -> list[torch.Tensor]:
+        """The `size` ranks' slots and the result area, as `dtype` elements."""
+        slots = self._slots.get(dtype)
+        if slots is None:
+            b = self.slot_bytes
+            slots = self._slots[dtype] = [self._memory[r * b : (r + 1) * b].view(dtype) for r in range(self.size + 1)]
+        return slots
 
     # ---- building ----------------------------------------------------------------------------
     @classmethod
     def build(cls, group: Any, timeout_s: float) -> SharedRing | None:
         """A shared ring over `group`'s ranks (every rank calls it, in the same place), or None: keep Gloo.
 
-        Costs two of the group's collectives and, where the machine is
-        shared, the segment's creation and N(N-1)/2 socket connections.
+        Costs three small collectives of the group (an `allgather_object`
+        and one allreduce) and, where the machine is shared, the segment's
+        creation and N(N-1)/2 socket connections.
         """
         if group.size < 2 or not enabled():
             return None
@@ -142,7 +152,7 @@ class SharedRing:
             if path is not None:
                 os.unlink(path)  # every rank has mapped it (or gave up): the mapping outlives the name
             if sock_path is not None:
-                _unlink_quietly(sock_path)
+                os.unlink(sock_path)
             if listener is not None:
                 listener.close()
             if not ok:
@@ -163,11 +173,8 @@ class SharedRing:
             raise HorovodInternalError(f"shared-memory allreduce not started: {self._broken}")
         self._group.check_abandoned("shared-memory allreduce")
         flat = t.view(-1)
-        itemsize = t.element_size()
-        per_piece = self.slot_bytes // itemsize
-        slots = [
-            self._memory[r * self.slot_bytes : (r + 1) * self.slot_bytes].view(t.dtype) for r in range(self.size + 1)
-        ]
+        per_piece = self.slot_bytes // t.element_size()
+        slots = self._slots_as(t.dtype)
         mine, result = slots[self.rank], slots[self.size]
         try:
             with torch.no_grad():
@@ -219,6 +226,7 @@ class SharedRing:
         for _, s in self._peers:
             s.close()
         self._peers = []
+        self._slots = {}
         self._memory = None  # type: ignore[assignment]
         try:
             self._segment.close()
@@ -305,10 +313,3 @@ def _recv_exactly(s: socket.socket, n: int) -> bytes:
             raise OSError("a peer closed its link while the shared-memory ring was built")
         data += got
     return data
-
-
-def _unlink_quietly(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass

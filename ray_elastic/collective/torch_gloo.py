@@ -30,7 +30,7 @@ class TorchGlooGroup(TorchDistGroup):
     def shared_ring(self) -> SharedRing | None:
         """This generation's shared-memory allreduce, or None where the ranks do not share a machine.
 
-        Built on the first call, which every rank makes at the same point (two collectives).
+        Built on the first call, which every rank makes at the same point (three small collectives).
         """
         if self._shared is _UNBUILT:
             self._shared = SharedRing.build(self, self._timeout_s)
