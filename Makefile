@@ -65,6 +65,7 @@ bench: $(BENCH_STAMP)
 	$(BIN)/python bench/rendezvous_scale.py
 	$(BIN)/python bench/memory.py
 	$(BIN)/python bench/allreduce.py --ranks 2,4 --rounds 11
+	$(BIN)/python bench/shm_allreduce.py
 	$(BIN)/python bench/scale.py
 	$(BIN)/python bench/recovery.py
 	$(BIN)/python bench/state_size.py

@@ -21,7 +21,7 @@ until Gloo's `collective_timeout` (300 s). On NCCL, DDP runs on the ring's
 process group as it is (NCCL has its own watchdog).
 On Gloo, when every rank of the generation runs on one machine, our group
 sums the buckets through shared memory instead of Gloo's TCP loopback
-(`ray_elastic.collective.shm`: 4-5x faster per sum on 2 cores; DDP's step
+(`ray_elastic.collective.shm`: 2.7-15x faster per sum on 2 cores; DDP's step
 at 0.93M and 23.1M parameters 1.1-1.4x Ray Train's, RESULTS.md item 12).
 `gradient_as_bucket_view` defaults to True (each `.grad` is a view into
 DDP's bucket: DDP scales each gradient into its bucket and copies nothing
