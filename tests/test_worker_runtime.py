@@ -11,6 +11,7 @@ blocking collective leaves, and the metrics shipper.
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -118,6 +119,28 @@ def test_a_step_in_a_world_of_one_applies_the_local_gradient(world_of_one):
             o.step()
     for a, b in zip(model.parameters(), twin.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+def test_autograds_gradients_are_freed_in_backward_once_their_bucket_is_launched(world_of_one):
+    """The gradients exist once at the end of backward, not twice: `.grad` is the bucket's view by then."""
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64), torch.nn.Linear(64, 1))
+    autograds: dict[str, weakref.ref] = {}
+    for name, p in model.named_parameters():  # registered first: runs before the optimizer's hook
+        p.register_post_accumulate_grad_hook(lambda p, name=name: autograds.__setitem__(name, weakref.ref(p.grad)))
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), bucket_cap_mb=0.01)
+    assert len(opt._buckets) > 1
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.randn(8, 64)).square().mean().backward()
+        assert set(autograds) == {name for name, _ in model.named_parameters()}
+        alive = sorted(name for name, ref in autograds.items() if ref() is not None)
+        assert alive == [], f"autograd's gradients still held after backward: {alive}"
+        flats = [(b.flat.data_ptr(), b.flat.data_ptr() + b.flat.numel() * 4) for b in opt._buckets]
+        for p in model.parameters():
+            assert any(lo <= p.grad.data_ptr() < hi for lo, hi in flats)
+        expected = [p.grad.clone() for p in model.parameters()]
+        opt.step()
+        assert all(torch.equal(p.grad, e) for p, e in zip(model.parameters(), expected, strict=True))
 
 
 def test_a_notice_is_agreed_inside_the_last_gradient_bucket(world_of_one, monkeypatch):

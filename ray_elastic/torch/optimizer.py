@@ -7,11 +7,12 @@ gradients of each bucket; when a bucket is complete, its gradients are
 copied into one flat buffer (divided by the world size on the way, for
 `Average`) and an asynchronous allreduce starts while backward goes on.
 `step()` waits for the buckets and steps the wrapped optimizer. Each
-contiguous parameter's `.grad` is then a view into its bucket, as with
-DDP's `gradient_as_bucket_view=True`: no copy back, and a step whose grads
-were kept (zeroed, not set to None) copies nothing in either. The next
-step overwrites that buffer, so a `.grad` kept past the next step must be
-cloned.
+contiguous parameter's `.grad` becomes a view into its bucket as soon as the
+bucket is launched, as with DDP's `gradient_as_bucket_view=True`: autograd's
+own gradient tensor is freed then, in backward, so the gradients never exist
+twice; nothing is copied back, and a step whose grads were kept (zeroed,
+not set to None) copies nothing in either. The next step overwrites that
+buffer, so a `.grad` kept past the next step must be cloned.
 
 Every allreduce goes through the current generation's ring, so the
 optimizer keeps working after each reset; buckets launched in an older
@@ -178,10 +179,15 @@ class DistributedOptimizer:
                     # still the bucket's view from the last step (grads kept, not set to None): in place
                     if scale is not None:
                         dst.mul_(scale)
-                elif scale is not None:
-                    torch.mul(grad.reshape(-1), scale, out=dst)
                 else:
-                    dst.copy_(grad.reshape(-1))
+                    if scale is not None:
+                        torch.mul(grad.reshape(-1), scale, out=dst)
+                    else:
+                        dst.copy_(grad.reshape(-1))
+                    if p.is_contiguous():
+                        # autograd's tensor is copied: free it now, not at step(). Held until then, every
+                        # gradient existed twice at the end of backward (4 bytes per parameter more at peak)
+                        p.grad = dst.view_as(p)
                 offset += n
             if bucket is self._buckets[-1]:
                 bucket.flat[-1] = 1.0 if ctx.notice > ctx.generation else 0.0
