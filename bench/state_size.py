@@ -10,7 +10,9 @@ file, so the benchmark decides when a host comes. One run per size:
    both time a broadcast of `min(state, 512 MB)` from rank 0 to rank 1
    (three times, the best): the loopback bandwidth of this machine, the
    ceiling for a sync. They measure it before each scale-up and once more at
-   the end.
+   the end. With `--workers 2` (for sizes whose three workers would not fit
+   the memory: `ElasticTrainer(min 1, max 2)`), one worker on A starts, and
+   the loopback is measured just after each scale-up instead.
 2. Scale-up, one newcomer, `--syncs` times (3 by default): B is offered one
    slot; the newcomer boots and builds its model while A trains, then all
    three reset; each time but the last, B is then withdrawn again (a
@@ -21,8 +23,9 @@ file, so the benchmark decides when a host comes. One run per size:
    the ceiling is the figure of a quiet moment), and the survivors' pause
    (rank 0's longest gap between steps around it, beside its median step).
    The table gives the median of the scale-ups.
-3. Failure, no newcomer: the last newcomer (rank 2) SIGKILLs itself one step after
-   a commit; B is then cooling down, so the two survivors go on alone.
+3. Failure, no newcomer: the last newcomer (the last rank) SIGKILLs itself one
+   step after a commit; B is then cooling down, so the survivors (one with
+   `--workers 2`) go on alone.
    Measured: the reset round (`worker_failed`'s `reset_duration`),
    SIGKILL-to-next-step (the kill's time, written by the killed process, to
    rank 0's next completed step; it includes one step) and the steps redone.
@@ -30,14 +33,15 @@ file, so the benchmark decides when a host comes. One run per size:
 Every rank also records its commits (`state.commit()`, beside a plain
 `copy_` of the same number of bytes at this process's measured copy speed)
 and its peak RSS over its RSS before the model existed, in copies of the
-state (model + Adam). A size whose three workers would not fit the memory
-available now (about 3 copies of the state per worker, as measured) is skipped and
-said so.
+state (model + Adam), from the start of `train_fn` (the loopback
+measurement's buffer is mapped apart and left out). A size whose workers
+would not fit the memory available now (about 2.5 copies of the state per
+worker, as measured) is skipped and said so.
 
 Prints a table and writes bench/results/state_size.json (or `--out NAME`).
 Reports, never asserts.
 
-    .venv/bin/python bench/state_size.py [--sizes 10,100,300] [--syncs 3] [--out state_size]
+    .venv/bin/python bench/state_size.py [--sizes 10,100,300] [--syncs 3] [--workers 3] [--out state_size]
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import mmap
 import os
 import resource
 import signal
@@ -66,7 +71,7 @@ import ray_elastic as elastic
 GB = 1e9
 WIDTH = 1024
 COMMIT_EVERY = 2
-COPIES_PER_WORKER = 3.0  # model + Adam, its commit, gradients (twice in the first step), Ray, torch: 2.8-3.0 measured
+COPIES_PER_WORKER = 2.6  # model + Adam, its commit, the gradients (in the buckets), Ray, torch: 2.5 measured at 100M
 
 
 class FileDiscovery:
@@ -85,7 +90,17 @@ def log(workdir: str, **row) -> None:
 
 
 def peak_rss() -> float:
+    """This process's peak resident memory since it started or since `forget_peak_rss()`, in bytes."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return float(line.split()[1]) * 1024.0
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0
+
+
+def forget_peak_rss() -> None:
+    """Start the peak over from the memory in use now (Linux: `clear_refs` 5), so the benchmark's buffers leave it."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
 
 
 def cpu_s() -> float:
@@ -129,7 +144,8 @@ def train_fn(config: dict) -> int:
     n_params = sum(p.numel() for p in model.parameters())
     state_bytes = 3 * 4 * n_params  # float32 parameters and Adam's two moments
     bytes_per_s = copy_speed()
-    first_step_at_3: dict[int, int] = {}
+    top = config["top"]  # the world after a scale-up; the newcomer is its last rank
+    first_step_at_top: dict[int, int] = {}
 
     def timed_sync(sync=state.sync) -> None:
         started, cpu = time.perf_counter(), cpu_s()
@@ -153,11 +169,21 @@ def train_fn(config: dict) -> int:
     state.restore = timed_restore  # and state.restore(): when the survivors noticed the failure
 
     def measure_bandwidth(request: int) -> None:
-        buf = torch.zeros(min(state_bytes, 512 * 2**20) // 4)
+        # mapped on its own, not from the heap (which keeps what is freed): gone from memory when unmapped
+        nbytes = min(state_bytes, 512 * 2**20)
+        mapped = mmap.mmap(-1, nbytes)
+        buf = torch.frombuffer(mapped, dtype=torch.float32)
         elastic.broadcast_(buf, 0)  # connections and pages first
-        best = min(_timed(lambda: elastic.broadcast_(buf, 0)) for _ in range(3))
+        times = []
+        for _ in range(3):
+            started = time.perf_counter()
+            elastic.broadcast_(buf, 0)
+            times.append(time.perf_counter() - started)
         if elastic.rank() == 0:
-            log(workdir, kind="bandwidth", request=request, bytes_per_s=buf.numel() * 4 / best, size=elastic.size())
+            log(workdir, kind="bandwidth", request=request, bytes_per_s=nbytes / min(times), size=elastic.size())
+        del buf
+        mapped.close()
+        forget_peak_rss()  # the peak reported is training's, not this buffer's (0.43 copies of the state at 100M)
 
     @elastic.run
     def train(state) -> int:
@@ -178,8 +204,8 @@ def train_fn(config: dict) -> int:
             backward_done, backward_cpu = time.time(), cpu_s() - cpu_began
             opt.step()
             state.step += 1
-            if elastic.size() == 3 and state.step <= first_step_at_3.setdefault(elastic.rank(), state.step) + 1:
-                # the first two steps at world 3, every rank: where the survivors' pause at the scale-up goes
+            if elastic.size() == top and state.step <= first_step_at_top.setdefault(elastic.rank(), state.step) + 1:
+                # the first two steps at the top world, every rank: where the survivors' pause at a scale-up goes
                 log(workdir, kind="step", rank=elastic.rank(), step=state.step, began=began,
                     backward_done=backward_done, stepped=time.time(), backward_cpu=backward_cpu,
                     copying_at_start=copying)  # fmt: skip
@@ -187,7 +213,7 @@ def train_fn(config: dict) -> int:
             if elastic.rank() == 0:
                 progress = {"step": state.step, "world_size": elastic.size(), "measured": state.measured}
                 Path(config["progress"]).write_text(json.dumps(progress))
-            if elastic.rank() == 2 and os.path.exists(config["kill"]) and state.step % COMMIT_EVERY == 1:
+            if elastic.rank() == top - 1 and os.path.exists(config["kill"]) and state.step % COMMIT_EVERY == 1:
                 Path(config["killed"]).write_text(json.dumps({"time": time.time(), "step": state.step}))
                 os.kill(os.getpid(), signal.SIGKILL)
             if state.step % COMMIT_EVERY == 0:
@@ -236,40 +262,41 @@ def wait_progress(path: str, what: str, predicate, timeout: float = 600) -> dict
     raise TimeoutError(f"timed out after {timeout:g} s waiting for {what}")
 
 
-def pause_breakdown(logs: list[dict], last_at_2: float, killed: float) -> dict[str, list[float]]:
-    """The scale-up's pause, each rank's marks in seconds after rank 0's last step at world 2.
+def pause_breakdown(logs: list[dict], last_at_base: float, killed: float, top: int) -> dict[str, list[float]]:
+    """The scale-up's pause, each rank's marks in seconds after rank 0's last step before it.
 
     sync_began / sync_ended: its `state.sync()`; then, for its first two steps at
-    world 3: began, backward_done, stepped, and (not times) the CPU seconds its
+    the top world: began, backward_done, stepped, and (not times) the CPU seconds its
     process used in that backward and whether a background copy of its commit
     was running when the step began.
     """
     marks: dict[str, list[float]] = {}
     for r in logs:
-        if r["time"] >= killed or r["time"] < last_at_2:
+        if r["time"] >= killed or r["time"] < last_at_base:
             continue
-        if r["kind"] == "sync" and r["size"] == 3:
-            marks[f"rank{r['rank']} sync_began"] = [r["time"] - r["sync_s"] - last_at_2]
-            marks[f"rank{r['rank']} sync_ended"] = [r["time"] - last_at_2]
+        if r["kind"] == "sync" and r["size"] == top:
+            marks[f"rank{r['rank']} sync_began"] = [r["time"] - r["sync_s"] - last_at_base]
+            marks[f"rank{r['rank']} sync_ended"] = [r["time"] - last_at_base]
         elif r["kind"] == "step":
             for mark in ("began", "backward_done", "stepped"):
-                marks.setdefault(f"rank{r['rank']} {mark}", []).append(r[mark] - last_at_2)
+                marks.setdefault(f"rank{r['rank']} {mark}", []).append(r[mark] - last_at_base)
             marks.setdefault(f"rank{r['rank']} backward_cpu_s", []).append(r["backward_cpu"])
             marks.setdefault(f"rank{r['rank']} commit_copy_running_at_start", []).append(r["copying_at_start"])
     return dict(sorted(marks.items()))
 
 
-def one_size(params_m: int, node_a: str, node_b: str, workdir: str, scale_ups: int) -> dict:
+def one_size(params_m: int, node_a: str, node_b: str, workdir: str, scale_ups: int, top: int) -> dict:
+    base = top - 1
     workdir = os.path.join(workdir, f"{params_m}m")
     os.makedirs(workdir)
     hosts = os.path.join(workdir, "hosts.json")
     paths = {k: os.path.join(workdir, k) for k in ("progress", "stop", "kill", "killed", "measure")}
-    Path(hosts).write_text(json.dumps({node_a: 2}))
+    Path(hosts).write_text(json.dumps({node_a: base}))
     trainer = elastic.ElasticTrainer(
         train_fn,
-        min_workers=2,
-        max_workers=3,
-        config={"params_m": params_m, "workdir": workdir, "max_steps": 10_000, **paths},
+        min_workers=base,
+        max_workers=top,
+        config={"params_m": params_m, "workdir": workdir, "max_steps": 10_000, "top": top, **paths},
         discovery=FileDiscovery(hosts),
         discovery_interval=0.5,
         cooldown_range=(600, 600),
@@ -284,20 +311,24 @@ def one_size(params_m: int, node_a: str, node_b: str, workdir: str, scale_ups: i
         wait_progress(paths["progress"], f"bandwidth measurement {request}", lambda p: p["measured"] >= request)
 
     try:
-        wait_progress(paths["progress"], "two workers training", lambda p: p["step"] >= 3)
+        wait_progress(paths["progress"], f"{base} workers training", lambda p: p["step"] >= 3)
         for k in range(scale_ups):
-            measure(k + 1)
-            Path(hosts).write_text(json.dumps({node_a: 2, node_b: 1}))
-            seen = wait_progress(paths["progress"], f"newcomer {k + 1} to join", lambda p: p["world_size"] == 3)
-            wait_progress(paths["progress"], "steps at 3", lambda p, s=seen["step"]: p["step"] >= s + 3)
+            if base > 1:  # the loopback broadcast needs two ranks: before the scale-up, or else just after it
+                measure(k + 1)
+            Path(hosts).write_text(json.dumps({node_a: base, node_b: 1}))
+            seen = wait_progress(paths["progress"], f"newcomer {k + 1} to join", lambda p: p["world_size"] == top)
+            wait_progress(paths["progress"], f"steps at {top}", lambda p, s=seen["step"]: p["step"] >= s + 3)
+            if base == 1:
+                measure(k + 1)
             if k < scale_ups - 1:  # B withdrawn: a graceful removal, then B is offered again
-                Path(hosts).write_text(json.dumps({node_a: 2}))
-                seen = wait_progress(paths["progress"], "the removal", lambda p: p["world_size"] == 2)
-                wait_progress(paths["progress"], "steps at 2", lambda p, s=seen["step"]: p["step"] >= s + 2)
+                Path(hosts).write_text(json.dumps({node_a: base}))
+                seen = wait_progress(paths["progress"], "the removal", lambda p: p["world_size"] == base)
+                wait_progress(paths["progress"], f"steps at {base}", lambda p, s=seen["step"]: p["step"] >= s + 2)
         Path(paths["kill"]).touch()
-        seen = wait_progress(paths["progress"], "the survivors after the kill", lambda p: p["world_size"] == 2)
-        wait_progress(paths["progress"], "steps at 2 again", lambda p, s=seen["step"]: p["step"] >= s + 2)
-        measure(scale_ups + 1)
+        seen = wait_progress(paths["progress"], "the survivors after the kill", lambda p: p["world_size"] == base)
+        wait_progress(paths["progress"], f"steps at {base} again", lambda p, s=seen["step"]: p["step"] >= s + 2)
+        if base > 1:
+            measure(scale_ups + 1)
     finally:
         Path(paths["stop"]).touch()
         runner.join(300)
@@ -307,24 +338,26 @@ def one_size(params_m: int, node_a: str, node_b: str, workdir: str, scale_ups: i
     ev_up = [e for e in result.events if e.kind == "hosts_added"]
     ev_fail = next(e for e in result.events if e.kind == "worker_failed")
     killed = json.loads(Path(paths["killed"]).read_text())
-    # each scale-up: the index of the first step at world 3 after one at world 2
-    ups = [i for i in range(1, len(metrics)) if metrics[i]["world_size"] == 3 and metrics[i - 1]["world_size"] == 2]
-    first3 = ups[0]
-    first_removal = next((times[i] for i in range(first3, len(metrics)) if metrics[i]["world_size"] == 2), None)
-    after_kill = next(i for i, t in enumerate(times) if t > killed["time"] and metrics[i]["world_size"] == 2)
-    steps2 = [b - a for a, b in zip(times[1:first3], times[2:first3], strict=False)]
-    steps3 = [
+    # each scale-up: the index of the first step at the top world after one at the base world
+    ups = [
+        i for i in range(1, len(metrics)) if metrics[i]["world_size"] == top and metrics[i - 1]["world_size"] == base
+    ]
+    first_up = ups[0]
+    first_removal = next((times[i] for i in range(first_up, len(metrics)) if metrics[i]["world_size"] == base), None)
+    after_kill = next(i for i, t in enumerate(times) if t > killed["time"] and metrics[i]["world_size"] == base)
+    steps_base = [b - a for a, b in zip(times[1:first_up], times[2:first_up], strict=False)]
+    steps_top = [
         times[i + 1] - times[i]
         for i in range(len(times) - 1)
-        if metrics[i]["world_size"] == metrics[i + 1]["world_size"] == 3
+        if metrics[i]["world_size"] == metrics[i + 1]["world_size"] == top
     ]
     restores = [r for r in logs if r["kind"] == "restore" and r["began"] > killed["time"]]
-    synced = max(r["time"] for r in logs if r["kind"] == "sync" and r["time"] > killed["time"] and r["size"] == 2)
+    synced = max(r["time"] for r in logs if r["kind"] == "sync" and r["time"] > killed["time"] and r["size"] == base)
     syncs = [r for r in logs if r["kind"] == "sync"]
     # each newcomer's first sync, in order (one process per scale-up)
     firsts: dict[int, dict] = {}
     for r in sorted(syncs, key=lambda r: r["time"]):
-        if r["size"] == 3 and r["rank"] == 2:
+        if r["size"] == top and r["rank"] == top - 1:
             firsts.setdefault(r["pid"], r)
     newcomer_syncs = list(firsts.values())
     commits = [r for r in logs if r["kind"] == "commit"]
@@ -332,6 +365,8 @@ def one_size(params_m: int, node_a: str, node_b: str, workdir: str, scale_ups: i
     bandwidths = [
         r["bytes_per_s"] for r in sorted((r for r in logs if r["kind"] == "bandwidth"), key=lambda r: r["request"])
     ]
+    if base == 1:  # measured after each scale-up: the first one's ceiling is the measurement after it alone
+        bandwidths = bandwidths[:1] + bandwidths
     # scale-up k's ceiling: the faster of the measurements just before and just after it
     ceilings = [max(bandwidths[k], bandwidths[k + 1]) for k in range(len(newcomer_syncs))]
     over = [state_bytes / r["sync_s"] / bw for r, bw in zip(newcomer_syncs, ceilings, strict=True)]
@@ -342,7 +377,7 @@ def one_size(params_m: int, node_a: str, node_b: str, workdir: str, scale_ups: i
     median_k = sorted(range(len(over)), key=over.__getitem__)[len(over) // 2]  # the median scale-up
     newcomer_sync = newcomer_syncs[median_k]
     holders_sync = [
-        r for r in syncs if r["size"] == 3 and r["rank"] != 2 and abs(r["time"] - newcomer_sync["time"]) < 5
+        r for r in syncs if r["size"] == top and r["rank"] != top - 1 and abs(r["time"] - newcomer_sync["time"]) < 5
     ]
     by_pid: dict[int, float] = {}
     for r in commits:
@@ -368,9 +403,10 @@ def one_size(params_m: int, node_a: str, node_b: str, workdir: str, scale_ups: i
         "up_survivor_pause_s": statistics.median(times[i] - times[i - 1] for i in ups),
         "up_survivor_pause_s_each": [times[i] - times[i - 1] for i in ups],
         # the first scale-up's
-        "up_pause_breakdown": pause_breakdown(logs, times[first3 - 1], first_removal or killed["time"]),
-        "step_s_at_2": statistics.median(steps2) if steps2 else None,
-        "step_s_at_3": statistics.median(steps3) if steps3 else None,
+        "up_pause_breakdown": pause_breakdown(logs, times[first_up - 1], first_removal or killed["time"], top),
+        "workers": [base, top],
+        f"step_s_at_{base}": statistics.median(steps_base) if steps_base else None,
+        f"step_s_at_{top}": statistics.median(steps_top) if steps_top else None,
         "fail_reset_s": ev_fail.reset_duration,
         "fail_kill_to_next_step_s": times[after_kill] - killed["time"],
         # the survivors notice at their next wait on the ring: up to the rest of a step's backward after the kill
@@ -397,8 +433,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="10,100,300", help="millions of model parameters")
     parser.add_argument("--syncs", type=int, default=3, help="scale-ups (newcomers) per size; the median is shown")
+    parser.add_argument(
+        "--workers", type=int, default=3, help="the world after a scale-up (2 or 3); it trains at one fewer"
+    )
     parser.add_argument("--out", default="state_size", help="results file name under bench/results/")
     args = parser.parse_args()
+    if args.workers not in (2, 3):
+        parser.error(f"--workers must be 2 or 3 (node A has 2 CPUs, B one slot), not {args.workers}")
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, **own_dashboard()})
     node_a, node_b = cluster.add_node(num_cpus=2), cluster.add_node(num_cpus=2)
     ray.init(address=cluster.address, logging_level=logging.ERROR)
@@ -407,14 +448,17 @@ def main() -> None:
     try:
         with tempfile.TemporaryDirectory() as workdir:
             for size in [int(s) for s in args.sizes.split(",")]:
-                need = 3 * COPIES_PER_WORKER * 12 * size * 1e6
+                need = args.workers * COPIES_PER_WORKER * 12 * size * 1e6
                 available = memory_available(need)
                 if need > available:
-                    note = f"{size}M: skipped, 3 workers need ~{need / GB:.1f} GB, {available / GB:.1f} GB available"
+                    note = (
+                        f"{size}M: skipped, {args.workers} workers need ~{need / GB:.1f} GB, "
+                        f"{available / GB:.1f} GB available"
+                    )
                     print(note, flush=True)
                     skipped.append(note)
                     continue
-                row = one_size(size, node_a.node_id, node_b.node_id, workdir, args.syncs)
+                row = one_size(size, node_a.node_id, node_b.node_id, workdir, args.syncs, args.workers)
                 rows.append(row)
                 print(
                     f"{size}M ({row['state_gb']:.2f} GB): failure reset {row['fail_reset_s']:.3f} s, kill->next step "
@@ -426,6 +470,7 @@ def main() -> None:
     finally:
         ray.shutdown()
         cluster.shutdown()
+    base = args.workers - 1
     print(f"{'params':>7} {'noticed':>8} {'restore':>8} {'noticed->synced':>15}  (failure, after the SIGKILL)")
     for r in rows:
         print(
@@ -433,13 +478,13 @@ def main() -> None:
             f"{r['fail_noticed_to_synced_s']:>14.3f}s"
         )
     print(
-        f"{'params':>7} {'state':>7} {'fail reset':>10} {'kill->step':>10} {'step@2':>7} {'up reset':>9} "
+        f"{'params':>7} {'state':>7} {'fail reset':>10} {'kill->step':>10} {f'step@{base}':>7} {'up reset':>9} "
         f"{'newcomer':>9} {'GB/s':>6} {'loopbk':>6} {'%':>5} {'pause':>7} {'commit':>7} {'/copy':>6} {'peak/state':>14}"
     )
     for r in rows:
         print(
             f"{r['params_m']:>6}M {r['state_gb']:>5.2f}GB {r['fail_reset_s']:>9.3f}s "
-            f"{r['fail_kill_to_next_step_s']:>9.3f}s {r['step_s_at_2']:>6.2f}s {r['up_reset_s']:>8.3f}s "
+            f"{r['fail_kill_to_next_step_s']:>9.3f}s {r[f'step_s_at_{base}']:>6.2f}s {r['up_reset_s']:>8.3f}s "
             f"{r['up_newcomer_sync_s']:>8.3f}s {r['up_newcomer_gbps']:>6.2f} {r['loopback_broadcast_gbps']:>6.2f} "
             f"{r['up_newcomer_over_loopback']:>5.0%} {r['up_survivor_pause_s']:>6.2f}s {r['commit_s']:>6.3f}s "
             f"{r['commit_over_copy']:>5.2f}x {'/'.join(f'{p:.2f}' for p in r['worker_peak_over_state']):>14}"
@@ -455,7 +500,14 @@ def main() -> None:
     for note in skipped:
         print(note)
     write_results(
-        args.out, rows, sizes=args.sizes, syncs=args.syncs, skipped=skipped, commit_every=COMMIT_EVERY, width=WIDTH
+        args.out,
+        rows,
+        sizes=args.sizes,
+        syncs=args.syncs,
+        workers=args.workers,
+        skipped=skipped,
+        commit_every=COMMIT_EVERY,
+        width=WIDTH,
     )
 
 

@@ -292,6 +292,50 @@ def test_a_newcomer_faults_in_rank0s_optimizer_layout_while_waiting_and_receives
     newcomer.shutdown()
 
 
+@pytest.mark.parametrize("wrapped", [False, True], ids=["adam", "distributed adam"])
+def test_a_newcomer_warms_the_heap_for_the_gradients_its_first_backward_holds_at_once(
+    world_of_one, monkeypatch, wrapped
+):
+    """Every gradient with a plain optimizer; with DistributedOptimizer only its largest bucket's, not all.
+
+    The warmed blocks stay resident in the newcomer: warming every gradient
+    behind a DistributedOptimizer cost a third of a copy of the state (model +
+    Adam) for nothing, since its buckets free autograd's gradients in backward.
+    """
+    import itertools
+
+    kv = FakeLastingKV()
+    world_of_one.membership.kv = kv
+    warmed: list[int] = []
+    monkeypatch.setattr(torch_state, "warm_heap", lambda like: warmed.append(sum(t.numel() for t in like)) or 0)
+
+    def build() -> tuple[torch.nn.Module, Any]:
+        model, adam = adam_model()
+        return model, DistributedOptimizer(adam, bucket_cap_mb=0.02) if wrapped else adam
+
+    monkeypatch.setattr(torch_state, "_state_numbers", itertools.count())
+    model, opt = build()
+    state = torch_state.TorchState(model=model, optimizer=opt)
+    model(torch.randn(8, 64)).sum().backward()
+    opt.step()
+    state.save()  # rank 0 publishes its optimizer's layout
+
+    newcomer = make_context()
+    newcomer.membership.kv = kv
+    monkeypatch.setattr(torch_state, "_state_numbers", itertools.count())
+    model2, opt2 = build()
+    torch_state.TorchState(model=model2, optimizer=opt2)
+    newcomer.membership.run_join_preparations()
+    newcomer.shutdown()
+    every = sum(p.numel() for p in model2.parameters())
+    if wrapped:
+        assert len(opt2._buckets) > 1
+        largest = max(sum(p.numel() for p in b.params) for b in opt2._buckets)
+        assert warmed == [largest] and largest < every
+    else:
+        assert warmed == [every]
+
+
 def test_a_newcomer_collects_its_boots_garbage_before_joining_not_during_the_sync_everyone_waits_on(no_runtime):
     """Python's full collection over a fresh worker's objects took 0.15 s of a 100M newcomer's 0.57 s sync."""
     import gc

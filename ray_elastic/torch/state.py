@@ -788,13 +788,30 @@ class TorchState(State):
                 nbytes += handler.prepare(layout)
         # the pages of the first backward's gradients (that step is the one the survivors wait on)
         trained = [p for h in self._handlers.values() if isinstance(h, ModuleHandler) for p in h.value.parameters()]
-        warmed = warm_heap(p for p in trained if p.requires_grad)
+        warmed = warm_heap(self._held_at_once([p for p in trained if p.requires_grad]))
         logger.info(
             "prepared %.0f MB of optimizer state and commit buffers, warmed %.0f MB of heap, in %.3f s",
             nbytes / 1e6,
             warmed / 1e6,
             time.perf_counter() - started,
         )
+
+    def _held_at_once(self, trained: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The parameters whose gradients a backward holds at once, as far as this state can tell.
+
+        A `DistributedOptimizer` frees autograd's gradients bucket by bucket
+        during backward, so the next buckets' gradients take the same blocks:
+        its largest bucket stands for all of its parameters. Any other
+        parameter's gradient lives until the step.
+        """
+        bucketed: set[int] = set()
+        largest: list[torch.Tensor] = []
+        for handler in self._handlers.values():
+            if isinstance(handler, OptimizerHandler) and isinstance(handler.value, DistributedOptimizer):
+                buckets = handler.value._buckets
+                bucketed.update(id(p) for b in buckets for p in b.params)
+                largest.extend(max(buckets, key=lambda b: b.flat.numel()).params)
+        return [p for p in trained if id(p) not in bucketed] + largest
 
     def restore(self) -> None:
         """Back to the last commit; the commit's re-copy waits until the reset's sync has returned."""
