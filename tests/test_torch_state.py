@@ -153,6 +153,16 @@ def test_a_restore_trades_storage_instead_of_copying_and_a_second_failure_still_
     train_steps(model, opt, 3, seed=4)  # the next step waited for the commit's copy in the background
     state.restore()
     assert_same(snapshot(model, opt), committed)
+    # the user re-points a parameter between failures (here: a view into a larger tensor of its own): the
+    # restore must see it is no longer the tensor it traded with, and copy into that view instead of trading
+    weight = next(model.parameters())
+    backing = torch.zeros(weight.numel() + 8)
+    weight.data = backing[: weight.numel()].view_as(weight)
+    train_steps(model, opt, 2, seed=5)
+    state.restore()
+    assert_same(snapshot(model, opt), committed)
+    assert weight.data_ptr() == backing.data_ptr(), "a shared storage is copied into, not traded away"
+    assert torch.equal(backing[: weight.numel()], weight.detach().reshape(-1))
 
 
 def test_a_restore_with_no_step_since_the_commit_moves_no_parameter_but_resets_batchnorm():

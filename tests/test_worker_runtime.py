@@ -65,6 +65,19 @@ def world_of_one() -> Iterator[WorkerContext]:
         ctx.shutdown()
 
 
+@pytest.fixture(autouse=True)
+def no_ray(monkeypatch) -> None:
+    """FakeDriver's calls return no ObjectRef: the metrics shipper's `ray.get` must not start a local Ray.
+
+    Without this, a shipped batch made Ray's auto-init start a whole local
+    cluster from the shipper's thread, which a later test's cluster fixture
+    then met as "ray.init twice".
+    """
+    from ray_elastic.runtime import metrics_shipper
+
+    monkeypatch.setattr(metrics_shipper.ray, "get", lambda ref, timeout=None: ref)
+
+
 @pytest.fixture
 def no_runtime() -> Iterator[None]:
     yield
