@@ -30,6 +30,10 @@ file, so the benchmark decides when a host comes. One run per size:
    SIGKILL-to-next-step (the kill's time, written by the killed process, to
    rank 0's next completed step; it includes one step) and the steps redone.
 
+`--dtype bfloat16` makes the parameters and Adam's moments bfloat16: the
+same tensors in half the bytes, so a 300M model's three workers fit this
+machine's memory.
+
 Every rank also records its commits (`state.commit()`, beside a plain
 `copy_` of the same number of bytes at this process's measured copy speed)
 and its peak RSS over its RSS before the model existed, in copies of the
@@ -41,7 +45,8 @@ worker, as measured) is skipped and said so.
 Prints a table and writes bench/results/state_size.json (or `--out NAME`).
 Reports, never asserts.
 
-    .venv/bin/python bench/state_size.py [--sizes 10,100,300] [--syncs 3] [--workers 3] [--out state_size]
+    .venv/bin/python bench/state_size.py [--sizes 10,100,300] [--syncs 3] [--workers 3] [--dtype float32]
+        [--out state_size]
 """
 
 from __future__ import annotations
@@ -109,9 +114,11 @@ def cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def make_model(params_m: int) -> torch.nn.Module:
+def make_model(params_m: int, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     layers = max(1, round(params_m * 1e6 / (WIDTH * WIDTH + WIDTH)))
-    model = torch.nn.Sequential(*[torch.nn.utils.skip_init(torch.nn.Linear, WIDTH, WIDTH) for _ in range(layers)])
+    model = torch.nn.Sequential(
+        *[torch.nn.utils.skip_init(torch.nn.Linear, WIDTH, WIDTH, dtype=dtype) for _ in range(layers)]
+    )
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for p in model.parameters():
@@ -137,12 +144,13 @@ def train_fn(config: dict) -> int:
     torch.set_num_threads(1)
     workdir = config["workdir"]
     base_rss = psutil.Process().memory_info().rss
-    model = make_model(config["params_m"])
+    dtype = getattr(torch, config["dtype"])
+    model = make_model(config["params_m"], dtype)
     opt = elastic.torch.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-4))
     # measured: the benchmark's last bandwidth request carried out (a newcomer receives it with the state)
     state = elastic.torch.TorchState(model=model, optimizer=opt, step=0, measured=0)
     n_params = sum(p.numel() for p in model.parameters())
-    state_bytes = 3 * 4 * n_params  # float32 parameters and Adam's two moments
+    state_bytes = 3 * dtype.itemsize * n_params  # parameters and Adam's two moments, all of `dtype`
     bytes_per_s = copy_speed()
     top = config["top"]  # the world after a scale-up; the newcomer is its last rank
     first_step_at_top: dict[int, int] = {}
@@ -196,7 +204,7 @@ def train_fn(config: dict) -> int:
             if agreed // 2 > state.measured:
                 measure_bandwidth(agreed // 2)
                 state.measured = agreed // 2
-            x = torch.randn(1, WIDTH, generator=gen)
+            x = torch.randn(1, WIDTH, generator=gen, dtype=dtype)
             began, cpu_began = time.time(), cpu_s()
             copying = any(t.name == "ray_elastic-commit-copy" for t in threading.enumerate())
             opt.zero_grad()
@@ -285,7 +293,9 @@ def pause_breakdown(logs: list[dict], last_at_base: float, killed: float, top: i
     return dict(sorted(marks.items()))
 
 
-def one_size(params_m: int, node_a: str, node_b: str, workdir: str, scale_ups: int, top: int) -> dict:
+def one_size(
+    params_m: int, node_a: str, node_b: str, workdir: str, scale_ups: int, top: int, dtype: str = "float32"
+) -> dict:
     base = top - 1
     workdir = os.path.join(workdir, f"{params_m}m")
     os.makedirs(workdir)
@@ -296,7 +306,7 @@ def one_size(params_m: int, node_a: str, node_b: str, workdir: str, scale_ups: i
         train_fn,
         min_workers=base,
         max_workers=top,
-        config={"params_m": params_m, "workdir": workdir, "max_steps": 10_000, "top": top, **paths},
+        config={"params_m": params_m, "workdir": workdir, "max_steps": 10_000, "top": top, "dtype": dtype, **paths},
         discovery=FileDiscovery(hosts),
         discovery_interval=0.5,
         cooldown_range=(600, 600),
@@ -436,6 +446,12 @@ def main() -> None:
     parser.add_argument(
         "--workers", type=int, default=3, help="the world after a scale-up (2 or 3); it trains at one fewer"
     )
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="of the parameters and Adam's moments: bfloat16 halves the bytes of the same tensors",
+    )
     parser.add_argument("--out", default="state_size", help="results file name under bench/results/")
     args = parser.parse_args()
     if args.workers not in (2, 3):
@@ -448,7 +464,7 @@ def main() -> None:
     try:
         with tempfile.TemporaryDirectory() as workdir:
             for size in [int(s) for s in args.sizes.split(",")]:
-                need = args.workers * COPIES_PER_WORKER * 12 * size * 1e6
+                need = args.workers * COPIES_PER_WORKER * 3 * getattr(torch, args.dtype).itemsize * size * 1e6
                 available = memory_available(need)
                 if need > available:
                     note = (
@@ -458,7 +474,7 @@ def main() -> None:
                     print(note, flush=True)
                     skipped.append(note)
                     continue
-                row = one_size(size, node_a.node_id, node_b.node_id, workdir, args.syncs, args.workers)
+                row = one_size(size, node_a.node_id, node_b.node_id, workdir, args.syncs, args.workers, args.dtype)
                 rows.append(row)
                 print(
                     f"{size}M ({row['state_gb']:.2f} GB): failure reset {row['fail_reset_s']:.3f} s, kill->next step "
@@ -505,6 +521,7 @@ def main() -> None:
         sizes=args.sizes,
         syncs=args.syncs,
         workers=args.workers,
+        dtype=args.dtype,
         skipped=skipped,
         commit_every=COMMIT_EVERY,
         width=WIDTH,
