@@ -202,7 +202,8 @@ def train_fn(config: dict) -> int:
             if agreed % 2:
                 break
             if agreed // 2 > state.measured:
-                measure_bandwidth(agreed // 2)
+                if elastic.size() > 1:  # a lone survivor whose commit predates the last measurement: not again
+                    measure_bandwidth(agreed // 2)
                 state.measured = agreed // 2
             x = torch.randn(1, WIDTH, generator=gen, dtype=dtype)
             began, cpu_began = time.time(), cpu_s()
@@ -372,9 +373,11 @@ def one_size(
     newcomer_syncs = list(firsts.values())
     commits = [r for r in logs if r["kind"] == "commit"]
     state_bytes = commits[0]["state_bytes"]
-    bandwidths = [
-        r["bytes_per_s"] for r in sorted((r for r in logs if r["kind"] == "bandwidth"), key=lambda r: r["request"])
-    ]
+    first_of_request: dict[int, float] = {}  # a rank that rolled back past a measurement measures it again
+    for r in logs:
+        if r["kind"] == "bandwidth" and r["size"] > 1:
+            first_of_request.setdefault(r["request"], r["bytes_per_s"])
+    bandwidths = [first_of_request[k] for k in sorted(first_of_request)]
     if base == 1:  # measured after each scale-up: the first one's ceiling is the measurement after it alone
         bandwidths = bandwidths[:1] + bandwidths
     # scale-up k's ceiling: the faster of the measurements just before and just after it
