@@ -51,6 +51,7 @@ def run(func: Callable[..., R]) -> Callable[..., R]:
                 return func(state, *args, **kwargs)
             except HorovodInternalError as e:
                 logger.info("rank %s: collective failed (%s); restoring the last commit", ctx.slot.rank, e)
+                ctx.tell_failure()  # the driver plans the next generation while this rank restores
                 state.restore()
                 failed, skip_sync = True, False
             except HostsUpdatedInterrupt as e:
@@ -64,6 +65,7 @@ def run(func: Callable[..., R]) -> Callable[..., R]:
                 if broken is None:
                     raise
                 logger.info("rank %s: the ring broke (%s); restoring the last commit", ctx.slot.rank, broken)
+                ctx.tell_failure()
                 state.restore()
                 failed, skip_sync = True, False
             ctx.reset(failed=failed)

@@ -156,6 +156,45 @@ def test_autograds_gradients_are_freed_in_backward_once_their_bucket_is_launched
         assert all(torch.equal(p.grad, e) for p, e in zip(model.parameters(), expected, strict=True))
 
 
+def test_a_failure_is_told_to_the_driver_before_the_state_restores_and_only_once(world_of_one, monkeypatch):
+    """The driver plans the next generation while the ranks restore (22-34 ms at 300M + Adam), not after."""
+    import ray_elastic as elastic
+    from ray_elastic.state.state import State
+
+    driver = world_of_one.membership.driver
+    told_at_restore: list[list[str]] = []
+
+    class Recorded(State):
+        def save(self) -> None:
+            pass
+
+        def restore(self) -> None:
+            told_at_restore.append([name for name, _ in driver.calls if name == "request_reset"])
+
+        def sync(self) -> None:
+            pass
+
+    def join() -> None:  # the next generation, without a driver: a fresh ring of one
+        world_of_one.membership.group = TorchGlooGroup(dist.HashStore(), 0, 1, 30.0)
+        world_of_one.membership.generation += 1
+
+    monkeypatch.setattr(world_of_one.membership, "_join", join)
+    failures = iter([HorovodInternalError("the ring broke"), RuntimeError("a torch error"), None])
+    monkeypatch.setattr(world_of_one.membership, "ring_failure", lambda e: "abandoned")
+
+    @elastic.run
+    def train(state: State) -> str:
+        failure = next(failures)
+        if failure is not None:
+            raise failure
+        return "done"
+
+    assert train(Recorded()) == "done"
+    assert told_at_restore == [["request_reset"], ["request_reset", "request_reset"]]
+    told = [args for name, args in driver.calls if name == "request_reset"]
+    assert [generation for _, generation, _ in told] == [1, 2], "once per failed generation, by reset() no more"
+
+
 def test_a_notice_is_agreed_inside_the_last_gradient_bucket(world_of_one, monkeypatch):
     model = torch.nn.Linear(4, 1)
     opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))

@@ -68,6 +68,7 @@ class Membership:
         # (generation, any notice, or how to learn it) from the last gradient allreduce or DDP's forward
         self._agreed: tuple[int, bool | Callable[[], bool]] | None = None
         self._announced = False
+        self._failure_told = 0  # the last generation whose failure this worker told the driver of
         self._abandoned: tuple[int, str] = (0, "")  # the newest generation the driver declared dead, and why
         self._ring_error_checks: list[Callable[[BaseException], bool]] = []  # see add_ring_error_check
         self._join_preparations: list[weakref.WeakMethod] = []  # see add_join_preparation
@@ -168,10 +169,21 @@ class Membership:
                 self.group.abandon(self._abandoned[1])
             return
 
+    def tell_failure(self) -> None:
+        """Tell the driver (once per generation, not awaited) that this generation's ring failed here.
+
+        The run loop calls it as soon as it catches the failure, before the
+        state's restore, so the driver plans the next generation while the
+        ranks restore (22-34 ms at 300M parameters + Adam) instead of after.
+        """
+        if self._failure_told != self.generation:
+            self._failure_told = self.generation
+            self.driver.request_reset.remote(self.worker_id, self.generation, "collective failed")
+
     def reset(self, failed: bool) -> None:
         """Leave the current ring and join the next generation."""
         if failed:
-            self.driver.request_reset.remote(self.worker_id, self.generation, "collective failed")
+            self.tell_failure()
         self.close_group()
         self._join()
 
