@@ -268,11 +268,13 @@ def torch_checks_train_fn(config: dict) -> dict:
         backward_passes_per_step=2,
         bucket_cap_mb=0.0001,  # several buckets
     )
-    opt.zero_grad()
-    for _ in range(2):
-        model(torch.randn(4, 5) * (rank + 1)).pow(2).sum().backward()
-    local = [p.grad.clone() for p in model.parameters()]
+    inputs = [torch.randn(4, 5) * (rank + 1) for _ in range(2)]
+    # this rank's gradient of both passes, taken aside (`.grad` is None while the buckets are reduced)
+    local = torch.autograd.grad(sum(model(x).pow(2).sum() for x in inputs), list(model.parameters()))
     expected = [elastic.allreduce(g, elastic.Average) for g in local]
+    opt.zero_grad()
+    for x in inputs:
+        model(x).pow(2).sum().backward()
     opt.step()
     averaged_ok = all(torch.allclose(p.grad, e, atol=1e-6) for p, e in zip(model.parameters(), expected, strict=True))
     return {

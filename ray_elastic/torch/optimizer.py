@@ -6,13 +6,15 @@ backward produces their gradients, as DDP does). A gradient hook counts the
 gradients of each bucket; when a bucket is complete, its gradients are
 copied into one flat buffer (divided by the world size on the way, for
 `Average`) and an asynchronous allreduce starts while backward goes on.
-`step()` waits for the buckets and steps the wrapped optimizer. Each
-contiguous parameter's `.grad` becomes a view into its bucket as soon as the
-bucket is launched, as with DDP's `gradient_as_bucket_view=True`: autograd's
-own gradient tensor is freed then, in backward, so the gradients never exist
-twice; nothing is copied back, and a step whose grads were kept (zeroed,
-not set to None) copies nothing in either. The next step overwrites that
-buffer, so a `.grad` kept past the next step must be cloned.
+`step()` (or `synchronize()`) waits for the buckets and steps the wrapped
+optimizer. Each contiguous parameter's `.grad` is then a view into its
+bucket, as with DDP's `gradient_as_bucket_view=True`: nothing is copied
+back, and a step whose grads were kept (zeroed, not set to None) copies
+nothing in either. Autograd's own gradient tensor is freed as soon as it is
+copied into its launched bucket, in backward, so the gradients never exist
+twice; from then until `synchronize()` that `.grad` is None (the bucket is
+being reduced: nothing may write it). The next step overwrites the bucket,
+so a `.grad` kept past the next step must be cloned.
 
 Every allreduce goes through the current generation's ring, so the
 optimizer keeps working after each reset; buckets launched in an older
@@ -186,8 +188,11 @@ class DistributedOptimizer:
                         dst.copy_(grad.reshape(-1))
                     if p.is_contiguous():
                         # autograd's tensor is copied: free it now, not at step(). Held until then, every
-                        # gradient existed twice at the end of backward (4 bytes per parameter more at peak)
-                        p.grad = dst.view_as(p)
+                        # gradient existed twice at the end of backward (4 bytes per parameter more at peak).
+                        # None, not the bucket's view, until step(): the bucket is being reduced, and a
+                        # .grad written meanwhile (a clip before synchronize(), a second backward) would
+                        # race the allreduce and could leave the ranks with different gradients
+                        p.grad = None
                 offset += n
             if bucket is self._buckets[-1]:
                 bucket.flat[-1] = 1.0 if ctx.notice > ctx.generation else 0.0
