@@ -49,6 +49,7 @@ import logging
 import pickle
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -228,9 +229,10 @@ class _TensorBuffers:
     def __init__(self) -> None:
         self.buffers: list[torch.Tensor] = []
         self.untouched = False  # the guarded live tensors still equal the buffers' commit (no step since)
-        # by index: (live tensor, its data_ptr, buffer) of the last trade, known swappable while all three hold:
-        # the restore of a 300M model + Adam (2,288 tensors) checks _swappable's seven properties no more
-        self._traded: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}
+        # by index, of the last trade: (the live tensor, weakly; its data_ptr; the buffer's data_ptr). While
+        # all three still hold, the pair is still swappable: the restore of a 300M model + Adam (2,288
+        # tensors) checks _swappable's seven properties no more. Nothing held: a stale entry keeps no memory.
+        self._traded: dict[int, tuple[weakref.ref, int, int]] = {}
         self._copier: threading.Thread | None = None
         self._hurry = threading.Event()  # set: the running copy is waited for, it must not hold back
         self._copy_error: BaseException | None = None
@@ -241,6 +243,7 @@ class _TensorBuffers:
             for b, t in zip(self.buffers, tensors, strict=True)
         ):
             self.buffers = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
+            self._traded.clear()
 
     def save(self, tensors: Sequence[torch.Tensor]) -> None:
         self.wait()
@@ -275,12 +278,13 @@ class _TensorBuffers:
                     continue  # no step since the commit: the live tensor is the commit
                 last = traded.get(i)
                 if g and (
-                    (last is not None and last[0] is t and last[2] is b and last[1] == t.data_ptr()) or _swappable(t, b)
+                    (last is not None and last[0]() is t and last[1] == t.data_ptr() and last[2] == b.data_ptr())
+                    or _swappable(t, b)
                 ):
                     old = t.data
                     t.data = b
                     self.buffers[i] = old
-                    traded[i] = (t, b.data_ptr(), old)
+                    traded[i] = (weakref.ref(t), b.data_ptr(), old.data_ptr())
                     # re-copied from the commit's storage itself (b), not from `t`: whatever the user points
                     # `t` at before the copy runs, the buffer gets the commit
                     later.append((old, b))
