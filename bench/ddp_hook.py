@@ -47,6 +47,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from results_file import write_results
+from spawn_ranks import run_ranks
 from throughput import batch, make_model
 
 from ray_elastic.collective.torch_gloo import TorchGlooGroup
@@ -208,15 +209,7 @@ def _cost_rank(rank: int, world: int, control: str, name: str, rounds: int, out:
 
 def measure_cost(name: str, rounds: int) -> dict:
     world = 2
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    with tempfile.TemporaryDirectory() as control:
-        procs = [ctx.Process(target=_cost_rank, args=(r, world, control, name, rounds, out)) for r in range(world)]
-        for p in procs:
-            p.start()
-        records = [out.get(timeout=900) for _ in range(world * (1 + len(VARIANTS) * rounds))]
-        for p in procs:
-            p.join(timeout=60)
+    records = run_ranks(_cost_rank, world, (name, rounds), messages=world * (1 + len(VARIANTS) * rounds), timeout=900)
     digests = [r["digests"] for r in records if "digests" in r]
     equal = len({d[v] for d in digests for v in VARIANTS}) == 1
     windows = [r for r in records if "variant" in r]

@@ -19,13 +19,12 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import tempfile
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from results_file import write_results
+from spawn_ranks import run_ranks
 
 from ray_elastic.collective.base import Sum
 from ray_elastic.collective.torch_gloo import TorchGlooGroup
@@ -60,15 +59,7 @@ def rank_main(rank: int, world: int, control: str, rounds: int, calls: int, out)
 
 
 def measure(world: int, rounds: int, calls: int) -> list[dict]:
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    with tempfile.TemporaryDirectory() as control:
-        procs = [ctx.Process(target=rank_main, args=(r, world, control, rounds, calls, out)) for r in range(world)]
-        for p in procs:
-            p.start()
-        by_rank = dict(out.get(timeout=1200) for _ in procs)
-        for p in procs:
-            p.join(60)
+    by_rank = dict(run_ranks(rank_main, world, (rounds, calls), messages=world, timeout=1200))
     rows = []
     for mb in SIZES_MB:
         row: dict = {"world": world, "mb": mb}
