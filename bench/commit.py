@@ -11,9 +11,10 @@ side:
 - `deepcopy`: `copy.deepcopy` of the model's and optimizer's state dicts, as
   Horovod's TorchState does.
 
-Prints a table and writes bench/results/commit.json. Reports, never asserts.
+Prints a table and writes bench/results/commit.json (or `--out NAME`). Reports,
+never asserts.
 
-    .venv/bin/python bench/commit.py [--sizes 10,50,100] [--reps 5]
+    .venv/bin/python bench/commit.py [--sizes 10,50,100] [--reps 5] [--out commit]
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="10,50,100", help="millions of model parameters")
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--out", default="commit", help="results file name under bench/results/")
     args = parser.parse_args()
     torch.set_num_threads(1)
     rows = []
@@ -98,7 +100,7 @@ def main() -> None:
             f"{r['torchstate_save_s'] * 1e3:>7.1f}ms {r['deepcopy_s'] * 1e3:>7.1f}ms "
             f"{r['save_over_copy']:>9.2f}x {r['deepcopy_over_save']:>9.2f}x"
         )
-    write_results("commit", rows, reps=args.reps)
+    write_results(args.out, rows, reps=args.reps, sizes=args.sizes)
 
 
 if __name__ == "__main__":

@@ -24,13 +24,26 @@ file, so the benchmark decides when a host comes. One run per size:
    (rank 0's longest gap between steps around it, beside its median step).
    The table gives the median of the scale-ups. The share of loopback is
    also given against the median of those six broadcasts (one sync against
-   a typical broadcast, rather than against the best of six).
+   a typical broadcast, rather than against the best of six), and against
+   a point-to-point send of the same bytes from rank 0 to the newcomer,
+   timed a few steps after its sync (three times, the best) while the
+   other holder idles: the same processes, the same world, the same
+   moment.
 3. Failure, no newcomer: the last newcomer (the last rank) SIGKILLs itself one
    step after a commit; B is then cooling down, so the survivors (one with
    `--workers 2`) go on alone.
    Measured: the reset round (`worker_failed`'s `reset_duration`),
    SIGKILL-to-next-step (the kill's time, written by the killed process, to
    rank 0's next completed step; it includes one step) and the steps redone.
+
+What moving the bytes costs the machine, beside the loopback broadcasts:
+every rank's CPU seconds per GB moved (the newcomer's and the holders' in a
+sync; both ends' in the timed broadcasts), and the share of the machine's
+cores busy meanwhile (every process's, Ray's and the kernel's included).
+On this 2-core machine loopback TCP is CPU-bound: a sync whose CPU per GB
+matches the broadcasts', on cores already full, is at the transport's
+ceiling, and its share of loopback then says how busy the rest of the
+machine was.
 
 `--dtype bfloat16` makes the parameters and Adam's moments bfloat16: the
 same tensors in half the bytes, so a 300M model's three workers fit this
@@ -74,8 +87,10 @@ from ray.cluster_utils import Cluster
 from results_file import write_results
 
 import ray_elastic as elastic
+from ray_elastic.collective import group
 
 GB = 1e9
+CORES = psutil.cpu_count()
 WIDTH = 1024
 COMMIT_EVERY = 2
 COPIES_PER_WORKER = 2.6  # model + Adam, its commit, the gradients (in the buckets), Ray, torch: 2.5 measured at 100M
@@ -108,6 +123,12 @@ def forget_peak_rss() -> None:
     """Start the peak over from the memory in use now (Linux: `clear_refs` 5), so the benchmark's buffers leave it."""
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
+
+
+def machine_busy_s() -> float:
+    """CPU seconds the whole machine spent busy so far, all its cores (every process, and the kernel's softirqs)."""
+    t = psutil.cpu_times()
+    return sum(t) - t.idle - getattr(t, "iowait", 0.0)
 
 
 def cpu_s() -> float:
@@ -158,16 +179,18 @@ def train_fn(config: dict) -> int:
     first_step_at_top: dict[int, int] = {}
 
     def timed_sync(sync=state.sync) -> None:
-        started, cpu = time.perf_counter(), cpu_s()
+        started, cpu, busy = time.perf_counter(), cpu_s(), machine_busy_s()
         sync()
+        took = time.perf_counter() - started
         log(
             workdir,
             kind="sync",
             rank=elastic.rank(),
             size=elastic.size(),
-            sync_s=time.perf_counter() - started,
+            sync_s=took,
             agreed_s=state.last_sync.agreed_after,
             cpu_s=cpu_s() - cpu,
+            machine_busy=(machine_busy_s() - busy) / (took * CORES),
         )
 
     def timed_restore(restore=state.restore) -> None:
@@ -183,19 +206,35 @@ def train_fn(config: dict) -> int:
         nbytes = min(state_bytes, 512 * 2**20)
         mapped = mmap.mmap(-1, nbytes)
         buf = torch.frombuffer(mapped, dtype=torch.float32)
-        elastic.broadcast_(buf, 0)  # connections and pages first
-        times = []
+        last = elastic.size() - 1
+        ring = group()
+
+        def move(t: torch.Tensor) -> None:
+            if last == 1:  # a broadcast between two ranks: rank 0 to rank 1
+                elastic.broadcast_(t, 0)
+            elif elastic.rank() in (0, last):  # at the top world: rank 0 to the newcomer, the other holder idle
+                (ring.send_async(t, last) if elastic.rank() == 0 else ring.recv_async(t, 0)).wait()
+
+        move(buf)  # connections and pages first
+        times, busy, cpu = [], [], 0.0
         for _ in range(3):
-            started = time.perf_counter()
-            elastic.broadcast_(buf, 0)
+            elastic.allreduce(0)  # every rank starts together
+            started, busy_before, cpu_before = time.perf_counter(), machine_busy_s(), cpu_s()
+            move(buf)
             times.append(time.perf_counter() - started)
-        if elastic.rank() == 0:
+            busy.append((machine_busy_s() - busy_before) / (times[-1] * CORES))
+            cpu += cpu_s() - cpu_before
+        # both ends' CPU, to set beside a sync's: what moving these bytes costs the machine
+        if elastic.rank() in (0, last):
+            log(workdir, kind="bandwidth_cpu", request=request, rank=elastic.rank(), cpu_s=cpu, nbytes=3 * nbytes)
+        if elastic.rank() == (0 if last == 1 else last):  # the receiver's time at the top world
             log(
                 workdir,
                 kind="bandwidth",
                 request=request,
                 bytes_per_s=nbytes / min(times),
                 each_bytes_per_s=[nbytes / t for t in times],
+                machine_busy_each=busy,
                 size=elastic.size(),
             )
         del buf
@@ -326,7 +365,10 @@ def one_size(
     runner = threading.Thread(target=lambda: box.setdefault("result", trainer.fit()))
     runner.start()
 
-    def measure(request: int) -> None:
+    requests = iter(range(1, 1000))
+
+    def measure() -> None:
+        request = next(requests)
         Path(paths["measure"]).write_text(str(request))
         wait_progress(paths["progress"], f"bandwidth measurement {request}", lambda p: p["measured"] >= request)
 
@@ -334,12 +376,11 @@ def one_size(
         wait_progress(paths["progress"], f"{base} workers training", lambda p: p["step"] >= 3)
         for k in range(scale_ups):
             if base > 1:  # the loopback broadcast needs two ranks: before the scale-up, or else just after it
-                measure(k + 1)
+                measure()
             Path(hosts).write_text(json.dumps({node_a: base, node_b: 1}))
             seen = wait_progress(paths["progress"], f"newcomer {k + 1} to join", lambda p: p["world_size"] == top)
             wait_progress(paths["progress"], f"steps at {top}", lambda p, s=seen["step"]: p["step"] >= s + 3)
-            if base == 1:
-                measure(k + 1)
+            measure()  # with base 1, the broadcast; else rank 0 to the newcomer, beside the other holder
             if k < scale_ups - 1:  # B withdrawn: a graceful removal, then B is offered again
                 Path(hosts).write_text(json.dumps({node_a: base}))
                 seen = wait_progress(paths["progress"], "the removal", lambda p: p["world_size"] == base)
@@ -348,7 +389,7 @@ def one_size(
         seen = wait_progress(paths["progress"], "the survivors after the kill", lambda p: p["world_size"] == base)
         wait_progress(paths["progress"], f"steps at {base} again", lambda p, s=seen["step"]: p["step"] >= s + 2)
         if base > 1:
-            measure(scale_ups + 1)
+            measure()
     finally:
         Path(paths["stop"]).touch()
         runner.join(300)
@@ -386,7 +427,9 @@ def one_size(
     for r in logs:
         if r["kind"] == "bandwidth" and r["size"] > 1:
             first_of_request.setdefault(r["request"], r)
-    measured = [first_of_request[k] for k in sorted(first_of_request)]
+    measured = [first_of_request[k] for k in sorted(first_of_request) if first_of_request[k]["size"] == max(base, 2)]
+    # with base > 1, each scale-up's point-to-point loopback at the top world, rank 0 to the newcomer, just after it
+    after = [first_of_request[k] for k in sorted(first_of_request) if first_of_request[k]["size"] == top > 2]
     if base == 1:  # measured after each scale-up: the first one's ceiling is the measurement after it alone
         measured = measured[:1] + measured
     bandwidths = [m["bytes_per_s"] for m in measured]
@@ -399,6 +442,7 @@ def one_size(
         for k in range(len(newcomer_syncs))
     ]
     over_typical = [state_bytes / r["sync_s"] / bw for r, bw in zip(newcomer_syncs, typical, strict=True)]
+    over_after = [state_bytes / r["sync_s"] / m["bytes_per_s"] for r, m in zip(newcomer_syncs, after, strict=True)]
     # from the agreement on: the transfer itself, without the wait for the survivors to reach their sync
     transfer_over = [
         state_bytes / (r["sync_s"] - r["agreed_s"]) / bw for r, bw in zip(newcomer_syncs, ceilings, strict=True)
@@ -408,6 +452,21 @@ def one_size(
     holders_sync = [
         r for r in syncs if r["size"] == top and r["rank"] != top - 1 and abs(r["time"] - newcomer_sync["time"]) < 5
     ]
+    # what the transfer costs the machine: every rank's CPU per GB moved, in a sync and in the loopback broadcasts
+    sync_cpu_per_gb = [
+        sum(r["cpu_s"] for r in syncs if r["size"] == top and abs(r["time"] - first["time"]) < 5) / (state_bytes / GB)
+        for first in newcomer_syncs
+    ]
+    broadcast_cpu: dict[int, dict[int, dict]] = {}
+    for r in logs:
+        if r["kind"] == "bandwidth_cpu" and r["request"] in first_of_request:
+            broadcast_cpu.setdefault(r["request"], {}).setdefault(r["rank"], r)
+
+    def cpu_per_gb(of: list[dict]) -> float | None:
+        both = [broadcast_cpu.get(m["request"], {}) for m in of]
+        each = [sum(r["cpu_s"] for r in b.values()) / (max(r["nbytes"] for r in b.values()) / GB) for b in both if b]
+        return statistics.median(each) if each else None
+
     by_pid: dict[int, float] = {}
     for r in commits:
         by_pid[r["pid"]] = max(by_pid.get(r["pid"], 0.0), r["peak_over_state"])
@@ -426,11 +485,26 @@ def one_size(
         "up_newcomer_over_loopback_each": over,
         "up_newcomer_over_median_loopback": statistics.median(over_typical),
         "up_newcomer_over_median_loopback_each": over_typical,
+        # against rank 0 -> newcomer alone, at the top world, just after (best of 3): the same processes and moment
+        "up_newcomer_over_p2p_after": statistics.median(over_after) if over_after else None,
+        "up_newcomer_over_p2p_after_each": over_after,
+        "p2p_after_gbps_each": [m["bytes_per_s"] / GB for m in after],
+        "p2p_after_machine_busy": statistics.median(b for m in after for b in m["machine_busy_each"])
+        if after
+        else None,
         "up_newcomer_agreed_s": newcomer_sync["agreed_s"],
         "up_newcomer_transfer_over_loopback": transfer_over[median_k],
         "up_newcomer_cpu_s": newcomer_sync["cpu_s"],
         "up_holders_sync_s": [r["sync_s"] for r in holders_sync],
         "up_holders_cpu_s": [r["cpu_s"] for r in holders_sync],
+        # the machine's cores busy during the newcomer's sync, and during the loopback broadcasts (every process)
+        "up_machine_busy": statistics.median(r["machine_busy"] for r in newcomer_syncs),
+        "up_machine_busy_each": [r["machine_busy"] for r in newcomer_syncs],
+        "loopback_machine_busy": statistics.median(b for m in measured for b in m["machine_busy_each"]),
+        "up_cpu_s_per_gb": statistics.median(sync_cpu_per_gb),
+        "up_cpu_s_per_gb_each": sync_cpu_per_gb,
+        "loopback_cpu_s_per_gb": cpu_per_gb(measured),
+        "p2p_after_cpu_s_per_gb": cpu_per_gb(after),
         "up_survivor_pause_s": statistics.median(times[i] - times[i - 1] for i in ups),
         "up_survivor_pause_s_each": [times[i] - times[i - 1] for i in ups],
         # the first scale-up's
@@ -502,7 +576,12 @@ def main() -> None:
                     f"{row['fail_kill_to_next_step_s']:.3f} s; scale-up reset {row['up_reset_s']:.3f} s, newcomer "
                     f"sync {row['up_newcomer_sync_s']:.3f} s ({row['up_newcomer_over_loopback']:.0%} of loopback; "
                     f"each scale-up: {', '.join(f'{x:.0%}' for x in row['up_newcomer_over_loopback_each'])}; "
-                    f"against the median broadcast: {row['up_newcomer_over_median_loopback']:.0%})",
+                    f"against the median broadcast: {row['up_newcomer_over_median_loopback']:.0%}"
+                    + (
+                        f"; against rank 0 -> newcomer just after: {row['up_newcomer_over_p2p_after']:.0%})"
+                        if row["up_newcomer_over_p2p_after"] is not None
+                        else ")"
+                    ),
                     flush=True,
                 )
     finally:
@@ -527,13 +606,20 @@ def main() -> None:
             f"{r['up_newcomer_over_loopback']:>5.0%} {r['up_survivor_pause_s']:>6.2f}s {r['commit_s']:>6.3f}s "
             f"{r['commit_over_copy']:>5.2f}x {'/'.join(f'{p:.2f}' for p in r['worker_peak_over_state']):>14}"
         )
-    print(f"{'params':>7} {'newcomer':>9} {'agreed':>7} {'transfer %':>10} {'cpu':>6} {'holders sync':>13} {'cpu':>10}")
+    print(
+        f"{'params':>7} {'newcomer':>9} {'agreed':>7} {'transfer %':>10} {'cpu':>6} {'holders sync':>13} {'cpu':>10}"
+        f" {'cpu/GB sync':>11} {'loopbk':>6} {'busy sync':>9} {'loopbk':>6} {'p2p after':>9} {'%':>5}"
+    )
     for r in rows:
+        loopback_cpu, after = r["loopback_cpu_s_per_gb"], r["up_newcomer_over_p2p_after"]
         print(
             f"{r['params_m']:>6}M {r['up_newcomer_sync_s']:>8.3f}s {r['up_newcomer_agreed_s']:>6.3f}s "
             f"{r['up_newcomer_transfer_over_loopback']:>10.0%} {r['up_newcomer_cpu_s']:>5.2f}s "
             f"{'/'.join(f'{x:.2f}' for x in r['up_holders_sync_s']):>12}s "
-            f"{'/'.join(f'{x:.2f}' for x in r['up_holders_cpu_s']):>9}s"
+            f"{'/'.join(f'{x:.2f}' for x in r['up_holders_cpu_s']):>9}s "
+            f"{r['up_cpu_s_per_gb']:>10.2f}s {'-' if loopback_cpu is None else f'{loopback_cpu:.2f}s':>6} "
+            f"{r['up_machine_busy']:>9.0%} {r['loopback_machine_busy']:>6.0%} "
+            f"{statistics.median(r['p2p_after_gbps_each']) if after else 0:>7.2f}GB {after or 0:>5.0%}"
         )
     for note in skipped:
         print(note)
