@@ -442,7 +442,11 @@ def one_size(
         for k in range(len(newcomer_syncs))
     ]
     over_typical = [state_bytes / r["sync_s"] / bw for r, bw in zip(newcomer_syncs, typical, strict=True)]
-    over_after = [state_bytes / r["sync_s"] / m["bytes_per_s"] for r, m in zip(newcomer_syncs, after, strict=True)]
+    over_after = (
+        [state_bytes / r["sync_s"] / m["bytes_per_s"] for r, m in zip(newcomer_syncs, after, strict=True)]
+        if after  # none with --workers 2: its broadcast after each scale-up is rank 0 -> newcomer already
+        else []
+    )
     # from the agreement on: the transfer itself, without the wait for the survivors to reach their sync
     transfer_over = [
         state_bytes / (r["sync_s"] - r["agreed_s"]) / bw for r, bw in zip(newcomer_syncs, ceilings, strict=True)
@@ -619,7 +623,11 @@ def main() -> None:
             f"{'/'.join(f'{x:.2f}' for x in r['up_holders_cpu_s']):>9}s "
             f"{r['up_cpu_s_per_gb']:>10.2f}s {'-' if loopback_cpu is None else f'{loopback_cpu:.2f}s':>6} "
             f"{r['up_machine_busy']:>9.0%} {r['loopback_machine_busy']:>6.0%} "
-            f"{statistics.median(r['p2p_after_gbps_each']) if after else 0:>7.2f}GB {after or 0:>5.0%}"
+            + (
+                f"{statistics.median(r['p2p_after_gbps_each']):>7.2f}GB {after:>5.0%}"
+                if after
+                else f"{'-':>9} {'-':>5}"  # --workers 2: the loopback broadcast is already rank 0 -> newcomer
+            )
         )
     for note in skipped:
         print(note)
