@@ -131,6 +131,11 @@ def machine_busy_s() -> float:
     return sum(t) - t.idle - getattr(t, "iowait", 0.0)
 
 
+def busy_share(busy_before: float, took: float) -> float:
+    """The share of the machine's cores busy over the last `took` seconds, from `machine_busy_s()` at their start."""
+    return (machine_busy_s() - busy_before) / (took * CORES)
+
+
 def cpu_s() -> float:
     """CPU seconds this process used so far, all its threads (Gloo's and the sync's own included)."""
     usage = resource.getrusage(resource.RUSAGE_SELF)
@@ -190,7 +195,7 @@ def train_fn(config: dict) -> int:
             sync_s=took,
             agreed_s=state.last_sync.agreed_after,
             cpu_s=cpu_s() - cpu,
-            machine_busy=(machine_busy_s() - busy) / (took * CORES),
+            machine_busy=busy_share(busy, took),
         )
 
     def timed_restore(restore=state.restore) -> None:
@@ -222,7 +227,7 @@ def train_fn(config: dict) -> int:
             started, busy_before, cpu_before = time.perf_counter(), machine_busy_s(), cpu_s()
             move(buf)
             times.append(time.perf_counter() - started)
-            busy.append((machine_busy_s() - busy_before) / (times[-1] * CORES))
+            busy.append(busy_share(busy_before, times[-1]))
             cpu += cpu_s() - cpu_before
         # both ends' CPU, to set beside a sync's: what moving these bytes costs the machine
         if elastic.rank() in (0, last):
@@ -453,14 +458,14 @@ def one_size(
     ]
     median_k = sorted(range(len(over)), key=over.__getitem__)[len(over) // 2]  # the median scale-up
     newcomer_sync = newcomer_syncs[median_k]
-    holders_sync = [
-        r for r in syncs if r["size"] == top and r["rank"] != top - 1 and abs(r["time"] - newcomer_sync["time"]) < 5
-    ]
+
+    def same_sync(newcomers: dict) -> list[dict]:
+        """Every rank's record of the sync the newcomer's record `newcomers` is of."""
+        return [r for r in syncs if r["size"] == top and abs(r["time"] - newcomers["time"]) < 5]
+
+    holders_sync = [r for r in same_sync(newcomer_sync) if r["rank"] != top - 1]
     # what the transfer costs the machine: every rank's CPU per GB moved, in a sync and in the loopback broadcasts
-    sync_cpu_per_gb = [
-        sum(r["cpu_s"] for r in syncs if r["size"] == top and abs(r["time"] - first["time"]) < 5) / (state_bytes / GB)
-        for first in newcomer_syncs
-    ]
+    sync_cpu_per_gb = [sum(r["cpu_s"] for r in same_sync(first)) / (state_bytes / GB) for first in newcomer_syncs]
     broadcast_cpu: dict[int, dict[int, dict]] = {}
     for r in logs:
         if r["kind"] == "bandwidth_cpu" and r["request"] in first_of_request:
