@@ -12,7 +12,7 @@ PY310 ?= PYENV_VERSION=3.10.13 python3.10
 VENV310 := .venv310
 STAMP310 := $(VENV310)/.installed
 
-.PHONY: demo test test-pygloo lint bench soak venv venv310 clean nettools
+.PHONY: demo test test-pygloo lint bench bench-link soak venv venv310 clean nettools
 
 venv: $(STAMP)
 
@@ -70,6 +70,11 @@ bench: $(BENCH_STAMP)
 	$(BIN)/python bench/recovery.py
 	$(BIN)/python bench/state_size.py
 	$(BIN)/python bench/control_plane.py
+
+# the newcomer's sync where the network is the limit: nodes in network namespaces, links capped at 10 Gbit/s
+# (needs root; about 5 minutes)
+bench-link: $(BENCH_STAMP) nettools
+	$(BIN)/python bench/state_size.py --sizes 10,100 --link-gbit 10 --out state_size_link10
 
 # the long chaos soak: 30 events on a 4-node local cluster (a few minutes)
 soak: $(STAMP)

@@ -45,6 +45,15 @@ matches the broadcasts', on cores already full, is at the transport's
 ceiling, and its share of loopback then says how busy the rest of the
 machine was.
 
+`--link-gbit R` runs A and B as `ray start` nodes in network namespaces of
+their own (tests/netns_cluster.py; needs root), each node's link capped at R
+Gbit/s each way by a token bucket, as a NIC of that speed: every byte to the
+newcomer on B crosses two capped links, while A's two ranks still talk over
+A's loopback (so the broadcast at world 2 is still loopback's). The newcomer's
+sync and the point-to-point just after it are then also given as shares of
+the cap. On this 2-core machine loopback TCP is CPU-bound; a capped link is
+where the network is the limit, as on a real cluster.
+
 `--dtype bfloat16` makes the parameters and Adam's moments bfloat16: the
 same tensors in half the bytes, so a 300M model's three workers fit this
 machine's memory.
@@ -61,7 +70,7 @@ Prints a table and writes bench/results/state_size.json (or `--out NAME`).
 Reports, never asserts.
 
     .venv/bin/python bench/state_size.py [--sizes 10,100,300] [--syncs 3] [--workers 3] [--dtype float32]
-        [--out state_size]
+        [--link-gbit R] [--out state_size]
 """
 
 from __future__ import annotations
@@ -74,6 +83,8 @@ import os
 import resource
 import signal
 import statistics
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -88,6 +99,9 @@ from results_file import write_results
 
 import ray_elastic as elastic
 from ray_elastic.collective import group
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from netns_cluster import NetnsCluster, unavailable_reason  # noqa: E402
 
 GB = 1e9
 CORES = psutil.cpu_count()
@@ -348,7 +362,14 @@ def pause_breakdown(logs: list[dict], last_at_base: float, killed: float, top: i
 
 
 def one_size(
-    params_m: int, node_a: str, node_b: str, workdir: str, scale_ups: int, top: int, dtype: str = "float32"
+    params_m: int,
+    node_a: str,
+    node_b: str,
+    workdir: str,
+    scale_ups: int,
+    top: int,
+    dtype: str = "float32",
+    link_gbit: float | None = None,
 ) -> dict:
     base = top - 1
     workdir = os.path.join(workdir, f"{params_m}m")
@@ -452,6 +473,9 @@ def one_size(
         if after  # none with --workers 2: its broadcast after each scale-up is rank 0 -> newcomer already
         else []
     )
+    # with --link-gbit: against the cap of the links every byte to the newcomer crosses (bytes per second)
+    link = link_gbit * 1e9 / 8 if link_gbit else None
+    over_link = [state_bytes / r["sync_s"] / link for r in newcomer_syncs] if link else []
     # from the agreement on: the transfer itself, without the wait for the survivors to reach their sync
     transfer_over = [
         state_bytes / (r["sync_s"] - r["agreed_s"]) / bw for r, bw in zip(newcomer_syncs, ceilings, strict=True)
@@ -501,6 +525,10 @@ def one_size(
         "p2p_after_machine_busy": statistics.median(b for m in after for b in m["machine_busy_each"])
         if after
         else None,
+        "link_gbit": link_gbit,
+        "up_newcomer_over_link": statistics.median(over_link) if link else None,
+        "up_newcomer_over_link_each": over_link,
+        "p2p_after_over_link_each": [m["bytes_per_s"] / link for m in after] if link else [],
         "up_newcomer_agreed_s": newcomer_sync["agreed_s"],
         "up_newcomer_transfer_over_loopback": transfer_over[median_k],
         "up_newcomer_cpu_s": newcomer_sync["cpu_s"],
@@ -543,6 +571,26 @@ def memory_available(need: float, timeout: float = 60.0) -> float:
     return available
 
 
+def run_on_netns(link_gbit: float) -> int:
+    """The benchmark in a child process, on nodes A and B in network namespaces with capped links; its exit code.
+
+    A and B are `ray start` nodes of 2 CPUs in namespaces of their own (tests/netns_cluster.py), each link
+    capped at `link_gbit` each way: A's two ranks still talk over A's own loopback, and every byte to or from
+    B crosses the capped links. The child connects with the head's token in its environment, which Ray reads
+    when it loads.
+    """
+    cluster = NetnsCluster(num_nodes=2)
+    try:
+        for node in cluster.nodes:
+            cluster.shape(node, link_gbit)
+        ids = cluster.node_ids()
+        target = f"{cluster.address},{ids[cluster.nodes[0].ip]},{ids[cluster.nodes[1].ip]}"
+        child = [sys.executable, __file__, *sys.argv[1:], "--connect", target]
+        return subprocess.run(child, env=cluster.env, check=False).returncode
+    finally:
+        cluster.close()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="10,100,300", help="millions of model parameters")
@@ -556,14 +604,34 @@ def main() -> None:
         choices=["float32", "bfloat16"],
         help="of the parameters and Adam's moments: bfloat16 halves the bytes of the same tensors",
     )
+    parser.add_argument(
+        "--link-gbit",
+        type=float,
+        help="run the nodes in network namespaces, each link capped at this many Gbit/s each way (needs root)",
+    )
     parser.add_argument("--out", default="state_size", help="results file name under bench/results/")
+    parser.add_argument("--connect", help=argparse.SUPPRESS)  # ADDRESS,NODE_A,NODE_B: --link-gbit's child
     args = parser.parse_args()
     if args.workers not in (2, 3):
         parser.error(f"--workers must be 2 or 3 (node A has 2 CPUs, B one slot), not {args.workers}")
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, **own_dashboard()})
-    node_a, node_b = cluster.add_node(num_cpus=2), cluster.add_node(num_cpus=2)
-    ray.init(address=cluster.address, logging_level=logging.ERROR)
-    cluster.wait_for_nodes()
+    if args.link_gbit is not None:
+        reason = unavailable_reason()
+        if reason:
+            parser.error(f"--link-gbit needs network namespaces: {reason}")
+        if not 0 < args.link_gbit <= 100:
+            parser.error(f"--link-gbit must be in (0, 100], not {args.link_gbit}")
+        if args.connect is None:
+            sys.exit(run_on_netns(args.link_gbit))
+    cluster = None
+    if args.connect is not None:  # the child of --link-gbit
+        address, node_a, node_b = args.connect.split(",")
+        ray.init(address=address, logging_level=logging.ERROR)
+    else:
+        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, **own_dashboard()})
+        a, b = cluster.add_node(num_cpus=2), cluster.add_node(num_cpus=2)
+        node_a, node_b = a.node_id, b.node_id
+        ray.init(address=cluster.address, logging_level=logging.ERROR)
+        cluster.wait_for_nodes()
     rows, skipped = [], []
     try:
         with tempfile.TemporaryDirectory() as workdir:
@@ -578,7 +646,9 @@ def main() -> None:
                     print(note, flush=True)
                     skipped.append(note)
                     continue
-                row = one_size(size, node_a.node_id, node_b.node_id, workdir, args.syncs, args.workers, args.dtype)
+                row = one_size(
+                    size, node_a, node_b, workdir, args.syncs, args.workers, args.dtype, link_gbit=args.link_gbit
+                )
                 rows.append(row)
                 print(
                     f"{size}M ({row['state_gb']:.2f} GB): failure reset {row['fail_reset_s']:.3f} s, kill->next step "
@@ -593,9 +663,18 @@ def main() -> None:
                     ),
                     flush=True,
                 )
+                if args.link_gbit is not None:
+                    print(
+                        f"  over the {args.link_gbit:g} Gbit/s links: the newcomer's sync at "
+                        f"{', '.join(f'{x:.0%}' for x in row['up_newcomer_over_link_each'])} of the cap; "
+                        f"rank 0 -> newcomer just after at "
+                        f"{', '.join(f'{x:.0%}' for x in row['p2p_after_over_link_each'])}",
+                        flush=True,
+                    )
     finally:
         ray.shutdown()
-        cluster.shutdown()
+        if cluster is not None:
+            cluster.shutdown()
     base = args.workers - 1
     print(f"{'params':>7} {'noticed':>8} {'restore':>8} {'noticed->synced':>15}  (failure, after the SIGKILL)")
     for r in rows:
@@ -634,6 +713,19 @@ def main() -> None:
                 else f"{'-':>9} {'-':>5}"  # --workers 2: the loopback broadcast is already rank 0 -> newcomer
             )
         )
+    if args.link_gbit is not None:
+        print(f"{'params':>7} {'link cap':>9} {'newcomer':>9} {'of cap':>7} {'p2p after':>10} {'of cap':>7}")
+        for r in rows:
+            print(
+                f"{r['params_m']:>6}M {r['link_gbit'] / 8:>7.2f}GB {r['up_newcomer_gbps']:>7.2f}GB "
+                f"{r['up_newcomer_over_link']:>7.0%} "
+                + (
+                    f"{statistics.median(r['p2p_after_gbps_each']):>8.2f}GB "
+                    f"{statistics.median(r['p2p_after_over_link_each']):>7.0%}"
+                    if r["p2p_after_gbps_each"]
+                    else f"{'-':>10} {'-':>7}"  # --workers 2: no point-to-point after the scale-up
+                )
+            )
     for note in skipped:
         print(note)
     write_results(
@@ -643,6 +735,7 @@ def main() -> None:
         syncs=args.syncs,
         workers=args.workers,
         dtype=args.dtype,
+        link_gbit=args.link_gbit,
         skipped=skipped,
         commit_every=COMMIT_EVERY,
         width=WIDTH,

@@ -207,6 +207,17 @@ class NetnsCluster:
                 return qdisc[0]
         raise RuntimeError(f"no qdisc to cut {node.ip} off: {added.stderr.strip()}")
 
+    def shape(self, node: NetnsNode, gbit: float) -> None:
+        """Cap `node`'s link at `gbit` Gbit/s each way, as a NIC of that speed would (a token bucket on both ends).
+
+        Traffic between two ranks on one node stays on its own loopback. Not to be combined with `cut`;
+        `heal` removes the cap.
+        """
+        for dev, netns in ((node.host_veth, None), (node.node_veth, node.netns)):
+            # a burst of 4 MB: at 10 Gbit/s that is 3 ms of traffic, well above a GSO segment and the timer's tick
+            _tc("qdisc", "replace", "dev", dev, "root", "tbf", "rate", f"{gbit}gbit", "burst", "4mb",
+                "latency", "50ms", netns=netns)  # fmt: skip
+
     def heal(self, node: NetnsNode) -> None:
         """Undo `cut`: both ends pass packets again."""
         _tc("qdisc", "del", "dev", node.host_veth, "root", check=False)
