@@ -614,14 +614,13 @@ def main() -> None:
     args = parser.parse_args()
     if args.workers not in (2, 3):
         parser.error(f"--workers must be 2 or 3 (node A has 2 CPUs, B one slot), not {args.workers}")
-    if args.link_gbit is not None:
+    if args.link_gbit is not None and args.connect is None:
+        if not 0 < args.link_gbit <= 100:
+            parser.error(f"--link-gbit must be in (0, 100], not {args.link_gbit:g}")
         reason = unavailable_reason()
         if reason:
             parser.error(f"--link-gbit needs network namespaces: {reason}")
-        if not 0 < args.link_gbit <= 100:
-            parser.error(f"--link-gbit must be in (0, 100], not {args.link_gbit}")
-        if args.connect is None:
-            sys.exit(run_on_netns(args.link_gbit))
+        sys.exit(run_on_netns(args.link_gbit))
     cluster = None
     if args.connect is not None:  # the child of --link-gbit
         address, node_a, node_b = args.connect.split(",")
