@@ -461,21 +461,23 @@ def one_size(
     bandwidths = [m["bytes_per_s"] for m in measured]
     # scale-up k's ceiling: the faster of the measurements just before and just after it (each the best of 3)
     ceilings = [max(bandwidths[k], bandwidths[k + 1]) for k in range(len(newcomer_syncs))]
-    over = [state_bytes / r["sync_s"] / bw for r, bw in zip(newcomer_syncs, ceilings, strict=True)]
+
+    def shares(of: list[float]) -> list[float]:
+        """Each newcomer's sync rate as a share of the bytes per second in `of` (one per scale-up)."""
+        return [state_bytes / r["sync_s"] / bw for r, bw in zip(newcomer_syncs, of, strict=True)]
+
+    over = shares(ceilings)
     # the same against the median of those 6 broadcasts: one sync against a typical broadcast, not the best of 6
     typical = [
         statistics.median(measured[k]["each_bytes_per_s"] + measured[k + 1]["each_bytes_per_s"])
         for k in range(len(newcomer_syncs))
     ]
-    over_typical = [state_bytes / r["sync_s"] / bw for r, bw in zip(newcomer_syncs, typical, strict=True)]
-    over_after = (
-        [state_bytes / r["sync_s"] / m["bytes_per_s"] for r, m in zip(newcomer_syncs, after, strict=True)]
-        if after  # none with --workers 2: its broadcast after each scale-up is rank 0 -> newcomer already
-        else []
-    )
+    over_typical = shares(typical)
+    # none with --workers 2: its broadcast after each scale-up is rank 0 -> newcomer already
+    over_after = shares([m["bytes_per_s"] for m in after]) if after else []
     # with --link-gbit: against the cap of the links every byte to the newcomer crosses (bytes per second)
     link = link_gbit * 1e9 / 8 if link_gbit else None
-    over_link = [state_bytes / r["sync_s"] / link for r in newcomer_syncs] if link else []
+    over_link = shares([link] * len(newcomer_syncs)) if link else []
     # from the agreement on: the transfer itself, without the wait for the survivors to reach their sync
     transfer_over = [
         state_bytes / (r["sync_s"] - r["agreed_s"]) / bw for r, bw in zip(newcomer_syncs, ceilings, strict=True)

@@ -5,7 +5,8 @@ class creates; each worker node runs `ray start` inside a network namespace
 of its own, joined to the bridge by a veth pair. So ranks on different nodes
 talk over real, distinct addresses, and a node can be cut off silently
 (`cut`: every packet on its veth dropped, no RST, as when a VM vanishes) and
-healed, or its link capped at a NIC's speed (`shape`). Needs root (CAP_NET_ADMIN): `unavailable_reason()` says why not.
+healed, or its link capped at a NIC's speed (`shape`). Needs root
+(CAP_NET_ADMIN): `unavailable_reason()` says why not.
 
 Everything created is named with one prefix (`re` + 4 random hex digits):
 the bridge, the veths, the namespaces, on a /24 of 10.213.0.0/16 that no
