@@ -56,8 +56,10 @@ class CollectiveGroup(ABC):
         backends that can (torch Gloo) also release a collective blocked in
         the ring right now, whether or not this rank was connected to the
         lost one. The others (pygloo, NCCL) leave it to their own timeout.
+        Called again, it keeps the first reason.
         """
-        self.abandoned = reason
+        if self.abandoned is None:
+            self.abandoned = reason
 
     def check_abandoned(self, what: str) -> None:
         if self.abandoned is not None:

@@ -8,10 +8,14 @@ waited on through its future and an event that `abandon()` (the driver
 saying a member of this generation was lost) also sets, so a rank blocked in
 the ring leaves it at once instead of after `collective_timeout`, even when
 it was not connected to the lost rank (a ring allreduce waits on its
-neighbours only). torch cannot cancel the Gloo operation itself: it stays
-pending on Gloo's thread until its own timeout, and the abandoned process
-group (with the buffers it holds) is kept referenced until then, because
-dropping it would block in its destructor until the operation ends. A backend
+neighbours only). torch cannot cancel the Gloo operation itself, so
+`abandon()` first cuts the ring's connections (`ring_sockets`) and waits
+until every pending work has ended: only then are the waiters released, and
+nothing of the dead ring writes into a tensor afterwards, even if the
+network heals (invariant 7). A work that outlives that bound (it should not)
+is logged, counted (`late_completions`), and kept referenced with its
+process group in a graveyard, because dropping it would block in its
+destructor until the operation ends. A backend
 subclass says which torch backend it runs and on which device values must
 live; `_stage` moves a caller's value there and back. numpy arrays go through
 `torch.from_numpy`, which shares their memory, so on CPU in-place operations
@@ -20,9 +24,11 @@ write straight into the caller's array.
 
 from __future__ import annotations
 
+import logging
 import math
 import pickle
 import threading
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -32,12 +38,19 @@ import torch
 import torch.distributed as dist
 
 from ray_elastic.collective.base import CollectiveGroup, CollectiveWork, ReduceOp, guarded_call
+from ray_elastic.collective.ring_sockets import RingSockets
 from ray_elastic.exceptions import HorovodInternalError
+
+logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
 # abandoned process groups, kept with their pending works until Gloo's timeout ends those
 _graveyard: list[tuple[Any, list[Any]]] = []
+# works of a left ring that completed without error after it was left: each wrote into a buffer it no longer owned
+_late_completions: list[str] = []
+# how long leaving a ring waits for its works to end once its connections are cut (they fail within milliseconds)
+SETTLE_S = 2.0
 # how long a wait blocks in torch's C++ before it registers a callback that the driver's abandon can end
 _SHORT_WAIT = timedelta(milliseconds=5)
 
@@ -65,6 +78,7 @@ class TorchDistGroup(CollectiveGroup):
 
     backend = "abstract"
     abortable = False  # its collectives can be abandoned while blocked (Gloo); NCCL waits on its own watchdog
+    _sockets: RingSockets | None = None  # the ring's connections, where a backend can cut them (Gloo)
 
     def __init__(
         self, store: dist.Store, rank: int, size: int, timeout: float, device: torch.device | None = None
@@ -73,6 +87,7 @@ class TorchDistGroup(CollectiveGroup):
         self.device = device or torch.device("cpu")
         self._timeout_s = timeout
         self._lock = threading.Lock()
+        self._cutting = threading.Lock()  # one cut at a time: a second caller returns once the first is done
         self._waiting: set[threading.Event] = set()
         # works started and not yet seen finished (abandoned, or never waited on), by id: a finished one is
         # dropped at once (holding DDP's bucket works until dozens piled up cost 5-15% of a step at 23M)
@@ -85,8 +100,10 @@ class TorchDistGroup(CollectiveGroup):
             dist.distributed_c10d._world.group_count = 0
         self._call(
             "init_process_group",
-            lambda: dist.init_process_group(
-                self.backend, store=store, rank=rank, world_size=size, timeout=timedelta(seconds=timeout)
+            lambda: self._create(
+                lambda: dist.init_process_group(
+                    self.backend, store=store, rank=rank, world_size=size, timeout=timedelta(seconds=timeout)
+                )
             ),
         )
         self._max_buf = torch.zeros(1, dtype=torch.int64, device=self.device)
@@ -97,9 +114,19 @@ class TorchDistGroup(CollectiveGroup):
 
     _call = staticmethod(guarded_call)
 
+    def _create(self, create: Callable[[], None]) -> None:
+        """Create the process group; a backend whose connections can be cut notes them here."""
+        create()
+
     # ---- waiting, abandonably -------------------------------------------------------
     def abandon(self, reason: str) -> None:
+        """Fail this generation's collectives; where the ring can be cut, only once its works have ended.
+
+        Cutting first, then releasing the waiters, means the training thread
+        never rolls back while a dead work can still write into its tensors.
+        """
         super().abandon(reason)
+        self._cut_ring()
         with self._lock:
             for event in self._waiting:
                 event.set()
@@ -327,16 +354,66 @@ class TorchDistGroup(CollectiveGroup):
         self._run("check_host_updates", lambda: dist.all_reduce(self._max_buf, op=dist.ReduceOp.MAX, async_op=True))
         return int(self._max_buf.item())
 
+    def _cut_ring(self) -> list[Any]:
+        """Cut the ring's connections and wait (at most `SETTLE_S`) for its works to end; those still pending."""
+        with self._cutting:
+            return self._cut_and_settle()
+
+    def _cut_and_settle(self) -> list[Any]:
+        pending = [w for w in list(self._inflight.values()) if not w.is_completed()]
+        if self._sockets is None:
+            return pending
+        self._sockets.cut()
+        deadline = time.monotonic() + SETTLE_S
+        still = []
+        for work in pending:
+            ended = threading.Event()
+            work.get_future().add_done_callback(lambda _, ended=ended: ended.set())
+            if not ended.wait(max(0.0, deadline - time.monotonic())):
+                still.append(work)
+        if still:
+            logger.warning(
+                "%d collective(s) of an abandoned %s ring did not end within %g s of cutting its connections",
+                len(still),
+                self.backend,
+                SETTLE_S,
+            )
+        return still
+
     def close(self) -> None:
         _graveyard[:] = [(pg, works) for pg, works in _graveyard if not all(w.is_completed() for w in works)]
         pending = [w for w in self._inflight.values() if not w.is_completed()]
+        if pending or self.abandoned is not None:
+            # a broken ring (a bucket never waited on after an earlier one failed, or an abandoned collective):
+            # its works must end before its buffers are reused; a healthy ring's last bytes are left to arrive
+            pending = self._cut_ring()
         self._inflight = {}
         if dist.is_initialized():
-            # a gradient bucket never waited on after an earlier one failed, or an abandoned collective:
-            # dropping the group now would block in its destructor until Gloo times the operation out
+            # dropping the group with a work pending would block in its destructor until Gloo times it out
             if pending:
+                _watch_late(pending, self.backend)
                 _graveyard.append((dist.distributed_c10d._get_default_group(), pending))
             try:
                 dist.destroy_process_group()
             except Exception:  # noqa: BLE001 - a broken ring may fail to tear down; it is dropped either way
                 pass
+
+
+def _watch_late(works: list[Any], backend: str) -> None:
+    """Count (and log) each work of a left ring that still completes without error: it wrote into a stale buffer."""
+    for work in works:
+
+        def on_done(future: torch.futures.Future) -> None:
+            try:
+                future.wait()
+            except Exception:  # noqa: BLE001 - a failed work wrote nothing: the expected end
+                return
+            _late_completions.append(backend)
+            logger.error("a collective of a left %s ring completed after the ring was left", backend)
+
+        work.get_future().add_done_callback(on_done)
+
+
+def late_completions() -> int:
+    """How many works of left rings completed without error in this process (0 where fencing holds)."""
+    return len(_late_completions)

@@ -5,14 +5,19 @@ and CPU tensors are reduced in place, without a copy). Gloo reduces with a
 bitwise or, so `bitwise_or_` is one allreduce instead of a gather.
 `shared_ring()` is the generation's shared-memory allreduce when all its
 ranks run on one machine (`ray_elastic.collective.shm`), built on first use.
+The ring's TCP connections are noted as it forms, so an abandoned ring can be
+cut (`ring_sockets`): none of its works completes after the abandon.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from ray_elastic.collective.ring_sockets import RingSockets
 from ray_elastic.collective.shm import SharedRing
 from ray_elastic.collective.torch_dist import TorchDistGroup
 
@@ -26,6 +31,10 @@ class TorchGlooGroup(TorchDistGroup):
     backend = "gloo"
     abortable = True
     _shared: SharedRing | None | object = _UNBUILT
+
+    def _create(self, create: Callable[[], None]) -> None:
+        """Create the process group and note its connections, which `abandon()` cuts (see `ring_sockets`)."""
+        _, self._sockets = RingSockets.opened_by(create)
 
     def shared_ring(self) -> SharedRing | None:
         """This generation's shared-memory allreduce, or None where the ranks do not share a machine.

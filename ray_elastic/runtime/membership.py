@@ -170,7 +170,7 @@ class Membership:
             return
 
     def tell_failure(self) -> None:
-        """Tell the driver (once per generation, not awaited) that this generation's ring failed here.
+        """Tell the driver (once per generation, not awaited) that this generation's ring failed here, and leave it.
 
         The run loop calls it as soon as it catches the failure, before the
         state's restore, so the driver plans the next generation while the
@@ -179,6 +179,10 @@ class Membership:
         if self._failure_told != self.generation:
             self._failure_told = self.generation
             self.driver.request_reset.remote(self.worker_id, self.generation, "collective failed")
+        if self.group is not None:
+            # the state is restored next: no work of this ring may write into its tensors any more (invariant 7);
+            # if the driver's abandon is cutting the ring on another thread, this waits for it to finish
+            self.group.abandon("its ring failed on this rank")
 
     def reset(self, failed: bool) -> None:
         """Leave the current ring and join the next generation."""
