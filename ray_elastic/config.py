@@ -54,6 +54,13 @@ class RunConfig:
     checkpoint_every: int = 10
     keep_metrics: int | None = 100_000
     datasets: tuple[str, ...] = ()  # the names of the run's Ray Datasets (the datasets go to the feed actor)
+    data_cpus: int = 1  # whole CPUs the workers leave free for Ray Data's tasks (with datasets= only)
+    data_starvation_timeout: float = 60.0  # a pipeline starved of CPUs this long fails the run (data_cpus=0)
+
+    @property
+    def kept_cpus(self) -> int:
+        """The CPUs discovery keeps from the workers: `data_cpus` if the run has datasets, else none."""
+        return self.data_cpus if self.datasets else 0
 
     @classmethod
     def create(
@@ -75,6 +82,8 @@ class RunConfig:
         checkpoint_every: int,
         keep_metrics: int | None,
         datasets: tuple[str, ...] = (),
+        data_cpus: int = 1,
+        data_starvation_timeout: float = 60.0,
     ) -> RunConfig:
         """Check every option (`ElasticTrainer`'s signature holds their defaults, once).
 
@@ -93,6 +102,7 @@ class RunConfig:
             ("discovery_timeout", discovery_timeout),
             ("liveness_timeout", liveness_timeout),
             ("collective_timeout", collective_timeout),
+            ("data_starvation_timeout", data_starvation_timeout),
         ):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or math.isinf(value):
                 raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
@@ -100,6 +110,7 @@ class RunConfig:
             _check_int("reset_limit", reset_limit, 0)
         _check_int("max_failures", max_failures, 0)
         _check_int("checkpoint_every", checkpoint_every, 1)
+        _check_int("data_cpus", data_cpus, 0)  # Ray Data's tasks ask for whole CPUs (one each by default)
         if keep_metrics is not None:
             _check_int("keep_metrics", keep_metrics, 0)
         url = None
@@ -135,6 +146,8 @@ class RunConfig:
             checkpoint_every=checkpoint_every,
             keep_metrics=keep_metrics,
             datasets=tuple(datasets),
+            data_cpus=data_cpus,
+            data_starvation_timeout=float(data_starvation_timeout),
         )
 
     def worker(self, run_id: str) -> WorkerConfig:

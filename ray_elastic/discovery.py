@@ -10,6 +10,11 @@ share one IP, so there the node ID is required).
 - `ScriptDiscovery`: an executable printing `host:slots` lines, as Horovod's
   `--host-discovery-script` does (a bare `host` gets `default_slots`).
 
+`KeepCpusFree` wraps any of them for a run given `datasets=`: it takes slots
+away until whole CPUs are left free for Ray Data's read and map tasks
+(`ElasticTrainer(data_cpus=...)`), since workers holding every CPU starve
+the pipeline without a word.
+
 `DiscoveryPoller` adds the failure policy: a source failing on its first call
 fails the job at once with its error text; later failures are retried with a
 warning until `give_up_after` seconds without a success.
@@ -271,17 +276,95 @@ def _resolve(
     return hosts
 
 
-def make_discovery(spec: object, per_worker: Mapping[str, float], timeout: float = 30.0) -> Callable[[], HostSlots]:
-    """The discovery source for `ElasticTrainer(discovery=spec)`; a script is killed after `timeout` s."""
+def free_whole_cpus(hosts: Mapping[str, int], nodes: Sequence[NodeInfo], worker_cpus: float) -> int:
+    """Whole CPUs no slot of `hosts` takes: a task asking for one CPU runs on one node, so fractions do not add up."""
+    return sum(math.floor(n.resources.get("CPU", 0.0) - hosts.get(n.node_id, 0) * worker_cpus + 1e-9) for n in nodes)
+
+
+def keep_cpus_free(
+    hosts: Mapping[str, int],
+    nodes: Sequence[NodeInfo],
+    worker_cpus: float,
+    keep: int,
+    prefer: Sequence[str] = (),
+) -> HostSlots:
+    """`hosts` less the slots whose CPUs must stay free so that `keep` whole CPUs are left.
+
+    CPUs no slot takes already count (a head node not offered, a node's
+    remainder). A slot is taken from a host in `prefer` first (the hosts
+    trimmed at the last poll, so a node joining does not move the free CPU
+    and evict a worker elsewhere), then from the host closest to freeing a
+    whole CPU, then from the host with the most slots.
+    """
+    out = dict(hosts)
+    cpus = {n.node_id: n.resources.get("CPU", 0.0) for n in nodes}
+    while worker_cpus > 0 and free_whole_cpus(out, nodes, worker_cpus) < keep:
+        candidates = [h for h, slots in out.items() if slots > 0 and h in cpus]
+        if not candidates:
+            break
+        host = min(
+            candidates,
+            key=lambda h: (h not in prefer, -((cpus[h] - out[h] * worker_cpus) % 1), -out[h], h),
+        )
+        out[host] -= 1
+    return {h: s for h, s in out.items() if s > 0}
+
+
+class KeepCpusFree:
+    """A discovery source less the slots that would take the CPUs kept for Ray Data (`keep_cpus_free`)."""
+
+    def __init__(
+        self,
+        source: Callable[[], HostSlots],
+        keep: int,
+        per_worker: Mapping[str, float],
+        nodes: Callable[[], list[NodeInfo]] = alive_ray_nodes,
+    ):
+        self.source = source
+        self.keep = keep
+        self.worker_cpus = per_worker.get("CPU", 0.0)
+        self._nodes = nodes
+        self._trimmed: dict[str, int] = {}  # host -> slots taken away at the last poll
+
+    def __call__(self) -> HostSlots:
+        offered = self.source()
+        hosts = keep_cpus_free(offered, self._nodes(), self.worker_cpus, self.keep, prefer=sorted(self._trimmed))
+        trimmed = {h: s - hosts.get(h, 0) for h, s in offered.items() if s > hosts.get(h, 0)}
+        if trimmed != self._trimmed:
+            logger.info(
+                "keeping %d CPU(s) free for Ray Data's tasks (data_cpus=%d): %d worker slot(s) of %d offered (%s)",
+                self.keep,
+                self.keep,
+                sum(hosts.values()),
+                sum(offered.values()),
+                ", ".join(f"{h[:8]} -{s}" for h, s in sorted(trimmed.items())) or "none taken",
+            )
+        self._trimmed = trimmed
+        return hosts
+
+    def __repr__(self) -> str:
+        return repr(self.source)
+
+
+def make_discovery(
+    spec: object, per_worker: Mapping[str, float], timeout: float = 30.0, keep_cpus: int = 0
+) -> Callable[[], HostSlots]:
+    """The discovery source for `ElasticTrainer(discovery=spec)`; a script is killed after `timeout` s.
+
+    `keep_cpus` > 0 leaves that many whole CPUs of the cluster to no worker
+    (`KeepCpusFree`): the run's `data_cpus` when it was given `datasets=`.
+    """
     if spec is None:
-        return RayClusterDiscovery(per_worker)
-    if isinstance(spec, (str, os.PathLike)):
-        return ScriptDiscovery(os.fspath(spec), per_worker, timeout=timeout)
-    if callable(spec):
-        return CallableDiscovery(spec, per_worker)
-    raise ValueError(
-        f"discovery must be None, a callable returning {{host: slots}}, or a script path; got {type(spec).__name__}"
-    )
+        source: Callable[[], HostSlots] = RayClusterDiscovery(per_worker)
+    elif isinstance(spec, (str, os.PathLike)):
+        source = ScriptDiscovery(os.fspath(spec), per_worker, timeout=timeout)
+    elif callable(spec):
+        source = CallableDiscovery(spec, per_worker)
+    else:
+        raise ValueError(
+            f"discovery must be None, a callable returning {{host: slots}}, or a script path; got {type(spec).__name__}"
+        )
+    return KeepCpusFree(source, keep_cpus, per_worker) if keep_cpus > 0 else source
 
 
 def check_discovery_spec(spec: object) -> None:

@@ -21,10 +21,12 @@ from ray_elastic.discovery import (
     CallableDiscovery,
     DiscoveryError,
     DiscoveryPoller,
+    KeepCpusFree,
     NodeInfo,
     RayClusterDiscovery,
     ScriptDiscovery,
     check_discovery_spec,
+    keep_cpus_free,
     make_discovery,
     parse_host_lines,
     resolve_hosts,
@@ -257,6 +259,52 @@ def test_ray_cluster_discovery_sees_nodes_join_and_leave():
     assert disc() == {"node-a": 4, "node-b": 2}
     nodes.pop(0)
     assert disc() == {"node-b": 2}
+
+
+# ---- CPUs kept for Ray Data ------------------------------------------------------------
+
+TWO_BY_TWO = [  # the shape that starved a dataset: a head without CPUs, two nodes of 2 CPUs
+    NodeInfo(node_id="head", ip="10.0.0.9", resources={"CPU": 0.0}),
+    NodeInfo(node_id="node-a", ip="10.0.0.1", resources={"CPU": 2.0}),
+    NodeInfo(node_id="node-b", ip="10.0.0.2", resources={"CPU": 2.0}),
+]
+
+
+def test_keeping_a_cpu_for_ray_data_takes_one_slot_when_workers_would_fill_the_cluster():
+    hosts = {"node-a": 2, "node-b": 2}
+    kept = keep_cpus_free(hosts, TWO_BY_TWO, worker_cpus=1.0, keep=1)
+    assert sum(kept.values()) == 3
+    assert sum(keep_cpus_free(hosts, TWO_BY_TWO, worker_cpus=1.0, keep=2).values()) == 2
+    assert keep_cpus_free(hosts, TWO_BY_TWO, worker_cpus=1.0, keep=0) == hosts
+
+
+def test_cpus_no_worker_can_take_already_count_as_kept():
+    nodes = [NodeInfo(node_id="n", ip="10.0.0.1", resources={"CPU": 3.0})]
+    assert keep_cpus_free({"n": 1}, nodes, worker_cpus=2.0, keep=1) == {"n": 1}  # the third CPU is free anyway
+    head = [*TWO_BY_TWO[1:], NodeInfo(node_id="head", ip="10.0.0.9", resources={"CPU": 1.0})]
+    assert keep_cpus_free({"node-a": 2, "node-b": 2}, head, worker_cpus=1.0, keep=1) == {"node-a": 2, "node-b": 2}
+
+
+def test_a_kept_cpu_is_a_whole_cpu_on_one_node():
+    """Two halves on two nodes do not run a one-CPU task: a slot goes until one node has a whole CPU free."""
+    kept = keep_cpus_free({"node-a": 2, "node-b": 2}, TWO_BY_TWO, worker_cpus=0.75, keep=1)
+    assert sorted(kept.values()) == [1, 2]
+
+
+def test_the_kept_cpu_stays_on_the_same_node_when_a_node_joins(caplog):
+    """Moving it would evict a worker from a full node for nothing."""
+    nodes = list(TWO_BY_TWO)
+    source = RayClusterDiscovery(CPU1, nodes=lambda: list(nodes))
+    disc = KeepCpusFree(source, 1, CPU1, nodes=lambda: list(nodes))
+    with caplog.at_level(logging.INFO, logger="ray_elastic.discovery"):
+        first = disc()
+    assert sum(first.values()) == 3
+    assert "keeping 1 CPU(s) free for Ray Data's tasks (data_cpus=1): 3 worker slot(s) of 4" in caplog.text
+    trimmed = next(h for h, s in first.items() if s == 1)
+    for name in ("node-0", "node-z"):  # one sorting before every node, one after
+        nodes.append(NodeInfo(node_id=name, ip=f"10.0.1.{len(nodes)}", resources={"CPU": 2.0}))
+        assert disc()[trimmed] == 1 and sum(disc().values()) == 2 * (len(nodes) - 1) - 1
+    assert repr(disc) == "the Ray cluster"
 
 
 def test_callable_discovery_validates_and_resolves():

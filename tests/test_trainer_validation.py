@@ -39,6 +39,11 @@ def make(**overrides):
         ({"cooldown_range": 10}, "cooldown_range must be"),
         ({"discovery": 42}, "discovery must be None, a callable"),
         ({"discovery": "/no/such/script.sh"}, "does not exist"),
+        ({"data_cpus": -1}, "data_cpus must be an integer >= 0"),
+        ({"data_cpus": 0.5}, "data_cpus must be an integer >= 0"),
+        ({"data_cpus": None}, "data_cpus must be an integer >= 0"),
+        ({"data_starvation_timeout": 0}, "data_starvation_timeout must be a positive number"),
+        ({"data_starvation_timeout": float("inf")}, "data_starvation_timeout must be a positive number"),
     ],
 )
 def test_bad_arguments_are_rejected_with_a_clear_message(overrides, message):
