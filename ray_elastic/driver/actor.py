@@ -423,20 +423,21 @@ class DriverActor:
             self._queue.put_nowait(m.WorkerExited(worker_id, outcome))
 
     def _kill(self, action: m.Kill) -> None:
-        """Kill the worker and stop watching it: the core already counts it as gone (or dead, if `failed`)."""
         handle = self._handles.get(action.worker_id)
         if handle is not None:
             ray.kill(handle.handle, no_restart=True)
+            if action.failed:
+                return  # its run() call fails and reports the death
         task = self._runs.get(action.worker_id)
         if task is not None and not task.done():
             task.cancel()
+        if action.failed:
+            # not started yet: nothing else will report it, so report its death here
+            self._queue.put_nowait(_Died(action.worker_id, "killed before it started"))
+            return
         self._release(action.worker_id)
 
     def _release(self, worker_id: str) -> None:
-        """The worker is gone: free its placement group and forget what the shell held for it."""
-        self._handles.pop(worker_id, None)
-        self._runs.pop(worker_id, None)
-        self._pids.pop(worker_id, None)
         pg = self._pgs.pop(worker_id, None)
         if pg is not None:
             try:
@@ -721,9 +722,7 @@ class DriverActor:
     # ---- the end -----------------------------------------------------------------------
     def _cleanup(self) -> None:
         """Kill every worker still running, free every placement group, withdraw the autoscaler request."""
-        for task in self._runs.values():
-            task.cancel()
-        for worker_id, handle in list(self._handles.items()):
+        for worker_id, handle in self._handles.items():
             try:
                 ray.kill(handle.handle, no_restart=True)
             except Exception:  # noqa: BLE001 - already dead
@@ -731,6 +730,8 @@ class DriverActor:
             self._release(worker_id)
         for worker_id in list(self._pgs):
             self._release(worker_id)
+        for task in self._runs.values():
+            task.cancel()
         for node in list(self._probes):
             self._kill_probe(node)
         if self._autoscale_requested:
