@@ -310,9 +310,10 @@ def test_a_broken_ring_with_every_member_alive_asks_once_and_kills_the_member_st
     busy, idle = {"idle_s": 0.1, "in_collective": True}, {"idle_s": 15.0, "in_collective": False}
     s.send(m.ActivityReport(1, "w1", "timeout", {"w1": busy, "w2": busy, "w3": idle}))
     assert s.of(m.Kill) == [m.Kill("w3", failed=True)]
-    assert s.core.generation == 1  # its death re-forms the ring
+    [publish] = s.of(m.Publish)  # the kill is its death: the ring re-forms without it at once
+    assert publish.generation == 2 and set(publish.plan) == {"w1", "w2"}
     s.send(m.WorkerDied("w3", "killed", node_alive=True))
-    assert s.of(m.Publish)[0].generation == 2
+    assert s.of(m.Publish) == [] and s.core.resets == 1, "Ray's word of the death changes nothing"
 
 
 def test_a_hung_member_is_killed_and_a_death_explains_a_broken_ring():
@@ -679,3 +680,112 @@ def test_a_newcomer_that_dies_before_it_is_admitted_is_announced_by_no_generatio
     s.send(m.WorkerDied("w2", "SIGKILL", node_alive=True))
     s.sync(s.of(m.Publish)[0])
     assert [e.kind for e in s.core.events if e.kind is EventKind.HOSTS_ADDED] == []
+
+
+# ---- the control plane's review (issue 34, section 2) ------------------------------------
+
+
+def test_rank0_lost_after_the_others_finished_fails_the_run_instead_of_succeeding_without_its_value():
+    """Rank 0 SIGKILLed after its peers returned: `fit()` must not report success with return_value=None."""
+    s = Script()
+    s.start({"A": 1, "B": 1})
+    s.send(m.WorkerExited("w2", Finished(1)))
+    s.send(m.WorkerDied("w1", "ActorDiedError: SIGKILL", node_alive=True))
+    assert s.core.state is DriverState.FAILED
+    assert s.core.failure.startswith("rank 0 (worker w1 on node A) was lost after rank 1 (w2) returned from train_fn")
+    assert "ActorDiedError: SIGKILL" in s.core.failure and "return value" in s.core.failure
+    # its train_fn raising after the loop, retried as a failure (max_failures), is the same loss
+    s = Script(max_failures=2)
+    s.start({"A": 1, "B": 1})
+    s.send(m.WorkerExited("w2", Finished(1)))
+    s.send(m.WorkerExited("w1", UserError("OSError: disk full", "tb")))
+    assert s.core.state is DriverState.FAILED and "OSError: disk full" in s.core.failure
+
+
+def test_rank0_finishing_before_a_peer_is_lost_keeps_its_value():
+    s = Script()
+    s.start({"A": 1, "B": 1})
+    s.send(m.WorkerExited("w1", Finished(0, "model")))
+    s.send(m.WorkerDied("w2", "ActorDiedError", node_alive=True))
+    assert s.core.state is DriverState.DONE and s.core.return_value == "model"
+
+
+def test_a_worker_killed_as_hung_is_dead_at_once_even_if_its_run_then_returns():
+    """Its run() may return just before the kill: no death message follows, the ring must re-form anyway."""
+    s = Script()
+    s.start({"A": 1, "B": 1, "C": 1})
+    actions = missed_ping(s, {"w2": IDLE})
+    assert m.Kill("w2", failed=True) in actions
+    [publish] = [a for a in actions if isinstance(a, m.Publish)]
+    assert set(publish.plan) == {"w1", "w3"}, "the survivors, told to abandon, get their next generation now"
+    s.send(m.WorkerExited("w2", Finished(1)))  # its run() had returned: no WorkerDied will come
+    assert s.core.workers["w2"].status is WorkerStatus.GONE and s.core.state is DriverState.RESETTING
+    failed = [e for e in s.core.events if e.kind is EventKind.WORKER_FAILED]
+    assert len(failed) == 1 and "w2 (rank 1) on node B was killed" in failed[0].detail
+
+
+def test_rank0_killed_as_hung_after_returning_does_not_leave_the_run_hanging():
+    s = Script(min_workers=1)
+    s.start({"A": 1, "B": 1})
+    [gen2] = [a for a in missed_ping(s, {"w1": IDLE}) if isinstance(a, m.Publish)]  # judged hung in its last flush
+    s.send(m.WorkerExited("w1", Finished(0, "void: it was declared dead")))
+    assert list(gen2.plan) == ["w2"] and gen2.plan["w2"].rank == 0, "the survivor goes on as rank 0"
+    s.sync(gen2)
+    s.send(m.WorkerExited("w2", Finished(0, "w2's model")))
+    assert s.core.state is DriverState.DONE and s.core.return_value == "w2's model"
+
+
+def test_a_newcomer_killed_at_its_boot_deadline_is_never_admitted_even_if_it_says_ready():
+    s = Script(max_workers=3)
+    s.start({"A": 1, "B": 1})
+    s.send(m.HostsDiscovered({"A": 1, "B": 1, "C": 1}))
+    s.send(m.Tick(), after=61.0)
+    assert s.of(m.Kill) == [m.Kill("w3", failed=True)]
+    s.send(m.WorkerReady("w3"))  # it was only slow: its ready beats its death to the driver
+    assert s.of(m.Publish) == [] and s.core.generation == 1 and "w3" not in s.core.plan
+
+
+def test_messages_of_a_worker_killed_as_hung_cause_no_extra_reset():
+    s = Script(reset_limit=1)
+    s.start({"A": 1, "B": 1, "C": 1})
+    missed_ping(s, {"w3": IDLE})
+    [gen2] = [a for a in s.actions if isinstance(a, m.Publish)]
+    # the killed worker, still running a moment, reports its broken ring and syncs
+    s.send(m.ResetRequested("w3", 2, "Connection closed by peer"), m.WorkerSynced("w3", 2, s.now + 1000))
+    assert s.of(m.QueryActivity) == [] and s.of(m.Publish) == []
+    s.sync(gen2)
+    assert s.core.state is DriverState.RUNNING and s.core.resets == 1
+
+
+def test_stale_messages_of_a_fenced_worker_do_not_fail_a_run_that_finishes():
+    s = Script()
+    s.start({"A": 1, "B": 1, "C": 1})
+    missed_ping(s, {"w3": IDLE})
+    [gen2] = [a for a in s.actions if isinstance(a, m.Publish)]
+    s.sync(gen2)
+    s.send(m.WorkerExited("w1", Finished(0, "model")))
+    s.send(m.ResetRequested("w3", 1, "Connection closed by peer"))
+    s.send(m.ActivityReport(1, "w3", "Connection closed by peer", {"w3": m.ACTIVITY_ERROR}))
+    s.send(m.ResetRequested("w2", 1, "a stale word of the generation before"))
+    s.send(m.WorkerExited("w2", Finished(1)))
+    assert s.core.state is DriverState.DONE and s.core.return_value == "model", s.core.failure
+
+
+def test_a_restarted_driver_resends_the_abandon_of_the_generation_before():
+    """The dead driver decided 'abandon 1' and 'publish 2' in one batch and saved it, then died."""
+    s = Script()
+    s.start({"A": 1, "B": 1, "C": 1})
+    s.send(m.WorkerDied("w3", "SIGKILL", node_alive=True))
+    [abandon] = s.of(m.Abandon)
+    actions = restart(s)
+    assert abandon in actions and abandon.generation == 1 and abandon.worker_ids == ("w1", "w2")
+    assert actions.index(abandon) < actions.index(m.RestoreKV(2, s.core.plan))
+
+
+def test_a_restarted_driver_does_not_count_a_worker_it_killed_as_alive():
+    """A kill decided and saved, but never carried out: the restarted driver must not watch that worker as alive."""
+    s = Script()
+    s.start({"A": 1, "B": 1, "C": 1})
+    missed_ping(s, {"w2": IDLE})
+    restart(s)
+    assert "w2" not in s.core.alive_ids(), "alive_ids() is what the restarted driver keeps; the rest it removes"

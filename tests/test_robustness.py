@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import ray
-from conftest import run_placement_groups_alive, wait_until
+from conftest import actor_pid, run_namespaces_alive, run_placement_groups_alive, wait_until
 from test_integration import assert_same_state, fit_in_thread, sizes, start_and_reach_step
 from workloads import BlipDiscovery, FileDiscovery, counting_train_fn
 
@@ -86,6 +86,31 @@ def test_ranks_finishing_at_different_steps_fail_at_once_with_rank0s_value(clust
     assert message.startswith("rank 0 (w1) returned from train_fn while rank 1 (w2), rank 2 (w3) still ran")
     assert "same step" in message
     assert info.value.return_value == {"steps": 15, "rank0": "w1"}
+
+
+def test_rank0_lost_after_the_others_returned_fails_fit_instead_of_a_success_without_its_value(
+    cluster, no_leaks, tmp_path
+):
+    """Issue 34: rank 0 SIGKILLed after its loop, its peer already returned: fit() said success, return_value=None."""
+    linger = tmp_path / "rank0_lingers"
+    fut = fit_in_thread(
+        ElasticTrainer(
+            counting_train_fn,
+            2,
+            2,
+            config={"steps": 10, "rank0_linger_file": str(linger), "deadline_s": 120},
+            verbose=0,
+        )
+    )
+    rank0 = wait_until(lambda: linger.exists() and linger.read_text(), 120, "rank 0 to leave its training loop")
+    [namespace] = {a["namespace"] for a in run_namespaces_alive()}
+    others = {"w1", "w2"} - {rank0}
+    wait_until(lambda: not others & {a["name"] for a in run_namespaces_alive()}, 60, "rank 1's worker to return and go")
+    os.kill(actor_pid(rank0, namespace), signal.SIGKILL)
+    with pytest.raises(TrainingFailedError) as info:
+        fut.result(timeout=120)
+    assert str(info.value).startswith(f"rank 0 (worker {rank0} on node "), str(info.value)
+    assert "return value" in str(info.value)
 
 
 def autoscaler_request() -> list:

@@ -88,6 +88,7 @@ class DriverCore:
         self.events: list[Event] = []
         self.failure: str | None = None
         self.return_value: Any = None
+        self._returned = False  # rank 0's train_fn returned its value: the run may end DONE
         self.checkpoint_error: str | None = None  # rank 0 finished but its last durable checkpoint was not written
         self._final: DriverState | None = None
         self._waiting_since: float | None = started_at
@@ -107,8 +108,8 @@ class DriverCore:
         self._failure_places: list[int] = []  # per failure-driven reset: the commit training resumed from
         self._failure_reasons: list[str] = []
         self._causes: list[str] = []  # what broke the members since the last failure-driven reset synced
-        self._abandoned = 0  # the newest generation whose members were told its ring is dead
-        self.fenced: set[str] = set()  # workers declared dead: nothing they still send counts (metrics, results)
+        self._last_abandon: m.Abandon | None = None  # the newest generation declared dead to its live members
+        self.fenced: set[str] = set()  # workers declared dead: nothing they still send counts
         self._actions: list[m.Action] = []
 
     # ---- derived state -------------------------------------------------------
@@ -143,17 +144,23 @@ class DriverCore:
 
         The snapshot is written before a batch's actions are carried out, so
         the dead driver may have carried out some, all or none of the last
-        batch's. What is asked again is safe to ask twice: the current
-        generation to the KV actor (kept if it has it), the members' activity
-        if a question was out, a checkpoint lookup if one was out, the
-        autoscaler's share, and the word that the current ring lost a
-        member. Spawns and kills are the shell's to reconcile with what
-        exists (`DriverActor._reattach`).
+        batch's. What is asked again is safe to ask twice: the word that a
+        ring lost a member (the newest one given, even for the generation
+        before the current: its members may still block in it), the current
+        generation to the KV actor (kept if it has it), the members'
+        activity if a question was out, a checkpoint lookup if one was out,
+        and the autoscaler's share. Spawns and kills are the shell's to
+        reconcile with what exists (`DriverActor._reattach`): a worker killed
+        as failed is already dead to the core, so it is not kept.
         """
         ev = self._event(EventKind.DRIVER_RESTARTED, f"the run's driver actor restarted ({why})", now)
         ev.reset_duration = 0.0
         self.events.append(ev)
         actions: list[m.Action] = []
+        if self._last_abandon is not None:
+            alive = tuple(w for w in self._last_abandon.worker_ids if self.workers[w].status in ALIVE)
+            if alive:
+                actions.append(self._last_abandon._replace(worker_ids=alive))
         if self.generation:
             actions.append(m.RestoreKV(self.generation, dict(self.plan)))
         if self._querying is not None and self._query is not None:
@@ -162,12 +169,6 @@ class DriverCore:
             actions.append(m.LookForCheckpoint())
         if self._autoscale_requested:
             actions.append(m.RequestResources(self._autoscale_requested))
-        lost = [w for w in self.plan if self.workers[w].status not in ALIVE | {WorkerStatus.FINISHED}]
-        if self.generation and self._abandoned >= self.generation and lost:
-            alive = tuple(w for w in self.plan if self.workers[w].status in ALIVE)
-            if alive:
-                why = f"worker {lost[0]} of generation {self.generation} was lost"
-                actions.append(m.Abandon(self.generation, alive, why))
         return actions
 
     # ---- the one entry point -------------------------------------------------
@@ -184,6 +185,11 @@ class DriverCore:
         return actions
 
     def _apply(self, msg: m.Message, now: float) -> None:
+        sender = getattr(msg, "worker_id", None)
+        if sender in self.fenced:
+            # declared dead (killed as hung, or cut off and healed): its death is recorded, its word is void
+            logger.info("ignored %s from worker %s, declared dead", type(msg).__name__, sender)
+            return
         if isinstance(msg, m.HostsDiscovered):
             self._update_hosts(msg.hosts, now)
         elif isinstance(msg, m.NodesDraining):
@@ -345,14 +351,20 @@ class DriverCore:
         logger.info("starting worker %s on node %s", worker_id, host[:8])
         return worker_id
 
-    def _kill(self, rec: WorkerRecord, failed: bool = False) -> None:
-        """Stop a worker. With `failed`, its death comes back as `WorkerDied` and takes the failure path."""
-        self._actions.append(m.Kill(rec.worker_id, failed))
-        if failed:
-            self.fenced.add(rec.worker_id)
-            self._abandon(rec, "was killed")
-        else:
-            rec.status = WorkerStatus.GONE
+    def _kill(self, rec: WorkerRecord) -> None:
+        """Stop a worker that is not needed (left out, or the run is finishing)."""
+        self._actions.append(m.Kill(rec.worker_id))
+        rec.status = WorkerStatus.GONE
+
+    def _fence(self, rec: WorkerRecord, why: str, now: float) -> None:
+        """Kill a worker judged failed (hung, stuck, not booted in time): it is dead from this moment.
+
+        Its death is recorded now, not when Ray reports it: its `run()` may
+        have returned just before the kill (no death would follow), and until
+        then it must neither be admitted to a generation nor speak for one.
+        """
+        self._actions.append(m.Kill(rec.worker_id, failed=True))
+        self._on_died(rec.worker_id, why, True, now, what="was killed")
 
     def _abandon(self, lost: WorkerRecord, what: str) -> None:
         """A member of the current ring is lost: tell the others at once, before any new generation exists.
@@ -362,13 +374,13 @@ class DriverCore:
         `collective_timeout`. Once per generation.
         """
         slot = self.plan.get(lost.worker_id)
-        if slot is None or self._abandoned >= self.generation:
+        if slot is None or (self._last_abandon is not None and self._last_abandon.generation >= self.generation):
             return
-        self._abandoned = self.generation
         others = tuple(w for w in self.plan if w != lost.worker_id and self.workers[w].status in ALIVE)
         reason = f"worker {lost.worker_id} (rank {slot.rank}) of generation {self.generation} {what}"
+        self._last_abandon = m.Abandon(self.generation, others, reason)
         if others:
-            self._actions.append(m.Abandon(self.generation, others, reason))
+            self._actions.append(self._last_abandon)
 
     def _check_deadlines(self, now: float) -> None:
         timeout = self.config.elastic_timeout
@@ -383,15 +395,12 @@ class DriverCore:
         for rec in self.live(WorkerStatus.STARTING):
             if now - rec.started_at > timeout:
                 logger.warning("worker %s did not become ready within %g s; killing it", rec.worker_id, timeout)
-                self._kill(rec, failed=True)
+                self._fence(rec, f"it did not become ready within elastic_timeout={timeout:g} s", now)
 
     # ---- workers ending ----------------------------------------------------------
     def _on_exit(self, msg: m.WorkerExited, now: float) -> None:
         rec = self.workers.get(msg.worker_id)
         if rec is None:
-            return
-        if msg.worker_id in self.fenced:  # declared dead, yet it ran on (cut off, then healed): its word is void
-            logger.info("worker %s, declared dead, ended with %s; ignored", msg.worker_id, type(msg.outcome).__name__)
             return
         outcome = msg.outcome
         if isinstance(outcome, CoordinatorLost):
@@ -421,6 +430,7 @@ class DriverCore:
             if outcome.rank == 0:
                 self.return_value = outcome.value
                 self.checkpoint_error = outcome.checkpoint_error
+                self._returned = True
             for other in self.live(WorkerStatus.STARTING, WorkerStatus.READY):
                 self._kill(other)
         if self.finishing and not self.live(WorkerStatus.MEMBER, WorkerStatus.LEAVING):
@@ -443,6 +453,9 @@ class DriverCore:
         slot = self.plan.get(worker_id)
         where = f"rank {slot.rank}" if slot is not None else "newcomer"
         logger.warning("worker %s (%s) on node %s died: %s%s", worker_id, where, rec.host[:8], reason, note)
+        if self.finishing and slot is not None and slot.rank == 0 and not self._returned:
+            self._fail_result_lost(rec, reason)
+            return
         if was_member:
             self._causes.append(f"worker {worker_id} ({where}): {reason}")
             detail = f"worker {worker_id} ({where}) on node {rec.host[:8]} {what}{note}"
@@ -485,20 +498,33 @@ class DriverCore:
                 rec.spared = True
                 continue
             logger.warning("worker %s on node %s %s; killing it", worker_id, rec.host[:8], reason)
-            self._kill(rec, failed=True)
+            self._fence(rec, reason, now)
 
     def _on_reset_requested(self, msg: m.ResetRequested) -> None:
         """A rank's ring broke. Usually a death explains it; else ask every member what it is doing."""
+        if msg.generation != self.generation:
+            return  # a word about a ring already re-formed
         if self.finishing:
             self._fail_uneven_finish(msg)
             return
-        if msg.generation != self.generation or self._querying == msg.generation:
+        if self._querying == msg.generation:
             return
         if any(self.workers[w].status not in ALIVE for w in self.plan):
             return  # a death explains it, and its message re-forms the ring
         self._querying = msg.generation
         self._query = m.QueryActivity(msg.generation, tuple(self.plan), msg.worker_id, msg.reason)
         self._actions.append(self._query)
+
+    def _fail_result_lost(self, rank0: WorkerRecord, reason: str) -> None:
+        """Rank 0 was lost after a peer returned: the run's result (rank 0's value) is gone, so it cannot succeed."""
+        done = ", ".join(
+            f"rank {self.plan[w].rank} ({w})" for w in self.plan if self.workers[w].status is WorkerStatus.FINISHED
+        )
+        self.fail(
+            f"rank 0 (worker {rank0.worker_id} on node {rank0.host[:8]}) was lost after {done} returned from "
+            f"train_fn: {reason}. train_fn's return value on rank 0, the run's result, is lost with it; no other "
+            "rank can train on to give it (they have returned)"
+        )
 
     def _fail_uneven_finish(self, msg: m.ResetRequested) -> None:
         """A rank's ring broke after another rank returned from train_fn: the ranks did not finish together."""
@@ -517,12 +543,12 @@ class DriverCore:
     def _on_activity(self, msg: m.ActivityReport, now: float) -> None:
         if self._querying == msg.generation:
             self._querying = None
+        if msg.generation != self.generation:
+            return  # the ring was re-formed meanwhile
         if self.finishing:
             # the ring broke as a rank returned from train_fn (its peers' error can beat its exit to us)
             self._fail_uneven_finish(m.ResetRequested(msg.worker_id, msg.generation, msg.reason))
             return
-        if msg.generation != self.generation:
-            return  # the ring was re-formed meanwhile
         verdict = judge_ring_failure(
             msg.activity,
             collective_timeout=self.config.collective_timeout,
@@ -535,7 +561,7 @@ class DriverCore:
             for worker_id in verdict.kill:
                 rec = self.workers[worker_id]
                 if rec.status in ALIVE:
-                    self._kill(rec, failed=True)
+                    self._fence(rec, verdict.reason, now)
         elif verdict.verdict is Ring.FAIL:
             self.fail(
                 f"{verdict.reason} (generations {self.generation - 1} and {self.generation}; last error, "

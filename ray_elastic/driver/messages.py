@@ -195,7 +195,7 @@ class Spawn(NamedTuple):
 
 
 class Kill(NamedTuple):
-    """Stop a worker now. `failed`: leave it to the failure path (its `run()` fails, a `WorkerDied` follows)."""
+    """Stop a worker now. `failed`: it was judged failed (hung, stuck), and the core counted it dead already."""
 
     worker_id: str
     failed: bool = False
