@@ -80,6 +80,10 @@ class KVServer:
         """Make `generation` current; older generations' waits fail, their keys go."""
         if generation <= self._generation:
             raise ValueError(f"generation {generation} is not newer than {self._generation}")
+        self._make_current(generation, assignment)
+
+    def _make_current(self, generation: int, assignment: dict[str, Any]) -> None:
+        """`generation` is current: drop older keys, fail older waits at once, wake the generation waiters."""
         self._generation = generation
         self._assignment = assignment
         for key in [k for k in self._data if k[0] < generation]:
@@ -140,14 +144,14 @@ class KVServer:
         return self._generation
 
     async def restore(self, generation: int, assignment: dict[str, Any]) -> None:
-        """A restarted (empty) actor learns the current generation and its plan again; keys stay gone."""
+        """Make `generation` current again if it is newer; an older or equal one changes nothing.
+
+        A restarted (empty) actor learns it so; a restarted driver sends it
+        too, as its predecessor may have died before publishing it: then the
+        older generations' waits are failed as `publish` fails them.
+        """
         if generation > self._generation:
-            self._generation = generation
-            self._assignment = assignment
-            waiters, self._generation_waiters = self._generation_waiters, set()
-            for fut in waiters:
-                if not fut.done():
-                    fut.set_result(None)
+            self._make_current(generation, assignment)
 
     # ---- keys ----------------------------------------------------------
     def _check_generation(self, generation: int) -> None:

@@ -123,6 +123,24 @@ def test_publish_releases_every_wait_of_an_older_generation_at_once():
     assert run(scenario) < 1, "superseded waits end far below their 60 s timeout"
 
 
+def test_a_restore_by_a_restarted_driver_releases_the_older_generations_waits_as_a_publish_does():
+    """The dead driver saved generation 2 but never published it: its restore must free generation 1's waiters."""
+
+    async def scenario(server):
+        getting = asyncio.ensure_future(server.get(1, "peer-that-died/addr", 60.0))
+        ring = family(server, 1, "ring/", 3, 60.0, ("ring/0", b"me"))
+        assert await blocked(getting) and await blocked(ring)
+        start = time.monotonic()
+        await server.restore(2, {"w1": "slot"})
+        for task in (getting, ring):
+            with pytest.raises(GenerationSupersededError, match="generation 1 superseded by 2"):
+                await asyncio.wait_for(task, 1)
+        assert await server.num_keys(1) == 0
+        return time.monotonic() - start
+
+    assert run(scenario) < 1, "superseded waits end far below their 60 s timeout"
+
+
 def test_keys_are_fenced_by_generation():
     async def scenario(server):
         await server.set(1, "addr", b"old")
