@@ -391,6 +391,8 @@ class DiscoveryPoller:
     `give_up_after` seconds have passed since the last success, when it raises.
     A call that does not answer within `timeout` seconds counts as a failure;
     while it hangs no second call is started (the next poll waits on it again).
+    `last_success` (on `clock`) stands for a success before this poller
+    existed: a restarted driver's, whose predecessor's view it keeps.
     """
 
     def __init__(
@@ -399,12 +401,13 @@ class DiscoveryPoller:
         give_up_after: float,
         timeout: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
+        last_success: float | None = None,
     ):
         self.source = source
         self.give_up_after = give_up_after
         self.timeout = timeout
         self._clock = clock
-        self._last_success: float | None = None
+        self._last_success = last_success
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ray-elastic-discovery")
         self._pending: Future | None = None
 

@@ -152,17 +152,9 @@ class DriverActor:
         # the handle workers call back on: carrying the run's token (`with_token_check` set it)
         self._self_handle = Authed(ray.get_runtime_context().current_actor, self._run_token)
         try:
-            poller = DiscoveryPoller(
-                make_discovery(
-                    self._discovery_spec,
-                    self.config.resources_per_worker,
-                    self.config.discovery_timeout,
-                    keep_cpus=self.config.kept_cpus,  # CPUs for Ray Data's tasks (datasets=, data_cpus)
-                ),
-                give_up_after=self.config.elastic_timeout,
-                timeout=self.config.discovery_timeout,
-            )
-            if _restarted():
+            resumed = _restarted()
+            poller = make_poller(self._discovery_spec, self.config, resumed)
+            if resumed:
                 actions = await self._resume()
             else:
                 try:
@@ -423,21 +415,20 @@ class DriverActor:
             self._queue.put_nowait(m.WorkerExited(worker_id, outcome))
 
     def _kill(self, action: m.Kill) -> None:
+        """Kill the worker and stop watching it: the core already counts it as gone (or dead, if `failed`)."""
         handle = self._handles.get(action.worker_id)
         if handle is not None:
             ray.kill(handle.handle, no_restart=True)
-            if action.failed:
-                return  # its run() call fails and reports the death
         task = self._runs.get(action.worker_id)
         if task is not None and not task.done():
             task.cancel()
-        if action.failed:
-            # not started yet: nothing else will report it, so report its death here
-            self._queue.put_nowait(_Died(action.worker_id, "killed before it started"))
-            return
         self._release(action.worker_id)
 
     def _release(self, worker_id: str) -> None:
+        """The worker is gone: free its placement group and forget what the shell held for it."""
+        self._handles.pop(worker_id, None)
+        self._runs.pop(worker_id, None)
+        self._pids.pop(worker_id, None)
         pg = self._pgs.pop(worker_id, None)
         if pg is not None:
             try:
@@ -722,7 +713,9 @@ class DriverActor:
     # ---- the end -----------------------------------------------------------------------
     def _cleanup(self) -> None:
         """Kill every worker still running, free every placement group, withdraw the autoscaler request."""
-        for worker_id, handle in self._handles.items():
+        for task in self._runs.values():
+            task.cancel()
+        for worker_id, handle in list(self._handles.items()):
             try:
                 ray.kill(handle.handle, no_restart=True)
             except Exception:  # noqa: BLE001 - already dead
@@ -730,8 +723,6 @@ class DriverActor:
             self._release(worker_id)
         for worker_id in list(self._pgs):
             self._release(worker_id)
-        for task in self._runs.values():
-            task.cancel()
         for node in list(self._probes):
             self._kill_probe(node)
         if self._autoscale_requested:
@@ -743,6 +734,27 @@ _RECORDERS: dict[str, Callable[[str, float], None]] = {
     "reset": lambda run_id, value: metrics.reset(run_id),
     "recovery": metrics.recovery,
 }
+
+
+def make_poller(spec: Any, config: RunConfig, resumed: bool) -> DiscoveryPoller:
+    """The run's discovery under its failure policy (`DiscoveryPoller`).
+
+    A restarted driver (`resumed`) keeps its predecessor's view of the
+    hosts: a discovery failure then is retried within `elastic_timeout`, as
+    it was before the restart, instead of failing the run as a failure at
+    the run's start does.
+    """
+    return DiscoveryPoller(
+        make_discovery(
+            spec,
+            config.resources_per_worker,
+            config.discovery_timeout,
+            keep_cpus=config.kept_cpus,  # CPUs for Ray Data's tasks (datasets=, data_cpus)
+        ),
+        give_up_after=config.elastic_timeout,
+        timeout=config.discovery_timeout,
+        last_success=time.monotonic() if resumed else None,
+    )
 
 
 def _restarted() -> bool:
