@@ -789,3 +789,13 @@ def test_a_restarted_driver_does_not_count_a_worker_it_killed_as_alive():
     missed_ping(s, {"w2": IDLE})
     restart(s)
     assert "w2" not in s.core.alive_ids(), "alive_ids() is what the restarted driver keeps; the rest it removes"
+
+
+def test_checkpoint_storage_that_fails_is_named_not_taken_for_no_checkpoint():
+    s = Script(checkpoint_dir="s3://bucket/run")
+    s.start({"A": 1, "B": 1})
+    s.send(m.WorkerDied("w1", "x", node_alive=True), m.WorkerDied("w2", "x", node_alive=True))
+    s.send(m.CheckpointFound(False, error="PermissionError: access denied"))
+    assert s.core.state is DriverState.FAILED
+    assert "could not be looked for within elastic_timeout=60 s: PermissionError: access denied" in s.core.failure
+    assert "no durable checkpoint was written yet" not in s.core.failure

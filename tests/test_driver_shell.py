@@ -8,8 +8,15 @@ error read as a death that never comes.
 
 from __future__ import annotations
 
+import asyncio
+
+from ray.exceptions import ActorDiedError, ActorUnavailableError
+
 from ray_elastic.config import RunConfig
+from ray_elastic.driver import messages as m
 from ray_elastic.driver.actor import make_poller
+from ray_elastic.driver.policies import Ring, judge_ring_failure
+from ray_elastic.driver.replies import read_activity, read_pings
 
 
 def config(**overrides) -> RunConfig:
@@ -45,3 +52,27 @@ def test_a_fresh_runs_first_discovery_failure_still_fails_at_once():
         assert "the inventory service blinked" in str(e)
     else:
         raise AssertionError("a run whose discovery fails at its start must fail naming why")
+
+
+def test_an_rpc_error_that_is_no_death_is_read_as_no_answer_not_as_a_death_or_nothing():
+    """Issue 34: an activity() error was taken for a death that never came; a ping error was skipped for good."""
+    results = {
+        "w1": None,
+        "w2": asyncio.TimeoutError(),
+        "w3": ActorDiedError(),
+        "w4": ActorUnavailableError("the actor is unreachable", None),
+        "w5": RuntimeError("the call failed"),
+    }
+    answered, silent = read_pings(results)
+    assert answered == {"w1"} and silent == {"w2", "w4", "w5"}, "the dead w3 is reported by its run() call"
+    busy = {"idle_s": 0.0, "in_collective": True}
+    assert read_activity("w1", busy) is busy
+    assert read_activity("w3", ActorDiedError()) == m.ACTIVITY_ERROR
+    for error in (asyncio.TimeoutError(), ActorUnavailableError("unreachable", None), RuntimeError("failed")):
+        assert read_activity("w4", error) == m.ACTIVITY_TIMEOUT, error
+
+
+def test_a_member_whose_activity_query_fails_without_dying_is_killed_so_the_ring_re_forms():
+    activity = {"w1": {"idle_s": 0.0, "in_collective": True}, "w2": read_activity("w2", RuntimeError("failed"))}
+    verdict = judge_ring_failure(activity, collective_timeout=20, liveness_timeout=5, last_timeout_reset=None, now=0.0)
+    assert verdict.verdict is Ring.KILL and verdict.kill == ("w2",)

@@ -63,6 +63,7 @@ from ray_elastic.driver import snapshot
 from ray_elastic.driver.core import DriverCore, WorkerStatus
 from ray_elastic.driver.metrics_log import MetricsLog
 from ray_elastic.driver.progress import start_probe
+from ray_elastic.driver.replies import read_activity, read_pings
 from ray_elastic.leftovers import (
     CONTROL_ACTORS,
     remove_run_actors,
@@ -77,6 +78,7 @@ logger = logging.getLogger(__name__)
 
 _TICK_S = 0.5
 _KV_BACK_S = 60.0  # how long a restarting KV actor may take to answer again
+_CHECKPOINT_RETRY_S = 2.0  # between looks at checkpoint storage that failed
 
 
 class _Died:
@@ -465,27 +467,39 @@ class DriverActor:
             *[asyncio.wait_for(self._handles[w].activity.remote(), self.config.liveness_timeout) for w in ids],
             return_exceptions=True,
         )
-        activity: dict[str, Any] = {}
-        for worker_id, result in zip(ids, results, strict=True):
-            if isinstance(result, asyncio.TimeoutError):
-                activity[worker_id] = m.ACTIVITY_TIMEOUT
-            elif isinstance(result, BaseException):
-                activity[worker_id] = m.ACTIVITY_ERROR
-            else:
-                activity[worker_id] = result
+        activity = {w: read_activity(w, result) for w, result in zip(ids, results, strict=True)}
         self._queue.put_nowait(m.ActivityReport(action.generation, action.requester, action.reason, activity))
 
     async def _look_for_checkpoint(self) -> None:
+        """Whether the durable checkpoint exists; storage that fails is asked again until `elastic_timeout`.
+
+        Each look is bounded by `discovery_timeout`. Storage that still fails
+        at the deadline is reported as such (`CheckpointFound.error`), never
+        as a checkpoint that does not exist.
+        """
         url = self.config.checkpoint_dir
         loop = asyncio.get_running_loop()
-        try:
-            exists = await asyncio.wait_for(
-                loop.run_in_executor(None, lambda: CheckpointStore(url).exists()), self.config.discovery_timeout
-            )
-        except Exception as e:  # noqa: BLE001 - unreachable storage is the same as no checkpoint here
-            logger.warning("cannot look for a checkpoint in %s: %s", url, e)
-            exists = False
-        self._queue.put_nowait(m.CheckpointFound(exists))
+        deadline = time.monotonic() + self.config.elastic_timeout
+        while True:
+            try:
+                exists = await asyncio.wait_for(
+                    loop.run_in_executor(None, lambda: CheckpointStore(url).exists()), self.config.discovery_timeout
+                )
+            except Exception as e:  # noqa: BLE001 - storage errors of any kind: asked again, then reported
+                why = (
+                    f"no answer within {self.config.discovery_timeout:g} s"
+                    if isinstance(e, asyncio.TimeoutError)
+                    else f"{type(e).__name__}: {_first_line(e)}"
+                )
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self._queue.put_nowait(m.CheckpointFound(False, error=why))
+                    return
+                logger.warning("cannot look for a checkpoint in %s (%s); asking again", url, why)
+                await asyncio.sleep(min(_CHECKPOINT_RETRY_S, left))
+            else:
+                self._queue.put_nowait(m.CheckpointFound(exists))
+                return
 
     async def _request_resources(self, count: int) -> None:
         """Set this run's share of the autoscaler request (a cluster without an autoscaler simply does not grow)."""
@@ -574,10 +588,10 @@ class DriverActor:
                     silent_nodes.add(node)
                 elif isinstance(answer, BaseException):  # the probe died: a fresh one reads CPU time if needed
                     self._kill_probe(node)
-            timed_out = frozenset(w for w, r in results.items() if isinstance(r, asyncio.TimeoutError))
+            answered, timed_out = read_pings(results)
             self._queue.put_nowait(
                 m.PingResults(
-                    answered=frozenset(w for w, r in results.items() if not isinstance(r, BaseException)),
+                    answered=answered,
                     timed_out=timed_out,
                     sent_at=sent_at,
                     samples=await self._read_cpu(timed_out, silent_nodes) if timed_out else {},

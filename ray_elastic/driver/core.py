@@ -634,6 +634,12 @@ class DriverCore:
     def _on_checkpoint_found(self, msg: m.CheckpointFound, now: float) -> None:
         self._checkpoint_lookup = False
         lost = len(self.plan)
+        if msg.error is not None:
+            self._fail_all_lost(
+                f"the durable checkpoint in {self.config.checkpoint_dir} could not be looked for within "
+                f"elastic_timeout={self.config.elastic_timeout:g} s: {msg.error}"
+            )
+            return
         if not msg.exists:
             self._fail_all_lost("no durable checkpoint was written yet")
             return

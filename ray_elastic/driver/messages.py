@@ -93,8 +93,8 @@ class ResetRequested:
     reason: str
 
 
-ACTIVITY_TIMEOUT = "timeout"  # the member did not answer the activity query in time
-ACTIVITY_ERROR = "error"  # the query failed: the member is dead (its death message follows)
+ACTIVITY_TIMEOUT = "timeout"  # no answer: none in time, or the query failed without a death (`replies.py`)
+ACTIVITY_ERROR = "error"  # the member is dead (ActorDiedError): its death message follows
 
 
 @dataclass(frozen=True)
@@ -133,7 +133,10 @@ class PingResults:
 
 @dataclass(frozen=True)
 class CheckpointFound:
+    """Whether the durable checkpoint exists; `error`: the storage could not be asked (until elastic_timeout)."""
+
     exists: bool
+    error: str | None = None
 
 
 @dataclass(frozen=True)
