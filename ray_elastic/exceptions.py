@@ -4,7 +4,8 @@
 every worker; `TrainingFailedError` is what `ElasticTrainer.fit()` raises on
 the driver side; `RendezvousTimeoutError` is raised by every bounded wait and
 names what it waited for; `CollectiveMismatchError` is a user's collective
-whose arguments differ between ranks.
+whose arguments differ between ranks; `DataStarvedError` is a Ray Data
+pipeline that could not run for want of CPUs.
 """
 
 from __future__ import annotations
@@ -43,6 +44,17 @@ class CollectiveMismatchError(ValueError):
 
 class RendezvousTimeoutError(TimeoutError):
     """A bounded wait ran out; the message names what was waited for."""
+
+
+class DataStarvedError(RuntimeError):
+    """A dataset produced no block for `data_starvation_timeout` seconds while the cluster had no free CPU.
+
+    Ray Data's read and map tasks need CPUs; when the run's workers (or other
+    jobs) hold every one, the pipeline never starts a task. Raised to the
+    ranks waiting for the block, so the run fails with this message instead
+    of waiting in silence; it names `data_cpus`, the option that keeps CPUs
+    for the pipeline.
+    """
 
 
 class GenerationSupersededError(RuntimeError):

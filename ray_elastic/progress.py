@@ -68,6 +68,13 @@ class Progress:
             refresh=True,
         )
 
+    def note(self, line: str) -> None:
+        """A line about the whole run (the CPUs kept for Ray Data): shown as an event's is, logged if silenced."""
+        if self.enabled:
+            self._write(line)
+        else:
+            logger.info(line)
+
     def _write(self, line: str) -> None:
         if self._bar is not None and not self._bar.disable:
             self._bar.write(line)

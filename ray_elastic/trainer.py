@@ -32,7 +32,7 @@ from ray_elastic.checkpoint import CheckpointError, CheckpointStore
 from ray_elastic.config import RunConfig
 from ray_elastic.data import check_datasets
 from ray_elastic.data.feed import create_feed_actor
-from ray_elastic.discovery import alive_ray_nodes, check_discovery_spec, slots_for_resources
+from ray_elastic.discovery import alive_ray_nodes, check_discovery_spec, keep_cpus_free, slots_for_resources
 from ray_elastic.driver import snapshot
 from ray_elastic.driver.actor import create_driver_actor
 from ray_elastic.events import Event
@@ -133,6 +133,15 @@ class ElasticTrainer:
             exactly once per epoch through every reset when it is in the
             committed state (`docs/user-guide.md`). Needs
             `pip install 'ray-elastic[data]'`.
+        data_cpus: with `datasets=`, how many whole CPUs of the cluster the
+            workers leave free for Ray Data's read and map tasks (default 1:
+            what one task asks for by default; raise it for a pipeline whose
+            tasks or actors ask for more). Workers holding every CPU starve
+            the pipeline. 0 lets the workers take every CPU.
+        data_starvation_timeout: seconds a rank may wait for a block that the
+            pipeline does not produce while the cluster has no free CPU; then
+            the run fails with a `DataStarvedError` naming `data_cpus`
+            (default 60).
         keep_metrics: how many of rank 0's newest reports `Result.metrics`
             keeps (default 100,000; None keeps all); older ones are counted
             in `Result.metrics_dropped`. The driver holds only the reports
@@ -161,6 +170,8 @@ class ElasticTrainer:
         checkpoint_every: int = 10,
         keep_metrics: int | None = 100_000,
         datasets: Mapping[str, Any] | None = None,
+        data_cpus: int = 1,
+        data_starvation_timeout: float = 60.0,
         verbose: int = 1,
     ) -> None:
         if not callable(train_fn):
@@ -202,6 +213,8 @@ class ElasticTrainer:
             checkpoint_every=checkpoint_every,
             keep_metrics=keep_metrics,
             datasets=tuple(self.datasets),
+            data_cpus=data_cpus,
+            data_starvation_timeout=data_starvation_timeout,
         )
         config = dict(config or {})
         try:
@@ -235,6 +248,7 @@ class ElasticTrainer:
                 ray.init(address=os.environ.get("RAY_ADDRESS"), logging_level=logging.WARNING)
         self._check_cluster_can_hold_a_worker()
         self._check_checkpoint_dir()
+        data_line = self._data_cpus_line() if self.datasets else None
         run_id = uuid.uuid4().hex[:12]
         namespace = run_namespace(run_id)
         kv = driver = None
@@ -245,11 +259,22 @@ class ElasticTrainer:
             token = RunToken()  # the run's actors answer only calls carrying it (see auth.py)
             kv = create_kv_actor(run_id, namespace, token, here)
             # held until the run ends: Ray removes an actor, named or not, once no handle to it is left
-            feed = create_feed_actor(namespace, token, self.datasets, here) if self.datasets else None
+            feed = (
+                create_feed_actor(
+                    namespace,
+                    token,
+                    self.datasets,
+                    here,
+                    self.run_config.data_cpus,
+                    self.run_config.data_starvation_timeout,
+                )
+                if self.datasets
+                else None
+            )
             driver = create_driver_actor(
                 run_id, namespace, token, kv, self._payload, self.discovery, self.run_config, here
             )
-            outcome = self._follow(driver, driver.run.remote(), reports)
+            outcome = self._follow(driver, driver.run.remote(), reports, data_line)
             del feed  # the run is over: its feed may go (the clean-up removes it in any case)
         finally:
             _cleanup(driver, kv, run_id, namespace, graceful=outcome is not None)
@@ -301,11 +326,37 @@ class ElasticTrainer:
                 meta.get("world_size"),
             )
 
-    def _follow(self, driver: Any, run_ref: Any, reports: _Reports) -> RunOutcome:
-        """Wait for the driver, collecting its reports and showing progress and event lines until it ends."""
+    def _data_cpus_line(self) -> str:
+        """What the run keeps for its data pipeline, and why: the line `fit()` shows before training."""
+        cfg = self.run_config
+        if cfg.kept_cpus == 0:
+            return (
+                "[ray-elastic] data_cpus=0: the workers may take every CPU of the cluster; a dataset that then "
+                f"produces nothing for {cfg.data_starvation_timeout:g} s fails the run"
+            )
+        nodes = alive_ray_nodes()
+        per_worker = cfg.resources_per_worker
+        slots = {n.node_id: slots_for_resources(n.resources, per_worker) for n in nodes}
+        kept = sum(keep_cpus_free(slots, nodes, per_worker.get("CPU", 0.0), cfg.kept_cpus).values())
+        line = (
+            f"[ray-elastic] keeping {cfg.kept_cpus} CPU(s) of the cluster free for Ray Data's read and map tasks "
+            f"(data_cpus={cfg.kept_cpus}; workers holding every CPU would starve the dataset): "
+            f"{kept} worker slot(s) of the {sum(slots.values())} the cluster holds"
+        )
+        if kept < cfg.min_workers:
+            line += f"; fewer than min_workers={cfg.min_workers}: the run waits up to elastic_timeout for more nodes"
+        return line
+
+    def _follow(self, driver: Any, run_ref: Any, reports: _Reports, note: str | None = None) -> RunOutcome:
+        """Wait for the driver, collecting its reports and showing progress and event lines until it ends.
+
+        `note`: a line about the run shown before the first progress (what it keeps for its datasets).
+        """
         from ray_elastic.progress import Progress
 
         progress = Progress(enabled=self.verbose > 0)
+        if note:
+            progress.note(note)
         try:
             return self._poll_driver(driver, run_ref, progress, reports)
         except ray.exceptions.RayActorError as e:

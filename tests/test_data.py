@@ -10,6 +10,7 @@ padding of an epoch's last step.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -205,3 +206,64 @@ def test_a_dataset_larger_than_the_object_store_streams_through_it(tmp_path):
     assert value["size"] == 2 and value["rows"] - value["padding"] == n, value
     # what went through the object store (and whether Ray spilled some of it to disk), for the record
     print(done.stdout.split("MEMORY", 1)[1][:2000])
+
+
+def epoch_ids_train_fn(config: dict) -> dict:
+    """Every rank's row ids of each epoch, gathered at its end; no model: the data path alone."""
+    shard = elastic.get_dataset_shard("train")
+    state = elastic.ObjectState(data=shard, epoch=0)
+
+    @elastic.run
+    def train(state) -> dict:
+        epochs = []
+        while state.epoch < config["epochs"]:
+            shard.set_epoch(state.epoch)
+            ids = []
+            for batch in shard.iter_batches(batch_size=100):
+                ids += batch["id"].tolist()
+                state.commit()
+            epochs.append({"ids": sum(elastic.allgather_object(ids), []), "padding": shard.padding_rows})
+            state.epoch += 1
+        return {"epochs": epochs, "world_size": elastic.size()}
+
+    return train(state)
+
+
+def test_a_run_whose_workers_would_take_every_cpu_keeps_one_for_ray_data(cluster, no_leaks, tmp_path, caplog):
+    """Two nodes of 2 CPUs, max_workers=4: measured, 0 batches in 10 minutes before data_cpus existed."""
+    n = write_parquet(tmp_path / "data", files=16, rows_per_file=250)
+    ds = ray_data.read_parquet(str(tmp_path / "data"))
+    with caplog.at_level(logging.INFO, logger="ray_elastic"):
+        result = elastic.ElasticTrainer(
+            epoch_ids_train_fn, min_workers=2, max_workers=4, config={"epochs": 2}, datasets={"train": ds}
+        ).fit()
+    assert "keeping 1 CPU(s) of the cluster free for Ray Data's read and map tasks (data_cpus=1" in caplog.text
+    assert "3 worker slot(s) of the 4 the cluster holds" in caplog.text
+    assert result.return_value["world_size"] == 3
+    for epoch in result.return_value["epochs"]:
+        ids = epoch["ids"]
+        assert sorted(set(ids)) == list(range(n)) and len(ids) == n + epoch["padding"], "every row once per epoch"
+
+
+def test_a_dataset_starved_of_cpus_fails_the_run_naming_the_cause_and_the_option(cluster, no_leaks, tmp_path):
+    """data_cpus=0 gives the 4 workers every CPU: Ray Data's read tasks cannot start, and the run says so."""
+    write_parquet(tmp_path / "data", files=16, rows_per_file=250)
+    ds = ray_data.read_parquet(str(tmp_path / "data"))
+    trainer = elastic.ElasticTrainer(
+        epoch_ids_train_fn,
+        min_workers=4,
+        max_workers=4,
+        config={"epochs": 1},
+        datasets={"train": ds},
+        data_cpus=0,
+        data_starvation_timeout=5,
+        verbose=0,
+    )
+    started = time.monotonic()
+    with pytest.raises(elastic.TrainingFailedError) as failed:
+        trainer.fit()
+    took = time.monotonic() - started
+    message = str(failed.value)
+    assert "DataStarvedError" in message and "while the cluster had no free CPU" in message, message
+    assert "data_cpus=0" in message and "data_starvation_timeout" in message, message
+    assert took < 60, f"the starved run took {took:.0f} s to fail"

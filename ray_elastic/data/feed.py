@@ -17,6 +17,11 @@ blocks below the position committed before it (`release`), so a dataset
 larger than the object store streams through it. A block asked for after
 it was let go (a rank rolled back further, or this actor restarted) is
 produced again by executing the epoch once more from its start.
+
+No wait is silent: a rank waits for a block at most `wait_s` seconds, and
+a pipeline that produces nothing while the cluster has no free CPU fails
+the rank's call after `data_starvation_timeout` seconds with a
+`DataStarvedError` (`starvation.py`).
 """
 
 from __future__ import annotations
@@ -24,9 +29,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import ray
+
+from ray_elastic.data.starvation import PROBE_EVERY_S, Starvation
 
 logger = logging.getLogger(__name__)
 
@@ -42,8 +50,10 @@ def _count_rows(ref: Any) -> int:
 class _Epoch:
     """One epoch of one dataset: its table of ((block reference, first row) or None once released, rows)."""
 
-    def __init__(self, dataset: Any, ahead: int, budget: float) -> None:
+    def __init__(self, name: str, dataset: Any, ahead: int, budget: float, starvation: Starvation) -> None:
+        self.name = name
         self.dataset = dataset
+        self.starvation = starvation
         self.ahead = ahead
         self.refs: list[Any] = []
         self.rows: list[int] = []
@@ -54,6 +64,7 @@ class _Epoch:
         self.wanted = 0  # the furthest block index asked for
         self.released_below = 0  # blocks below this index were let go
         self.cond = threading.Condition()
+        self.produced_at = time.monotonic()  # when the execution last produced a block (or started)
         self.generation = 0  # bumped when the epoch is executed again (a released block is wanted)
         self._start()
 
@@ -87,6 +98,7 @@ class _Epoch:
                             self.rows.append(rows)
                             self.sizes.append(size)
                         index += 1
+                        self.produced_at = time.monotonic()
                         self.cond.notify_all()
             with self.cond:
                 if generation == self.generation:
@@ -109,15 +121,10 @@ class _Epoch:
 
         An entry is ((block reference, its first row), rows); None for a block let go (`ref` gets it back).
         """
-        deadline = time.monotonic() + wait_s
         with self.cond:
             self.wanted = max(self.wanted, start + 1)
             self.cond.notify_all()
-            while start >= len(self.refs) and not self.ended and self.error is None:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(f"block {start} of the dataset was not produced within {wait_s:g} s")
-                self.cond.wait(left)
+            self._wait(lambda: start < len(self.refs) or self.ended or self.error is not None, start, wait_s)
             if self.error is not None:
                 raise RuntimeError(f"the dataset's execution failed: {self.error}")
             entries = list(zip(self.refs[start : start + _BATCH_OF_BLOCKS], self.rows[start:], strict=False))
@@ -125,22 +132,36 @@ class _Epoch:
 
     def ref(self, index: int, wait_s: float) -> Any:
         """Block `index`'s (reference, first row), produced again if let go (the epoch is executed once more)."""
-        deadline = time.monotonic() + wait_s
         with self.cond:
             self.wanted = max(self.wanted, index + 1)
             self.cond.notify_all()
             if index < len(self.refs) and self.refs[index] is None:
                 self._refill(index)
-            while index >= len(self.refs) or self.refs[index] is None:
-                if self.error is not None:
-                    raise RuntimeError(f"the dataset's execution failed: {self.error}")
-                if self.ended and index >= len(self.refs):
-                    raise IndexError(f"the epoch has {len(self.refs)} blocks, block {index} was asked for")
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(f"block {index} of the dataset was not produced within {wait_s:g} s")
-                self.cond.wait(left)
-            return self.refs[index]
+            self._wait(
+                lambda: (
+                    (index < len(self.refs) and self.refs[index] is not None)
+                    or self.error is not None
+                    or (self.ended and index >= len(self.refs))
+                ),
+                index,
+                wait_s,
+            )
+            if index < len(self.refs) and self.refs[index] is not None:
+                return self.refs[index]
+            if self.error is not None:
+                raise RuntimeError(f"the dataset's execution failed: {self.error}")
+            raise IndexError(f"the epoch has {len(self.refs)} blocks, block {index} was asked for")
+
+    def _wait(self, done: Callable[[], bool], index: int, wait_s: float) -> None:
+        """Wait (holding `cond`) until `done()`, at most `wait_s` s; fail early if the pipeline is starved of CPUs."""
+        since = time.monotonic()
+        while not done():
+            left = since + wait_s - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"block {index} of dataset {self.name!r} was not produced within {wait_s:g} s")
+            self.cond.wait(min(left, PROBE_EVERY_S))
+            if not done():
+                self.starvation.check(self.name, since, self.produced_at)
 
     def _refill(self, start: int) -> None:
         """Blocks from `start` were let go but are wanted again: execute the epoch once more."""
@@ -166,7 +187,9 @@ class _Epoch:
 class Feed:
     """Wrapped by `ray.remote` in `create_feed_actor`; a threaded actor."""
 
-    def __init__(self, datasets: dict[str, Any], ahead_blocks: int = 8) -> None:
+    def __init__(
+        self, datasets: dict[str, Any], data_cpus: int, starvation_timeout: float, ahead_blocks: int = 8
+    ) -> None:
         from ray.data import DataContext
 
         self._datasets = {}
@@ -179,6 +202,7 @@ class Feed:
         self._ahead = ahead_blocks
         # the blocks ahead of the furthest rank take at most a quarter of the object store
         self._budget = 0.25 * ray.cluster_resources().get("object_store_memory", float("inf"))
+        self._starvation = Starvation(starvation_timeout, data_cpus)
         self._epochs: dict[tuple[str, int], _Epoch] = {}
         self._lock = threading.Lock()
 
@@ -188,7 +212,7 @@ class Feed:
         with self._lock:
             key = (name, epoch)
             if key not in self._epochs:
-                self._epochs[key] = _Epoch(self._datasets[name], self._ahead, self._budget)
+                self._epochs[key] = _Epoch(name, self._datasets[name], self._ahead, self._budget, self._starvation)
             return self._epochs[key]
 
     def blocks(self, name: str, epoch: int, start: int, wait_s: float) -> tuple[list[tuple[Any, int]], bool]:
@@ -211,12 +235,22 @@ class Feed:
         return sorted(self._datasets)
 
 
-def create_feed_actor(namespace: str, token: Any, datasets: dict[str, Any], scheduling_strategy: Any) -> Any:
-    """Start the run's feed actor, named `feed` in the run's namespace; it answers only calls carrying `token`."""
+def create_feed_actor(
+    namespace: str,
+    token: Any,
+    datasets: dict[str, Any],
+    scheduling_strategy: Any,
+    data_cpus: int,
+    starvation_timeout: float,
+) -> Any:
+    """Start the run's feed actor, named `feed` in the run's namespace; it answers only calls carrying `token`.
+
+    `data_cpus` and `starvation_timeout` are the run's options, for the starvation check (`starvation.py`).
+    """
     from ray_elastic.auth import Authed, with_token_check
 
     cls = ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1)(with_token_check(Feed))
     handle = cls.options(
         name="feed", namespace=namespace, max_concurrency=64, scheduling_strategy=scheduling_strategy
-    ).remote(token, datasets)
+    ).remote(token, datasets, data_cpus, starvation_timeout)
     return Authed(handle, token)

@@ -147,7 +147,8 @@ class DataShard:
                     step = step_rows(self.position, usable, self._total(), rank, size, batch_size, drop_last)
                     break
                 except LookupError as need:
-                    self._learn_blocks(need.args[0])
+                    rows = need.args[0]
+                self._learn_blocks(rows)  # outside the handler: a feed error is not chained to the LookupError
             if step is None:
                 return
             batch = self._gather(step.ranges)
