@@ -4,7 +4,8 @@
 
 The argument is a JSON object: `config` (for `counting_train_fn`, plus
 `ip_dir`, where every worker writes the IP of the node it runs on, in a
-file named after its worker id) and `trainer` (keyword arguments of
+file named after its worker id; `"workload": "fenced"` runs
+`fenced_workload.fenced_train_fn` instead) and `trainer` (keyword arguments of
 `ElasticTrainer`). Prints the result as one JSON line. It runs in a process
 of its own because the test process is connected to the session's cluster,
 and a process can be connected to one Ray cluster only.
@@ -19,6 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from fenced_workload import fenced_train_fn  # noqa: E402
 from workloads import counting_train_fn  # noqa: E402
 
 import ray_elastic as elastic  # noqa: E402
@@ -30,6 +32,8 @@ def train_fn(config: dict) -> dict:
     import ray
 
     (Path(config["ip_dir"]) / current().worker_id).write_text(ray.util.get_node_ip_address())
+    if config.get("workload") == "fenced":
+        return fenced_train_fn(config)
     return counting_train_fn(config)
 
 

@@ -158,3 +158,80 @@ def test_silent_cut_of_rank0s_node_survivors_go_on_in_seconds_and_the_healed_are
     # the durable checkpoint is the new rank 0's, of the last generation: never overwritten by a healed one
     meta = CheckpointStore(str(ckpt)).meta()
     assert meta["generation"] == max(e["generation"] for e in result["events"]), meta
+
+
+def _steps(log: Path) -> list[dict]:
+    return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+
+
+def test_a_healed_partition_writes_nothing_of_the_dead_ring_into_the_survivors(netns_cluster, tmp_path):
+    """`DistributedOptimizer` on 4 workers; the node without rank 0 is cut off silently, then healed mid-training.
+
+    Before the fix (issue 34), 2.4 s after the heal the survivors' abandoned
+    gradient allreduce completed into the bucket their next generation was
+    using, and the cut-off workers completed one more step of the dead
+    generation. Watched for 30 s after the heal: no work of the dead ring
+    completes on a survivor, no cut-off worker completes a step after the
+    heal, and the survivors' parameters are a replay of their own steps.
+    """
+    import torch
+    from fenced_workload import replay
+
+    logs, signal_file, stop_file = tmp_path / "logs", tmp_path / "signal", tmp_path / "stop"
+    logs.mkdir()
+    config = {
+        "workload": "fenced",
+        "log_dir": str(logs),
+        "signal_file": str(signal_file),
+        "signal_step": 20,
+        "signal_world_size": 4,
+        "stop_file": str(stop_file),
+        "deadline_s": 170,
+    }
+    proc = start_fit(netns_cluster, tmp_path, config, min_workers=2, cooldown_range=[600, 600])
+    victim = None
+    try:
+        wait_until(lambda: signal_file.exists() or proc.poll() is not None, 90, "rank 0 to reach step 20 with 4")
+        assert proc.poll() is None, f"the driver ended early: {proc.communicate()[1][-3000:]}"
+        [rank0] = [p.stem for p in logs.glob("w*.jsonl") if _steps(p) and _steps(p)[-1]["rank"] == 0]
+        rank0_ip = (tmp_path / "ips" / rank0).read_text()
+        [victim] = [n for n in netns_cluster.nodes if n.ip != rank0_ip]
+        netns_cluster.cut(victim)
+        cut_at = time.time()
+        survivor_log = logs / f"{rank0}.jsonl"
+
+        def trained_on_two(after: float) -> bool:
+            return any(s["world"] == 2 and s["t"] > after for s in _steps(survivor_log))
+
+        wait_until(lambda: trained_on_two(cut_at) or proc.poll() is not None, 60, "the survivors to train on two")
+        netns_cluster.heal(victim)
+        healed_at = time.time()
+        wait_until(
+            lambda: trained_on_two(healed_at + 30) or proc.poll() is not None, 90, "30 s of training after the heal"
+        )
+        stop_file.touch()
+        result = finish(proc, timeout=90)
+    finally:
+        if victim is not None:
+            netns_cluster.heal(victim)
+        stop_file.touch()
+    victims = {w for w, ip in result["worker_ips"].items() if ip == victim.ip}
+    late_steps = [s for w in victims for s in _steps(logs / f"{w}.jsonl") if s["t"] > healed_at]
+    assert not late_steps, f"cut-off workers completed steps of the dead generation after the heal: {late_steps[:3]}"
+    value = result["return_value"]
+    assert value["world_size"] == 2 and value["rank0"] not in victims
+    assert value["late_completions"] == [0, 0], "a collective of the abandoned ring completed on a survivor"
+    assert len(set(value["digests"])) == 1, value["digests"]
+    # the survivors' parameters are their own generation's steps replayed, with nothing of the dead ring's mixed in
+    on_two = [s for s in _steps(logs / f"{value['rank0']}.jsonl") if s["world"] == 2]
+    first = min(s["generation"] for s in on_two)
+    start = torch.load(logs / f"start-g{first}.pt")
+    steps = [s["step"] - 1 for s in on_two]  # a logged step is the state's count after it: it trained on step - 1
+    assert steps[0] == start["step"], (steps[0], start["step"])
+    expected = replay(start["model"], steps, 2)
+    final = torch.load(logs / "final.pt")
+    for name, tensor in expected.items():
+        torch.testing.assert_close(
+            final[name], tensor, rtol=1e-4, atol=1e-6, msg=f"{name} is no replay of the survivors' steps"
+        )
+    print(f"healed partition: {len(steps)} steps on two replayed, {len(victims)} cut-off workers silent after the heal")
