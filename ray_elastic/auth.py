@@ -18,6 +18,7 @@ processes' memory or Ray's object store on the cluster's machines.
 from __future__ import annotations
 
 import functools
+import hashlib
 import hmac
 import inspect
 import logging
@@ -38,6 +39,15 @@ class RunToken:
 
     def admits(self, presented: object) -> bool:
         return isinstance(presented, str) and hmac.compare_digest(presented, self.value)
+
+    def sign(self, purpose: str, data: bytes) -> bytes:
+        """An HMAC-SHA256 of `data` under this run's secret; `purpose` keeps a signature for one use from passing
+        for another's."""
+        return hmac.new(self.value.encode(), purpose.encode() + b"\0" + data, hashlib.sha256).digest()
+
+    def signed(self, purpose: str, data: bytes, signature: bytes) -> bool:
+        """Whether `signature` is this run's `sign(purpose, data)` (compared in constant time)."""
+        return hmac.compare_digest(self.sign(purpose, data), signature)
 
     def __repr__(self) -> str:
         return "RunToken(<hidden>)"

@@ -10,10 +10,14 @@ not yet fetched). `fit()`'s caller dying takes the whole run with it.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import pickle
 import signal
 import subprocess
 import sys
+import time
+from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 
 import pytest
@@ -22,7 +26,7 @@ from conftest import actor_pid, run_namespaces_alive, run_placement_groups_alive
 from test_integration import assert_same_state, fault, start_and_reach_step
 from workloads import counting_train_fn
 
-from ray_elastic import ElasticTrainer
+from ray_elastic import ElasticTrainer, TrainingFailedError
 
 pytestmark = pytest.mark.integration
 
@@ -114,6 +118,35 @@ def test_driver_killed_during_a_reset_and_during_a_scale_up(cluster, no_leaks, t
     assert steps_once_each(result) == list(range(1, final + 1)), "no step missing"
     assert len(steps) - final <= 5, f"only the steps since the last commit (every 5) are redone: {len(steps) - final}"
     assert_same_state(result)
+
+
+class RunsCode:
+    """A pickle that runs code where it is loaded: what a hostile job writes into the run's snapshot key."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_a_forged_driver_snapshot_is_refused_and_the_run_fails_naming_why(cluster, no_leaks, tmp_path):
+    """Issue 34: another job wrote a pickle into driver/<run_id> and restarted the driver, which ran it."""
+    fut = start_and_reach_step(tmp_path, config={"steps": 10**6, "deadline_s": 120}, step=5, max_workers=2)
+    [driver] = [a for a in run_namespaces_alive() if a["name"] == "driver"]
+    [key] = ray.experimental.internal_kv._internal_kv_list(b"driver/", namespace="ray_elastic")
+    marker = tmp_path / "hostile_code_ran"
+    forged = pickle.dumps(RunsCode(str(marker)))
+    ray.kill(ray.get_actor("driver", namespace=driver["namespace"]), no_restart=False)  # needs no token
+    deadline = time.monotonic() + 120
+    while not fut.done():  # written until the restarted driver has read it (the dead one writes no more)
+        assert time.monotonic() < deadline, "fit() did not end within 120 s of the driver's restart"
+        ray.experimental.internal_kv._internal_kv_put(key, forged, overwrite=True, namespace="ray_elastic")
+        with contextlib.suppress(FutureTimeout):
+            fut.exception(timeout=0.05)  # fit() ending ends the writes
+    with pytest.raises(TrainingFailedError, match="not signed with this run's secret"):
+        fut.result(timeout=120)
+    assert not marker.exists(), "the forged snapshot's code never ran"
 
 
 def test_fit_callers_process_killed_leaves_nothing_behind(cluster, no_leaks, tmp_path):

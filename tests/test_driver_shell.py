@@ -9,11 +9,15 @@ error read as a death that never comes.
 from __future__ import annotations
 
 import asyncio
+import pickle
 
+import pytest
 from ray.exceptions import ActorDiedError, ActorUnavailableError
 
+from ray_elastic.auth import RunToken
 from ray_elastic.config import RunConfig
 from ray_elastic.driver import messages as m
+from ray_elastic.driver import snapshot
 from ray_elastic.driver.actor import make_poller
 from ray_elastic.driver.policies import Ring, judge_ring_failure
 from ray_elastic.driver.replies import read_activity, read_pings
@@ -76,3 +80,52 @@ def test_a_member_whose_activity_query_fails_without_dying_is_killed_so_the_ring
     activity = {"w1": {"idle_s": 0.0, "in_collective": True}, "w2": read_activity("w2", RuntimeError("failed"))}
     verdict = judge_ring_failure(activity, collective_timeout=20, liveness_timeout=5, last_timeout_reset=None, now=0.0)
     assert verdict.verdict is Ring.KILL and verdict.kill == ("w2",)
+
+
+class FakeGcsKv:
+    """The GCS key-value store `snapshot.py` writes to, as a dict."""
+
+    def __init__(self) -> None:
+        self.data: dict[bytes, bytes] = {}
+
+    def put(self, key, value, overwrite=True, namespace=None):
+        self.data[key] = value
+
+    def get(self, key, namespace=None):
+        return self.data.get(key)
+
+
+class RunsCode:
+    """A pickle that runs code when loaded: what a hostile job would write."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+@pytest.fixture
+def gcs(monkeypatch) -> FakeGcsKv:
+    kv = FakeGcsKv()
+    monkeypatch.setattr(snapshot.internal_kv, "_internal_kv_put", kv.put)
+    monkeypatch.setattr(snapshot.internal_kv, "_internal_kv_get", kv.get)
+    return kv
+
+
+def test_the_drivers_snapshot_loads_only_with_the_runs_signature(gcs, tmp_path):
+    """Issue 34: any job could write driver/<run_id> and run code in the restarted driver."""
+    token = RunToken()
+    snapshot.save("run1", pickle.dumps({"generation": 3}), token)
+    assert snapshot.load("run1", token) == {"generation": 3}
+    marker = tmp_path / "ran"
+    forged = pickle.dumps(RunsCode(str(marker)))
+    for stored in (forged, b"\0" * 32 + forged, RunToken().sign("driver snapshot/run1", forged) + forged):
+        gcs.data[b"driver/run1"] = stored
+        with pytest.raises(snapshot.ForgedSnapshotError, match="not signed with this run's secret"):
+            snapshot.load("run1", token)
+    assert not marker.exists(), "a forged snapshot is refused unread"
+    snapshot.save("run2", pickle.dumps("run2's"), token)
+    gcs.data[b"driver/run1"] = gcs.data[b"driver/run2"]  # a run's own snapshot under another run's key
+    with pytest.raises(snapshot.ForgedSnapshotError):
+        snapshot.load("run1", token)

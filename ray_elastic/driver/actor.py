@@ -242,7 +242,7 @@ class DriverActor:
         """Write what a restarted driver needs (if it changed), then answer the calls it now holds."""
         blob = pickle.dumps((self.core, self.metrics, self._metric_seqs), protocol=pickle.HIGHEST_PROTOCOL)
         if blob != self._snapshot:
-            snapshot.save(self.run_id, blob)
+            snapshot.save(self.run_id, blob, self._run_token)
             self._snapshot = blob
         self._durable = self._in_batch
         waiting, self._answers = self._answers, []
@@ -276,7 +276,13 @@ class DriverActor:
     async def _resume(self) -> list[m.Action]:
         """Ray restarted this driver: load the snapshot, find the workers, and say what to ask again."""
         loop = asyncio.get_running_loop()
-        saved = await asyncio.wait_for(loop.run_in_executor(None, snapshot.load, self.run_id), _KV_BACK_S)
+        try:
+            saved = await asyncio.wait_for(
+                loop.run_in_executor(None, snapshot.load, self.run_id, self._run_token), _KV_BACK_S
+            )
+        except snapshot.ForgedSnapshotError as e:
+            self.core.fail(str(e))
+            return []
         if saved is None:
             self.core.fail("the run's driver actor restarted before it had saved any state; the run cannot go on")
             return []
