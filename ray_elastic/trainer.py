@@ -248,7 +248,7 @@ class ElasticTrainer:
                 ray.init(address=os.environ.get("RAY_ADDRESS"), logging_level=logging.WARNING)
         self._check_cluster_can_hold_a_worker()
         self._check_checkpoint_dir()
-        data_line = self._data_cpus_line() if self.datasets else None
+        data_line = _data_cpus_line(self.run_config) if self.datasets else None
         run_id = uuid.uuid4().hex[:12]
         namespace = run_namespace(run_id)
         kv = driver = None
@@ -259,15 +259,9 @@ class ElasticTrainer:
             token = RunToken()  # the run's actors answer only calls carrying it (see auth.py)
             kv = create_kv_actor(run_id, namespace, token, here)
             # held until the run ends: Ray removes an actor, named or not, once no handle to it is left
+            cfg = self.run_config
             feed = (
-                create_feed_actor(
-                    namespace,
-                    token,
-                    self.datasets,
-                    here,
-                    self.run_config.data_cpus,
-                    self.run_config.data_starvation_timeout,
-                )
+                create_feed_actor(namespace, token, self.datasets, here, cfg.data_cpus, cfg.data_starvation_timeout)
                 if self.datasets
                 else None
             )
@@ -325,27 +319,6 @@ class ElasticTrainer:
                 meta.get("commit"),
                 meta.get("world_size"),
             )
-
-    def _data_cpus_line(self) -> str:
-        """What the run keeps for its data pipeline, and why: the line `fit()` shows before training."""
-        cfg = self.run_config
-        if cfg.kept_cpus == 0:
-            return (
-                "[ray-elastic] data_cpus=0: the workers may take every CPU of the cluster; a dataset that then "
-                f"produces nothing for {cfg.data_starvation_timeout:g} s fails the run"
-            )
-        nodes = alive_ray_nodes()
-        per_worker = cfg.resources_per_worker
-        slots = {n.node_id: slots_for_resources(n.resources, per_worker) for n in nodes}
-        kept = sum(keep_cpus_free(slots, nodes, per_worker.get("CPU", 0.0), cfg.kept_cpus).values())
-        line = (
-            f"[ray-elastic] keeping {cfg.kept_cpus} CPU(s) of the cluster free for Ray Data's read and map tasks "
-            f"(data_cpus={cfg.kept_cpus}; workers holding every CPU would starve the dataset): "
-            f"{kept} worker slot(s) of the {sum(slots.values())} the cluster holds"
-        )
-        if kept < cfg.min_workers:
-            line += f"; fewer than min_workers={cfg.min_workers}: the run waits up to elastic_timeout for more nodes"
-        return line
 
     def _follow(self, driver: Any, run_ref: Any, reports: _Reports, note: str | None = None) -> RunOutcome:
         """Wait for the driver, collecting its reports and showing progress and event lines until it ends.
@@ -407,6 +380,27 @@ class _Reports:
     @property
     def dropped(self) -> int:
         return self.seen - len(self.kept)
+
+
+def _data_cpus_line(cfg: RunConfig) -> str:
+    """What a run with datasets keeps for its data pipeline, and why: the line `fit()` shows before training."""
+    if cfg.kept_cpus == 0:
+        return (
+            "[ray-elastic] data_cpus=0: the workers may take every CPU of the cluster; a dataset that then "
+            f"produces nothing for {cfg.data_starvation_timeout:g} s fails the run"
+        )
+    nodes = alive_ray_nodes()
+    per_worker = cfg.resources_per_worker
+    slots = {n.node_id: slots_for_resources(n.resources, per_worker) for n in nodes}
+    kept = sum(keep_cpus_free(slots, nodes, per_worker.get("CPU", 0.0), cfg.kept_cpus).values())
+    line = (
+        f"[ray-elastic] keeping {cfg.kept_cpus} CPU(s) of the cluster free for Ray Data's read and map tasks "
+        f"(data_cpus={cfg.kept_cpus}; workers holding every CPU would starve the dataset): "
+        f"{kept} worker slot(s) of the {sum(slots.values())} the cluster holds"
+    )
+    if kept < cfg.min_workers:
+        line += f"; fewer than min_workers={cfg.min_workers}: the run waits up to elastic_timeout for more nodes"
+    return line
 
 
 def _coordinator_node() -> str:
