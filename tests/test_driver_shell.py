@@ -18,7 +18,9 @@ from ray_elastic.auth import RunToken
 from ray_elastic.config import RunConfig
 from ray_elastic.driver import messages as m
 from ray_elastic.driver import snapshot
-from ray_elastic.driver.actor import make_poller
+from ray_elastic.driver.actor import DriverActor, make_poller
+from ray_elastic.driver.core import DriverCore
+from ray_elastic.driver.metrics_log import MetricsLog
 from ray_elastic.driver.policies import Ring, judge_ring_failure
 from ray_elastic.driver.replies import read_activity, read_pings
 
@@ -129,3 +131,46 @@ def test_the_drivers_snapshot_loads_only_with_the_runs_signature(gcs, tmp_path):
     gcs.data[b"driver/run1"] = gcs.data[b"driver/run2"]  # a run's own snapshot under another run's key
     with pytest.raises(snapshot.ForgedSnapshotError):
         snapshot.load("run1", token)
+
+
+class RestartedDriver(DriverActor):
+    """The real actor's call handling, with Ray's part stood in for: its loop applies and snapshots what comes."""
+
+    def __init__(self) -> None:  # noqa: D107 - only what the calls and the loop touch
+        self.run_id = "run1"
+        self._run_token = RunToken()
+        self.core = DriverCore(config())
+        self.metrics = MetricsLog("run1")
+        self._metric_seqs = {}
+        self._queue = asyncio.Queue()
+        self._answers = []
+        self._received = self._in_batch = self._durable = 0
+        self._snapshot = None
+        self._started = asyncio.Event()
+        self._drive_task = None
+
+    async def _drive(self):
+        self._started.set()
+        while True:
+            self._unwrap([await self._queue.get(), *self._drain()])
+            self._persist()
+
+
+def test_a_restarted_drivers_loop_runs_when_resent_worker_calls_fill_every_slot_before_fits_run(monkeypatch):
+    """Issue 34: 1000 resent worker calls took every slot of the restarted driver, all waiting on run()'s loop."""
+    monkeypatch.setattr(snapshot, "save", lambda run_id, blob, token: None)
+
+    async def scenario():
+        driver = RestartedDriver()
+        slots = asyncio.Semaphore(3)  # Ray's max_concurrency
+
+        async def call(method, *args):
+            async with slots:
+                return await method(*args)
+
+        resent = [asyncio.ensure_future(call(driver.worker_synced, f"w{i}", 2, 0.0)) for i in range(3)]
+        run = asyncio.ensure_future(call(driver.run))  # scheduled after them: no slot is left for it
+        await asyncio.wait_for(asyncio.gather(*resent), 5)  # answered once snapshotted, by the loop they started
+        run.cancel()
+
+    asyncio.run(scenario())

@@ -147,10 +147,27 @@ class DriverActor:
         self._answers: list[tuple[int, asyncio.Future]] = []  # calls waiting for their message's snapshot
         self._snapshot: bytes | None = None
         self._started = asyncio.Event()  # the core is the run's: fresh, or loaded from the snapshot
+        self._drive_task: asyncio.Task | None = None
 
     # ---- the loop ----------------------------------------------------------------
     async def run(self) -> RunOutcome:
         """Drive the run to its end; returns the outcome the trainer turns into a Result."""
+        return await asyncio.shield(self._driving())
+
+    def _driving(self) -> asyncio.Task:
+        """The one task that drives the run, started by whichever call reaches this driver first.
+
+        A restarted driver is sent again every call its predecessor left
+        unanswered, in any order. The workers' calls wait for the loop to
+        snapshot their message: were the loop started by `fit()`'s `run()`
+        alone, workers' calls filling every slot (`max_concurrency`) first
+        would wait forever for a `run()` that never gets one.
+        """
+        if self._drive_task is None:
+            self._drive_task = asyncio.get_running_loop().create_task(self._drive())
+        return self._drive_task
+
+    async def _drive(self) -> RunOutcome:
         # the handle workers call back on: carrying the run's token (`with_token_check` set it)
         self._self_handle = Authed(ray.get_runtime_context().current_actor, self._run_token)
         try:
@@ -265,6 +282,7 @@ class DriverActor:
 
         A driver that dies first leaves the call unanswered: Ray sends it again to the restarted one.
         """
+        self._driving()
         if self.core.state.is_final:
             return
         self._received += 1
@@ -698,6 +716,7 @@ class DriverActor:
 
     async def add_metrics(self, worker_id: str, batch: list[tuple[float, dict]], seq: int | None = None) -> None:
         """Rank 0's reports; `seq` numbers the sender's batches, so one sent again after a restart counts once."""
+        self._driving()
         await self._started.wait()
         if worker_id in self.core.fenced:  # declared dead (e.g. cut off, then healed): it no longer speaks for rank 0
             logger.info("dropped %d metric reports of worker %s, declared dead", len(batch), worker_id)
@@ -717,6 +736,7 @@ class DriverActor:
 
         The reports before `metrics_since` were fetched by the caller: the driver lets them go.
         """
+        self._driving()
         await self._started.wait()  # a restarted driver answers from its snapshot, not from an empty core
         first, reports = self.metrics.fetch(metrics_since)
         return DriverStatus(
