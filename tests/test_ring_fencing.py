@@ -8,12 +8,11 @@ the dead generation (measured on a healed partition, issue 34).
 
 from __future__ import annotations
 
-import pytest
-
 
 def test_an_abandoned_ring_never_completes_into_the_survivors_tensors_nor_for_the_cut_off_rank(tmp_path):
+    """Every path: the user's allreduce_, an optimizer bucket, the DDP hook's future, a sync's broadcast, a transfer."""
     import torch.multiprocessing as mp
-    from fencing_ranks import WORLD, rank_main
+    from fencing_ranks import PATHS, WORLD, rank_main
 
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
@@ -21,21 +20,19 @@ def test_an_abandoned_ring_never_completes_into_the_survivors_tensors_nor_for_th
     for p in procs:
         p.start()
     try:
-        found = {r["rank"]: r for r in (out.get(timeout=120) for _ in procs)}
+        found = {r["rank"]: r for r in (out.get(timeout=180) for _ in procs)}
     finally:
         for p in procs:
             p.join(30)
             if p.is_alive():
                 p.kill()
-    cut_off = found[2]
-    assert cut_off["outcome"].startswith("failed"), "the cut-off rank completed a collective of the dead ring"
-    for rank in (0, 1):
-        survivor = found[rank]
-        assert survivor["outcome"].startswith("failed"), survivor
-        assert survivor["abandon_took"] < 1.0, f"abandon blocked {survivor['abandon_took']:.2f} s"
-        assert survivor["untouched"], f"rank {rank}: the dead ring's sum landed in its tensor after the abandon"
-        assert survivor["late_completions"] == 0, survivor
-
-
-if __name__ == "__main__":
-    pytest.main([__file__, "-q"])
+    for path in PATHS:
+        cut_off = found[2]["paths"][path]
+        assert cut_off["outcome"].startswith("failed"), f"{path}: the cut-off rank completed the dead ring's collective"
+        for rank in (0, 1):
+            survivor = found[rank]["paths"][path]
+            assert survivor["outcome"].startswith("failed"), (path, survivor)
+            assert survivor["abandon_took"] < 1.0, f"{path}: abandon blocked {survivor['abandon_took']:.2f} s"
+            assert survivor["untouched"], f"{path}, rank {rank}: the dead ring wrote into the tensor after the abandon"
+    for rank in range(WORLD):
+        assert found[rank]["late_completions"] == 0, found[rank]

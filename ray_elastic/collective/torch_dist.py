@@ -365,12 +365,7 @@ class TorchDistGroup(CollectiveGroup):
             return pending
         self._sockets.cut()
         deadline = time.monotonic() + SETTLE_S
-        still = []
-        for work in pending:
-            ended = threading.Event()
-            work.get_future().add_done_callback(lambda _, ended=ended: ended.set())
-            if not ended.wait(max(0.0, deadline - time.monotonic())):
-                still.append(work)
+        still = [w for w in pending if not _ends_within(w, deadline - time.monotonic())]
         if still:
             logger.warning(
                 "%d collective(s) of an abandoned %s ring did not end within %g s of cutting its connections",
@@ -399,9 +394,29 @@ class TorchDistGroup(CollectiveGroup):
                 pass
 
 
+def _ends_within(work: Any, timeout: float) -> bool:
+    """Whether `work` ended (done or failed) within `timeout` s."""
+    timeout = max(timeout, 0.001)
+    try:
+        future = work.get_future()
+    except RuntimeError:  # Gloo's send and receive works have no future: their own wait, bounded
+        try:
+            work.wait(timedelta(seconds=timeout))
+        except RuntimeError:
+            pass  # failed (ended), or still pending after `timeout` (torch's "timed out")
+        return work.is_completed()
+    ended = threading.Event()
+    future.add_done_callback(lambda _: ended.set())
+    return ended.wait(timeout)
+
+
 def _watch_late(works: list[Any], backend: str) -> None:
     """Count (and log) each work of a left ring that still completes without error: it wrote into a stale buffer."""
     for work in works:
+        try:
+            future = work.get_future()
+        except RuntimeError:  # a send or receive: no future to watch; the warning at the cut named it
+            continue
 
         def on_done(future: torch.futures.Future) -> None:
             try:
@@ -411,7 +426,7 @@ def _watch_late(works: list[Any], backend: str) -> None:
             _late_completions.append(backend)
             logger.error("a collective of a left %s ring completed after the ring was left", backend)
 
-        work.get_future().add_done_callback(on_done)
+        future.add_done_callback(on_done)
 
 
 def late_completions() -> int:
