@@ -26,10 +26,10 @@ owning them, and a number it owns cannot be reused under it.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import socket
+import stat
 import struct
 from collections.abc import Callable
 from typing import TypeVar
@@ -43,7 +43,11 @@ _LINGER_RESET = struct.pack("ii", 1, 0)  # on close: send a reset and drop what 
 
 
 def socket_inodes() -> dict[int, int]:
-    """This process's sockets: inode -> fd (Linux; empty where /proc is missing)."""
+    """This process's sockets: inode -> fd (Linux; empty where /proc is missing).
+
+    `fstat` per descriptor, not `readlink` under /proc: a tenth of the cost
+    in a Ray worker holding hundreds of descriptors.
+    """
     found: dict[int, int] = {}
     try:
         names = os.listdir(_FD_DIR)
@@ -51,24 +55,12 @@ def socket_inodes() -> dict[int, int]:
         return found
     for name in names:
         try:
-            target = os.readlink(f"{_FD_DIR}/{name}")
+            st = os.fstat(int(name))
         except OSError:
-            continue  # closed meanwhile
-        if target.startswith("socket:["):
-            found[int(target[8:-1])] = int(name)
+            continue  # closed meanwhile (the listing's own descriptor among them)
+        if stat.S_ISSOCK(st.st_mode):
+            found[st.st_ino] = int(name)
     return found
-
-
-def _listening_ports() -> set[int]:
-    """Local ports in LISTEN state in this network namespace (IPv4 and IPv6)."""
-    ports: set[int] = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with contextlib.suppress(OSError), open(table) as f:
-            for line in f.readlines()[1:]:
-                fields = line.split()
-                if len(fields) > 3 and fields[3] == "0A":
-                    ports.add(int(fields[1].rsplit(":", 1)[1], 16))
-    return ports
 
 
 def _dup(fd: int, inode: int) -> socket.socket | None:
@@ -87,6 +79,35 @@ def _dup(fd: int, inode: int) -> socket.socket | None:
         return None
 
 
+# sockets this process held when a ring began to form: inode -> its listening port, or None for a connection
+_seen: dict[int, int | None] = {}
+
+
+def _listening_ports(sockets: dict[int, int]) -> set[int]:
+    """The ports the listeners among `sockets` (inode -> fd) listen on; each socket is examined once per process."""
+    for inode in [i for i in _seen if i not in sockets]:
+        del _seen[inode]  # closed since
+    for inode, fd in sockets.items():
+        if inode not in _seen:
+            _seen[inode] = _listening_port(fd, inode)
+    return {port for port in _seen.values() if port is not None}
+
+
+def _listening_port(fd: int, inode: int) -> int | None:
+    sock = _dup(fd, inode)
+    if sock is None:
+        return None
+    with sock:
+        try:
+            if sock.family in (socket.AF_INET, socket.AF_INET6) and sock.getsockopt(
+                socket.SOL_SOCKET, socket.SO_ACCEPTCONN
+            ):
+                return sock.getsockname()[1]
+        except OSError:
+            pass
+    return None
+
+
 class RingSockets:
     """The connections one process group opened (see the module docstring)."""
 
@@ -99,33 +120,31 @@ class RingSockets:
         """Run `create()` (a process group's creation) and note the connections it opened."""
         before = socket_inodes()
         result = create()
-        opened = {inode for inode in socket_inodes() if inode not in before}
-        return result, cls(cls._gloo_connections(opened))
+        now = socket_inodes()
+        opened = {inode: fd for inode, fd in now.items() if inode not in before}
+        return result, cls(cls._gloo_connections(opened, before))
 
     @staticmethod
-    def _gloo_connections(opened: set[int]) -> set[int]:
+    def _gloo_connections(opened: dict[int, int], before: dict[int, int]) -> set[int]:
         """The new sockets minus listeners and minus connections accepted by a listener that is not Gloo's."""
-        if not opened:
-            return set()
-        fds = socket_inodes()
         gloo_ports: set[int] = set()
         connections: dict[int, int] = {}  # inode -> local port
-        for inode in opened:
-            sock = _dup(fds[inode], inode) if inode in fds else None
+        for inode, fd in opened.items():
+            sock = _dup(fd, inode)
             if sock is None:
                 continue
             with sock:
                 try:
-                    port = sock.getsockname()[1] if sock.family in (socket.AF_INET, socket.AF_INET6) else None
-                    if port is None:
+                    if sock.family not in (socket.AF_INET, socket.AF_INET6):
                         continue
+                    port = sock.getsockname()[1]
                     if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
                         gloo_ports.add(port)  # Gloo's listener, created in the window
                     else:
                         connections[inode] = port
                 except OSError:
                     continue
-        others = _listening_ports() - gloo_ports if connections else set()
+        others = _listening_ports(before) if connections else set()
         return {inode for inode, port in connections.items() if port in gloo_ports or port not in others}
 
     def cut(self) -> int:
