@@ -21,6 +21,18 @@ optimizer keeps working after each reset; buckets launched in an older
 generation are dropped. A ring failure inside a hook is recorded and raised
 at `step()` as `HorovodInternalError`, the one place the run loop expects it.
 
+It is a `torch.optim.Optimizer` (as Horovod's is), so everything made for
+one works on it: every LR scheduler, `torch.amp.GradScaler`, hooks, and
+`state_dict()`. Its `param_groups`, `state` and `defaults` are the wrapped
+optimizer's own objects (a scheduler that changes the LR changes the wrapped
+optimizer's), and `state_dict()`, `load_state_dict()`, `zero_grad()` and
+`add_param_group()` are the wrapped optimizer's. After `synchronize()` the
+gradients are the reduced ones and the next `step()` steps on them without
+reducing again: clip between the two. A `GradScaler` hands itself to
+`step()` (`_step_supports_amp_scaling`), which reduces the scaled gradients
+first and unscales and checks them after: a non-finite gradient on any rank
+is in the sum on every rank, so every rank skips the same steps.
+
 The last bucket carries one extra number, how many ranks hold a host-change
 notice, so the ranks agree on host updates inside the gradient allreduce and
 the `check_host_updates()` that follows `step()` needs no collective of its
@@ -36,10 +48,13 @@ error naming the backends to use instead.
 
 from __future__ import annotations
 
+import warnings
+from collections import OrderedDict
 from collections.abc import Iterable
 from typing import Any
 
 import torch
+from torch.amp.grad_scaler import OptState
 
 from ray_elastic.collective.base import Average, CollectiveWork, ReduceOp, Sum
 from ray_elastic.collective.factory import TORCH_BACKENDS
@@ -58,7 +73,11 @@ class _Bucket:
         self.work: CollectiveWork | None = None
 
 
-class DistributedOptimizer:
+# GradScaler warns that it will stop handing itself to step(); until then that is how the reduction comes first
+warnings.filterwarnings("ignore", message="GradScaler is going to stop passing itself", category=FutureWarning)
+
+
+class DistributedOptimizer(torch.optim.Optimizer):
     """Wraps a torch optimizer; averages gradients across workers before each step.
 
     Args:
@@ -96,6 +115,7 @@ class DistributedOptimizer:
                 "or average the gradients yourself with ray_elastic.allreduce_"
             )
         self.optimizer = optimizer
+        self._as_torch_optimizer()
         self.backward_passes_per_step = backward_passes_per_step
         self.op = op
         params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
@@ -125,13 +145,62 @@ class DistributedOptimizer:
         self._generation = -1
         self._next_launch = 0
         self._error: BaseException | None = None
+        self._synchronized = False  # synchronize() ran since the last step: step() uses the reduced gradients
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
+
+    def _as_torch_optimizer(self) -> None:
+        """What `torch.optim.Optimizer.__init__` sets, less the parameters, which stay the wrapped optimizer's."""
+        self._optimizer_step_pre_hooks = OrderedDict()
+        self._optimizer_step_post_hooks = OrderedDict()
+        self._optimizer_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_state_dict_post_hooks = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks = OrderedDict()
+        self._patch_step_function()  # step hooks and the profiler's step record, as on any optimizer
+        self._warned_capturable_if_run_uncaptured = True
+
+    # the wrapped optimizer's own objects: its load_state_dict() replaces them, so they are read through each time
+    param_groups = property(
+        lambda self: self.optimizer.param_groups, lambda self, v: setattr(self.optimizer, "param_groups", v)
+    )
+    state = property(lambda self: self.optimizer.state, lambda self, v: setattr(self.optimizer, "state", v))
+    defaults = property(lambda self: self.optimizer.defaults, lambda self, v: setattr(self.optimizer, "defaults", v))
+    _step_supports_amp_scaling = True  # GradScaler.step hands itself to step(): reduce first, then unscale
 
     def __getattr__(self, name: str) -> Any:
         optimizer = self.__dict__.get("optimizer")
         if optimizer is None:
             raise AttributeError(name)
         return getattr(optimizer, name)
+
+    def __getstate__(self) -> dict[str, Any]:
+        raise TypeError("a DistributedOptimizer is not pickled: keep it in a TorchState, or save its state_dict()")
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state_dict)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group to the wrapped optimizer; its parameters' gradients are reduced like the others'."""
+        known = set(self._passes)
+        self.optimizer.add_param_group(param_group)
+        added = [p for p in self.optimizer.param_groups[-1]["params"] if p.requires_grad and p not in known]
+        if not added:
+            return
+        for p in added:
+            self._names.setdefault(p, f"param{len(self._names)}")
+            self._passes[p] = 0
+            self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+        # the new parameters get buckets of their own, before the one that carries the host-change count
+        last = self._buckets.pop()
+        groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+        for p in added:
+            groups.setdefault((p.dtype, p.device), []).append(p)
+        self._buckets.extend(_Bucket(ps) for ps in groups.values())
+        self._buckets.append(last)
+        self._bucket_of = {p: b for b in self._buckets for p in b.params}
 
     # ---- hooks ---------------------------------------------------------
     def _reset_buckets(self) -> None:
@@ -200,7 +269,7 @@ class DistributedOptimizer:
 
     # ---- step ------------------------------------------------------------
     def synchronize(self) -> None:
-        """Wait for every bucket's allreduce and write the results into `.grad`."""
+        """Wait for every bucket's allreduce and write the results into `.grad`; the next `step()` uses them."""
         ctx = current()
         ctx.ensure_joined()
         try:
@@ -235,10 +304,34 @@ class DistributedOptimizer:
         finally:
             self._error = None
             self._reset_buckets()
+        self._synchronized = True
 
-    def step(self, closure: Any = None) -> Any:
-        """Average the gradients across workers, then step the wrapped optimizer."""
-        self.synchronize()
+    def step(self, closure: Any = None, grad_scaler: torch.amp.GradScaler | None = None) -> Any:
+        """Average the gradients across workers (unless `synchronize()` did), then step the wrapped optimizer.
+
+        With a `GradScaler` (which passes itself): the scaled gradients are
+        reduced, unscaled unless `scaler.unscale_(opt)` ran after
+        `synchronize()`, and the step is skipped when any is inf or NaN.
+        """
+        if grad_scaler is not None and not self._synchronized:
+            stage = grad_scaler._per_optimizer_states[id(self)]["stage"]
+            if stage is OptState.UNSCALED:
+                raise RuntimeError(
+                    "scaler.unscale_(optimizer) ran before optimizer.synchronize(): the gradients it saw were not "
+                    "reduced yet, so nothing was unscaled (nor clipped). Call optimizer.synchronize() first, then "
+                    "scaler.unscale_(optimizer), clip, and scaler.step(optimizer)"
+                )
+        if not self._synchronized:
+            self.synchronize()
+        self._synchronized = False
+        if grad_scaler is None:
+            return self.optimizer.step(closure)
+        # what GradScaler does for a plain optimizer, on the reduced gradients (its own bookkeeping)
+        scaler_state = grad_scaler._per_optimizer_states[id(self)]
+        if scaler_state["stage"] is OptState.READY:
+            grad_scaler.unscale_(self)
+        if sum(v.item() for v in scaler_state["found_inf_per_device"].values()):
+            return None
         return self.optimizer.step(closure)
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -392,7 +392,8 @@ class ModuleHandler(StateHandler):
 
 
 def _inner_optimizer(value: Any) -> torch.optim.Optimizer:
-    return getattr(value, "optimizer", value) if not isinstance(value, torch.optim.Optimizer) else value
+    """The optimizer whose step changes the state: the wrapped one inside a `DistributedOptimizer`."""
+    return value.optimizer if isinstance(value, DistributedOptimizer) else value
 
 
 class OptimizerHandler(StateHandler):

@@ -50,13 +50,7 @@ class _HorovodOptimizer(_ElasticOptimizer):
 
     def __init__(self, optimizer: torch.optim.Optimizer, **kwargs: Any) -> None:
         super().__init__(optimizer, **kwargs)
-        self._synchronized = False
         self._skip_synchronize = False
-
-    def synchronize(self) -> None:
-        """Wait for the gradients' allreduce; `step()` then needs `skip_synchronize()`."""
-        super().synchronize()
-        self._synchronized = True
 
     @contextlib.contextmanager
     def skip_synchronize(self) -> Iterator[None]:
@@ -67,19 +61,14 @@ class _HorovodOptimizer(_ElasticOptimizer):
         finally:
             self._skip_synchronize = False
 
-    def step(self, closure: Any = None) -> Any:
+    def step(self, closure: Any = None, grad_scaler: torch.amp.GradScaler | None = None) -> Any:
         if self._synchronized and not self._skip_synchronize:
             # Horovod warns and reduces again; the gradients are reduced already, so step on them as they are
             logger.warning(
                 "optimizer.step() after optimizer.synchronize() outside `with optimizer.skip_synchronize():`; "
                 "the gradients were reduced already and are used as they are"
             )
-        if self._synchronized or self._skip_synchronize:
-            self._synchronized = False
-            return self.optimizer.step(closure)
-        result = super().step(closure)
-        self._synchronized = False  # super().step() went through synchronize()
-        return result
+        return super().step(closure, grad_scaler)
 
 
 def DistributedOptimizer(  # noqa: N802 - Horovod's name for a factory
