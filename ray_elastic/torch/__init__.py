@@ -3,7 +3,8 @@
 import ray_elastic as elastic
 opt = elastic.torch.DistributedOptimizer(opt, named_parameters=model.named_parameters())
 sampler = elastic.torch.ElasticSampler(dataset, shuffle=True, seed=0)
-state = elastic.torch.TorchState(model=model, optimizer=opt, sampler=sampler, epoch=0)
+sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1)   # opt is a torch.optim.Optimizer
+state = elastic.torch.TorchState(model=model, optimizer=opt, sampler=sampler, scheduler=sched, epoch=0)
 
 or, with torch's DistributedDataParallel and a plain optimizer:
 
@@ -13,6 +14,7 @@ model = elastic.torch.prepare_model(model)
 from ray_elastic.torch.broadcast import broadcast_parameters
 from ray_elastic.torch.ddp import ElasticDDP, prepare_model
 from ray_elastic.torch.optimizer import DistributedOptimizer
+from ray_elastic.torch.rng import RngState
 from ray_elastic.torch.sampler import ElasticSampler
 from ray_elastic.torch.state import StateHandler, TorchState, broadcast_optimizer_state, register_handler
 
@@ -20,6 +22,7 @@ __all__ = [
     "DistributedOptimizer",
     "ElasticDDP",
     "ElasticSampler",
+    "RngState",
     "StateHandler",
     "TorchState",
     "broadcast_optimizer_state",

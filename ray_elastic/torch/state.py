@@ -66,6 +66,7 @@ from ray_elastic.state.sync_plan import SyncPlan, fresh_commit_id
 from ray_elastic.state.transfer import agree, share_object
 from ray_elastic.torch.broadcast import send_tensors_, wait_while_transferring
 from ray_elastic.torch.optimizer import DistributedOptimizer
+from ray_elastic.torch.rng import RngState
 from ray_elastic.torch.sampler import ElasticSampler
 
 logger = logging.getLogger(__name__)
@@ -691,11 +692,19 @@ def _handler_for(value: Any) -> StateHandler:
         return OptimizerHandler(value)
     if isinstance(value, ElasticSampler):
         return SamplerHandler(value)
+    from ray_elastic.torch.state_dict_handler import StateDictHandler, saves_itself  # noqa: PLC0415 - imports this
+
+    if saves_itself(value):  # a scheduler, a GradScaler, an EMA: restored in place, never replaced by a copy
+        return StateDictHandler(value)
     return ObjectHandler(value)
 
 
 class TorchState(State):
-    """State of a PyTorch training loop: `TorchState(model=m, optimizer=o, sampler=s, epoch=0)`.
+    """State of a PyTorch training loop: `TorchState(model=m, optimizer=o, sampler=s, scheduler=sc, epoch=0)`.
+
+    Anything with `state_dict()`/`load_state_dict()` (an LR scheduler, a
+    `GradScaler`, an EMA) is restored in place: the object the loop holds is
+    the one that rolls back. `rng=True` adds the global random generators.
 
     Attributes read and write through to their handlers, so `state.epoch = 3`
     is what the next `commit()` saves. `last_sync` says what the last sync
@@ -704,6 +713,8 @@ class TorchState(State):
 
     def __init__(self, model: torch.nn.Module | None = None, optimizer: Any = None, **kwargs: Any) -> None:
         values = dict(kwargs)
+        if values.get("rng") is True:  # the global generators roll back with the state (see `RngState`)
+            values["rng"] = RngState()
         if model is not None:
             values["model"] = model
         if optimizer is not None:

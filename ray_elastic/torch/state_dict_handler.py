@@ -1,0 +1,62 @@
+"""Objects that save and load themselves (`state_dict()`/`load_state_dict()`), restored in place.
+
+LR schedulers, `GradScaler`, an EMA, a user's own class: the training loop
+holds the object, so a rollback must change that object, not replace the
+attribute with a copy (a deep copy of a scheduler drives a deep copy of the
+optimizer, and the real optimizer's LR silently stops changing: invariant 8
+in DESIGN.md). A commit keeps a deep copy of `state_dict()`; a restore hands
+a copy of it to `load_state_dict()`; a newcomer receives rank 0's in the sync
+and loads it into the object its own `train_fn` built.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from ray_elastic.state.state import mismatch
+from ray_elastic.torch.state import StateHandler
+
+
+def saves_itself(value: Any) -> bool:
+    """Whether `value` has callable `state_dict()` and `load_state_dict()` (and is not a class)."""
+    return (
+        not isinstance(value, type)
+        and callable(getattr(value, "state_dict", None))
+        and callable(getattr(value, "load_state_dict", None))
+    )
+
+
+class StateDictHandler(StateHandler):
+    """An object with `state_dict()`/`load_state_dict()`: its state is committed, restored and synced in place."""
+
+    def __init__(self, value: Any) -> None:
+        super().__init__(value)
+        self._saved = copy.deepcopy(value.state_dict())
+
+    def save(self) -> None:
+        self._saved = copy.deepcopy(self.value.state_dict())
+
+    def restore(self) -> None:
+        self.value.load_state_dict(copy.deepcopy(self._saved))
+
+    def sync(self) -> None:
+        from ray_elastic.torch.state import _sync_from_rank0  # noqa: PLC0415 - the module imports this one
+
+        _sync_from_rank0(self)
+
+    def describe(self) -> Any:
+        return self.value.state_dict()
+
+    def receive(self, description: Any) -> None:
+        self.value.load_state_dict(copy.deepcopy(description))
+
+    def snapshot(self) -> Any:
+        return self._saved  # save() replaces it with a fresh deep copy
+
+    def load_snapshot(self, snapshot: Any) -> None:
+        differ = mismatch(self._saved, snapshot)
+        if differ is not None:
+            raise ValueError(f"the checkpoint does not fit this attribute: {differ}")
+        self._saved = snapshot
+        self.restore()
