@@ -172,6 +172,11 @@ class Cooldown:
         self._until[host] = max(self._until.get(host, 0.0), now + length)
         return length
 
+    def forget(self, now: float) -> None:
+        """Drop the hosts whose failures `record_failure` would no longer count (quiet for `forget_after`)."""
+        for host in [h for h, until in self._until.items() if now - until > self.forget_after]:
+            del self._failures[host], self._last_failure[host], self._until[host]
+
     def is_cooling(self, host: str, now: float) -> bool:
         return self._until.get(host, 0.0) > now
 

@@ -104,7 +104,8 @@ class DriverStatus:
     metrics: list[tuple[float, dict[str, Any]]]  # the reports from run-wide index `metrics_from` on
     metrics_from: int
     num_metrics: int
-    events: list[dict[str, Any]]
+    events: list[dict[str, Any]]  # those the caller has not seen (`status(events_since=)`)
+    events_from: int = 0  # the run-wide number of events[0]
 
 
 @dataclass

@@ -343,6 +343,7 @@ class ElasticTrainer:
             progress.close()
 
     def _poll_driver(self, driver: Any, run_ref: Any, progress: Any, reports: _Reports) -> RunOutcome:
+        events_seen = 0  # the driver sends only the events after these (and those whose reset goes on)
         while True:
             ready, _ = ray.wait([run_ref], timeout=_POLL_S)
             if ready:
@@ -357,9 +358,10 @@ class ElasticTrainer:
                 )
                 return outcome
             try:
-                status = ray.get(driver.status.remote(reports.seen), timeout=_STATUS_TIMEOUT_S)
+                status = ray.get(driver.status.remote(reports.seen, events_seen), timeout=_STATUS_TIMEOUT_S)
             except ray.exceptions.GetTimeoutError:
                 continue
+            events_seen = status.events_from + len(status.events)
             progress.update({**vars(status), "metrics": reports.take(status.metrics_from, status.metrics)})
 
 

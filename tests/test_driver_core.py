@@ -185,7 +185,7 @@ def test_hosts_withdrawn_by_discovery_leave_gracefully_once_a_second_poll_confir
     assert s.core.workers["w2"].status is WorkerStatus.LEAVING
     assert s.kinds()[-1] == (EventKind.HOSTS_REMOVED, 2)
     s.send(m.WorkerExited("w2", Removed()))
-    assert s.of(m.Kill) == [m.Kill("w2")] and s.core.workers["w2"].status is WorkerStatus.GONE
+    assert s.of(m.Kill) == [m.Kill("w2")] and "w2" not in s.core.alive_ids()
     assert s.of(m.Publish) == []
 
 
@@ -719,7 +719,7 @@ def test_a_worker_killed_as_hung_is_dead_at_once_even_if_its_run_then_returns():
     [publish] = [a for a in actions if isinstance(a, m.Publish)]
     assert set(publish.plan) == {"w1", "w3"}, "the survivors, told to abandon, get their next generation now"
     s.send(m.WorkerExited("w2", Finished(1)))  # its run() had returned: no WorkerDied will come
-    assert s.core.workers["w2"].status is WorkerStatus.GONE and s.core.state is DriverState.RESETTING
+    assert s.core.is_void("w2") and "w2" not in s.core.alive_ids() and s.core.state is DriverState.RESETTING
     failed = [e for e in s.core.events if e.kind is EventKind.WORKER_FAILED]
     assert len(failed) == 1 and "w2 (rank 1) on node B was killed" in failed[0].detail
 
@@ -799,3 +799,46 @@ def test_checkpoint_storage_that_fails_is_named_not_taken_for_no_checkpoint():
     assert s.core.state is DriverState.FAILED
     assert "could not be looked for within elastic_timeout=60 s: PermissionError: access denied" in s.core.failure
     assert "no durable checkpoint was written yet" not in s.core.failure
+
+
+def test_a_long_run_with_churn_keeps_the_drivers_records_flat():
+    """Issue 34: a week of churn grew every record of the driver (and each change's cost) without bound."""
+    s = Script(min_workers=1, max_workers=4, cooldown_range=(0.0, 0.0))
+    s.core.events.capacity = 100
+    hosts = {f"h{i}": 1 for i in range(4)}
+    s.start(hosts)
+    sizes = []
+    for change in range(1, 1001):
+        victim = next(iter(s.core.plan))
+        if change % 2:  # its node is lost and a new one offered
+            hosts.pop(s.core.workers[victim].host)
+            hosts[f"h{change + 4}"] = 1
+            s.send(m.WorkerDied(victim, "node lost", node_alive=False), m.HostsDiscovered(dict(hosts)))
+        else:
+            s.send(m.WorkerDied(victim, "SIGKILL", node_alive=True))
+        for _ in range(3):  # the next generation syncs; the replacement boots and is admitted
+            spawned, publishes = s.of(m.Spawn), s.of(m.Publish)
+            for publish in publishes:
+                s.sync(publish)
+            s.send(*[m.WorkerReady(a.worker_id) for a in spawned], m.Tick(), after=0.5)
+        assert len(s.core.plan) == 4 and s.core.state is DriverState.RUNNING, s.core.failure
+        if change % 250 == 0:
+            core = s.core
+            sizes.append((len(core.workers), len(core.fenced), len(core.host_first_seen), len(core.events)))
+    assert sizes[0] == sizes[-1], f"records grew with churn (workers, fenced, hosts, events): {sizes}"
+    assert sizes[-1][0] <= 8 and sizes[-1][3] == 100
+    assert s.core.events.dropped > 0 and len(s.core._failure_places) <= 3
+
+
+def test_status_sends_only_the_events_fit_has_not_seen_and_those_still_resetting():
+    s = Script(min_workers=1)
+    s.start({"A": 1, "B": 1, "C": 1})
+    s.send(m.WorkerDied("w3", "SIGKILL", node_alive=True))
+    first, events = s.core.events.since(0)
+    assert first == 0 and [e.kind for e in events] == [EventKind.START, EventKind.WORKER_FAILED]
+    seen = first + len(events)
+    first, events = s.core.events.since(seen)
+    assert first == 1 and [e.kind for e in events] == [EventKind.WORKER_FAILED], "its reset still runs: sent again"
+    s.sync(s.of(m.Publish)[0])
+    first, events = s.core.events.since(seen)
+    assert first == seen and events == [], "nothing new: nothing sent"

@@ -153,7 +153,7 @@ class RestartedDriver(DriverActor):
         self._started.set()
         while True:
             self._unwrap([await self._queue.get(), *self._drain()])
-            self._persist()
+            await self._persist()
 
 
 def test_a_restarted_drivers_loop_runs_when_resent_worker_calls_fill_every_slot_before_fits_run(monkeypatch):

@@ -181,7 +181,7 @@ class DriverActor:
                 except DiscoveryError as e:
                     first = [m.DiscoveryFailed(str(e))]
                 actions = self.core.handle(first, time.monotonic())
-                self._persist()
+                await self._persist()
             self._started.set()
             await self._carry_out(actions)
             if not self.core.state.is_final:
@@ -198,7 +198,7 @@ class DriverActor:
                     batch.append(m.Tick())
                     last_tick = now
                 actions = self.core.handle(batch, now)
-                self._persist()  # before the actions: a restarted driver asks again what they may have lost
+                await self._persist()  # before the actions: a restarted driver asks again what they may have lost
                 await self._carry_out(actions)
         except Exception as e:  # noqa: BLE001 - a driver bug must still end the run with its reason
             logger.exception("driver failed")
@@ -255,13 +255,28 @@ class DriverActor:
         return out
 
     # ---- the snapshot ------------------------------------------------------------------
-    def _persist(self) -> None:
-        """Write what a restarted driver needs (if it changed), then answer the calls it now holds."""
+    async def _persist(self) -> None:
+        """Write what a restarted driver needs (if it changed), then answer the calls it now holds.
+
+        Pickled on the loop, so it is one moment's state (the core is pruned:
+        about 10 ms at the event log's cap); written to the GCS off the loop,
+        within `_KV_BACK_S`. A GCS that does not take it fails the run, naming
+        why: a driver that cannot save cannot be resumed.
+        """
         blob = pickle.dumps((self.core, self.metrics, self._metric_seqs), protocol=pickle.HIGHEST_PROTOCOL)
+        durable = self._in_batch
         if blob != self._snapshot:
-            snapshot.save(self.run_id, blob, self._run_token)
+            loop = asyncio.get_running_loop()
+            try:
+                await asyncio.wait_for(
+                    loop.run_in_executor(None, snapshot.save, self.run_id, blob, self._run_token), _KV_BACK_S
+                )
+            except Exception as e:  # noqa: BLE001 - a GCS that is down or slow: the run cannot be made durable
+                why = f"no answer within {_KV_BACK_S:g} s" if isinstance(e, asyncio.TimeoutError) else _first_line(e)
+                self.core.fail(f"the GCS did not take the driver's snapshot ({why}); the run cannot survive a restart")
+                return
             self._snapshot = blob
-        self._durable = self._in_batch
+        self._durable = durable
         waiting, self._answers = self._answers, []
         for seq, fut in waiting:
             if seq <= self._durable:
@@ -311,7 +326,7 @@ class DriverActor:
         if self.core.generation and await asyncio.wait_for(self.kv.current_generation.remote(), _KV_BACK_S) == 0:
             self._queue.put_nowait(m.KVRestarted("it restarted while the driver was down"))
         actions = self.core.restarted(time.monotonic(), "its process died; Ray restarted it")
-        self._persist()
+        await self._persist()
         await asyncio.wait_for(self._reattach(), _KV_BACK_S)
         return actions
 
@@ -718,7 +733,7 @@ class DriverActor:
         """Rank 0's reports; `seq` numbers the sender's batches, so one sent again after a restart counts once."""
         self._driving()
         await self._started.wait()
-        if worker_id in self.core.fenced:  # declared dead (e.g. cut off, then healed): it no longer speaks for rank 0
+        if self.core.is_void(worker_id):  # declared dead (e.g. cut off, then healed): it no longer speaks for rank 0
             logger.info("dropped %d metric reports of worker %s, declared dead", len(batch), worker_id)
             return
         if seq is not None:
@@ -731,14 +746,17 @@ class DriverActor:
         """Ask the loop to end (e.g. the user interrupted `fit()`)."""
         self._queue.put_nowait(m.Stop(reason))
 
-    async def status(self, metrics_since: int = 0) -> DriverStatus:
-        """A snapshot for progress display: state, world size, events, and the reports from `metrics_since` on.
+    async def status(self, metrics_since: int = 0, events_since: int = 0) -> DriverStatus:
+        """A snapshot for progress display: state, world size, and what the caller has not seen yet.
 
-        The reports before `metrics_since` were fetched by the caller: the driver lets them go.
+        The reports from `metrics_since` on (the ones before were fetched by
+        the caller: the driver lets them go), and the events from run-wide
+        number `events_since` on, with any older one whose reset has not ended.
         """
         self._driving()
         await self._started.wait()  # a restarted driver answers from its snapshot, not from an empty core
         first, reports = self.metrics.fetch(metrics_since)
+        events_from, events = self.core.events.since(events_since)
         return DriverStatus(
             state=self.core.state,
             generation=self.core.generation,
@@ -747,7 +765,8 @@ class DriverActor:
             metrics=reports,
             metrics_from=first,
             num_metrics=len(self.metrics),
-            events=[e.to_dict() for e in self.core.events],
+            events=[e.to_dict() for e in events],
+            events_from=events_from,
         )
 
     # ---- the end -----------------------------------------------------------------------

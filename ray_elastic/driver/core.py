@@ -28,7 +28,9 @@ from typing import Any
 from ray_elastic.assignment import Cooldown, LiveWorker, WorkerSlot, assign_ranks, plan_scaling
 from ray_elastic.config import RunConfig
 from ray_elastic.driver import messages as m
+from ray_elastic.driver.event_log import EventLog
 from ray_elastic.driver.policies import (
+    CRASH_LOOP_REPEATS,
     PublishVerdict,
     Ring,
     decide_crash_loop,
@@ -85,7 +87,7 @@ class DriverCore:
         self._holding: str | None = None  # the withdrawn member kept to hand the trained state over
         self.host_first_seen: dict[str, float] = {}
         self.cooldown = Cooldown(*config.cooldown_range)
-        self.events: list[Event] = []
+        self.events = EventLog()
         self.failure: str | None = None
         self.return_value: Any = None
         self._returned = False  # rank 0's train_fn returned its value: the run may end DONE
@@ -109,7 +111,8 @@ class DriverCore:
         self._failure_reasons: list[str] = []
         self._causes: list[str] = []  # what broke the members since the last failure-driven reset synced
         self._last_abandon: m.Abandon | None = None  # the newest generation declared dead to its live members
-        self.fenced: set[str] = set()  # workers declared dead: nothing they still send counts
+        # workers declared dead and still on record; one no longer on record (pruned) is just as void
+        self.fenced: set[str] = set()
         self._actions: list[m.Action] = []
 
     # ---- derived state -------------------------------------------------------
@@ -138,6 +141,10 @@ class DriverCore:
     def alive_ids(self) -> list[str]:
         return [r.worker_id for r in self.workers.values() if r.status in ALIVE]
 
+    def is_void(self, worker_id: str) -> bool:
+        """Whether nothing `worker_id` sends counts: declared dead, or no longer on record."""
+        return worker_id in self.fenced or worker_id not in self.workers
+
     # ---- a restarted driver -----------------------------------------------------
     def restarted(self, now: float, why: str) -> list[m.Action]:
         """This core came back from a snapshot in a restarted driver: the actions that may have been lost.
@@ -158,7 +165,7 @@ class DriverCore:
         self.events.append(ev)
         actions: list[m.Action] = []
         if self._last_abandon is not None:
-            alive = tuple(w for w in self._last_abandon.worker_ids if self.workers[w].status in ALIVE)
+            alive = tuple(w for w in self._last_abandon.worker_ids if w in self.alive_ids())
             if alive:
                 actions.append(self._last_abandon._replace(worker_ids=alive))
         if self.generation:
@@ -181,12 +188,32 @@ class DriverCore:
         if self._final is None:
             self._reconcile(now)
             self._maybe_publish(now)
+            self._prune(now)
         actions, self._actions = self._actions, []
         return actions
 
+    def _prune(self, now: float) -> None:
+        """Forget what no decision needs any more, so a run with churn keeps the driver's size flat.
+
+        A worker that is gone leaves the record once no generation, sync,
+        boot announcement or hand-over names it (a late word from it is void
+        all the same, `is_void`); a host leaves once it is neither offered
+        nor hosting a worker on record; a cool-down, once it is forgotten.
+        """
+        named = set(self.plan) | self._syncing | {w for _, newcomers in self._booting for w in newcomers}
+        for worker_id in [w for w, r in self.workers.items() if r.status is WorkerStatus.GONE and w not in named]:
+            del self.workers[worker_id]
+            self.fenced.discard(worker_id)
+        if self._holding is not None and self._holding not in self.workers:
+            self._holding = None
+        in_use = {r.host for r in self.workers.values()}
+        for host in [h for h in self.host_first_seen if h not in self.hosts and h not in in_use]:
+            del self.host_first_seen[host]
+        self.cooldown.forget(now)
+
     def _apply(self, msg: m.Message, now: float) -> None:
         sender = getattr(msg, "worker_id", None)
-        if sender in self.fenced:
+        if sender is not None and self.is_void(sender):
             # declared dead (killed as hung, or cut off and healed): its death is recorded, its word is void
             logger.info("ignored %s from worker %s, declared dead", type(msg).__name__, sender)
             return
@@ -729,8 +756,8 @@ class DriverCore:
         if self._syncing:
             return
         self._check_crash_loop(msg.generation)
-        for ev in self.events:
-            if ev.generation == msg.generation and ev.reset_duration is None:
+        for ev in self._events_of(msg.generation):
+            if ev.reset_duration is None:
                 ev.reset_duration = max(0.0, msg.at - ev.time)
                 if ev.kind is not EventKind.START:
                     self._actions.append(m.RecordMetric("recovery", ev.reset_duration))
@@ -739,15 +766,26 @@ class DriverCore:
     def _check_crash_loop(self, generation: int) -> None:
         """A generation that a failure made has synced: note where it resumed, and stop a repeating failure."""
         place, self._synced_commits = self._synced_commits, None
-        failures = [e for e in self.events if e.generation == generation and e.kind in _FAILURE_KINDS]
+        failures = [e for e in self._events_of(generation) if e.kind in _FAILURE_KINDS]
         if place is None or not failures:
             return
         self._failure_places.append(place)
         causes, self._causes = self._causes, []
         self._failure_reasons.append(causes[0] if causes else failures[0].detail)
+        del self._failure_places[:-CRASH_LOOP_REPEATS], self._failure_reasons[:-CRASH_LOOP_REPEATS]
         loop, reason = decide_crash_loop(self._failure_places, self._failure_reasons)
         if loop:
             self.fail(reason)
+
+    def _events_of(self, generation: int) -> list[Event]:
+        """The events `generation` absorbed, oldest first (events are logged in generation order)."""
+        found = []
+        for ev in self.events.newest_first():
+            if ev.generation < generation:
+                break
+            if ev.generation == generation:
+                found.append(ev)
+        return found[::-1]
 
     def _on_resumed(self, msg: m.WorkerResumed, now: float) -> None:
         meta: Mapping[str, Any] = msg.meta
