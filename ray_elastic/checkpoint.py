@@ -31,7 +31,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 logger = logging.getLogger(__name__)
 
@@ -39,9 +39,38 @@ CHECKPOINT_FILE = "ray_elastic_checkpoint.pkl"
 META_FILE = "ray_elastic_checkpoint.json"  # the latest checkpoint's meta, readable without loading the state
 _FORMAT = 1
 
+R = TypeVar("R")
+
 
 class CheckpointError(RuntimeError):
     """A durable checkpoint could not be written or read."""
+
+
+def within(timeout: float, what: str, fn: Callable[[], R]) -> R:
+    """`fn()` (a storage call), waited for at most `timeout` s; past it, `CheckpointError` naming `what`.
+
+    Storage can hang rather than fail (a dead NFS mount, a bucket behind a
+    lost route); the caller must not hang with it. `fn` runs on a daemon
+    thread, which is left behind if it never returns. `what` names the call
+    and the option that bounds it, e.g. "reading ... (collective_timeout)".
+    """
+    result: list[Any] = []
+    error: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            result.append(fn())
+        except BaseException as e:  # noqa: BLE001 - raised again in the caller's thread
+            error.append(e)
+
+    thread = threading.Thread(target=run, name="ray-elastic-storage", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if thread.is_alive():
+        raise CheckpointError(f"{what} did not finish within {timeout:g} s")
+    if error:
+        raise error[0]
+    return result[0]
 
 
 class CheckpointStore:

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 logger = logging.getLogger(__name__)
 
 HostSlots = dict[str, int]
+_REAP_S = 5.0  # a killed discovery script's pipes closing: a process that left its session may hold them
 
 
 class DiscoveryError(RuntimeError):
@@ -250,7 +251,12 @@ class ScriptDiscovery:
             stdout, stderr = proc.communicate(timeout=self.timeout)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
+            try:
+                proc.communicate(timeout=_REAP_S)
+            except subprocess.TimeoutExpired:  # a process that left the script's session holds its output open
+                proc.stdout.close()
+                proc.stderr.close()
+                proc.wait(_REAP_S)
             raise DiscoveryError(f"discovery script {self.path} did not finish within {self.timeout:g} s") from None
         if proc.returncode != 0:
             raise DiscoveryError(

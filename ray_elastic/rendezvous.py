@@ -46,13 +46,15 @@ def share_family(packed: bytes) -> bytes | ray.ObjectRef:
     return packed if len(packed) <= _INLINE_FAMILY_BYTES else ray.put(packed)
 
 
-def decode_family(reply: bytes | ray.ObjectRef, timeout: float = _CLIENT_MARGIN_S) -> list[bytes]:
-    """The values of a family reply (fetching them first if they came by reference)."""
+def decode_family(
+    reply: bytes | ray.ObjectRef, timeout: float = _CLIENT_MARGIN_S, what: str = "a family of values"
+) -> list[bytes]:
+    """The values of a family reply (fetching them first if they came by reference); `what` names them."""
     if isinstance(reply, ray.ObjectRef):
         try:
             reply = ray.get(reply, timeout=timeout)
         except ray.exceptions.GetTimeoutError:
-            raise RendezvousTimeoutError(f"fetching a family of values took over {timeout:g} s") from None
+            raise RendezvousTimeoutError(f"fetching {what} from the object store took over {timeout:g} s") from None
     return unpack_family(reply)
 
 
@@ -141,7 +143,7 @@ class KVClient:
         `put`: a `(key, value)` written first, in the same call (see `KVStore.wait_family`).
         """
         (reply,) = self._call("wait_family", generation, prefix, count, timeout, put, timeout=timeout)
-        return decode_family(reply)
+        return decode_family(reply, what=f"keys {prefix}0..{prefix}{count - 1} of generation {generation}")
 
     def add(self, generation: int, key: str, amount: int) -> int:
         return self._call("add", generation, key, amount)

@@ -299,6 +299,14 @@ def _accept_higher(listener: socket.socket, rank: int, size: int, timeout_s: flo
             s.settimeout(timeout_s)
             peers[int.from_bytes(_recv_exactly(s, 4), "little")] = s
         return peers
+    except TimeoutError:
+        for s in peers.values():
+            s.close()
+        late = sorted(set(range(rank + 1, size)) - set(peers))
+        raise OSError(
+            f"rank {rank} waited {timeout_s:g} s (collective_timeout) for the barrier links of ranks {late}, "
+            "which said they had dialled"
+        ) from None
     except BaseException:
         for s in peers.values():
             s.close()

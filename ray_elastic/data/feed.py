@@ -18,10 +18,11 @@ larger than the object store streams through it. A block asked for after
 it was let go (a rank rolled back further, or this actor restarted) is
 produced again by executing the epoch once more from its start.
 
-No wait is silent: a rank waits for a block at most `wait_s` seconds, and
-a pipeline that produces nothing while the cluster has no free CPU fails
-the rank's call after `data_starvation_timeout` seconds with a
-`DataStarvedError` (`starvation.py`).
+No wait is silent: a rank waits for a block at most `wait_s` seconds (then
+`RendezvousTimeoutError` names the block and the dataset), and a pipeline
+that produces nothing while the cluster has no free CPU fails the rank's
+call after `data_starvation_timeout` seconds with a `DataStarvedError`
+(`starvation.py`).
 """
 
 from __future__ import annotations
@@ -35,16 +36,25 @@ from typing import Any
 import ray
 
 from ray_elastic.data.starvation import PROBE_EVERY_S, Starvation
+from ray_elastic.exceptions import RendezvousTimeoutError
 
 logger = logging.getLogger(__name__)
 
 _BATCH_OF_BLOCKS = 256  # table entries per answer
+_COUNT_ROWS_S = 600.0  # fetching a block the execution just produced, to count its rows
 
 
-def _count_rows(ref: Any) -> int:
+def _count_rows(ref: Any, name: str, index: int) -> int:
     from ray.data.block import BlockAccessor
 
-    return BlockAccessor.for_block(ray.get(ref)).num_rows()
+    try:
+        block = ray.get(ref, timeout=_COUNT_ROWS_S)
+    except ray.exceptions.GetTimeoutError:
+        raise RendezvousTimeoutError(
+            f"block {index} of dataset {name!r} was produced but could not be fetched from the object store "
+            f"within {_COUNT_ROWS_S:g} s to count its rows"
+        ) from None
+    return BlockAccessor.for_block(block).num_rows()
 
 
 class _Epoch:
@@ -84,7 +94,7 @@ class _Epoch:
                     else:
                         offset, rows = 0, entry.metadata.num_rows
                         if rows is None:  # not measured: count them
-                            rows = _count_rows(ref)
+                            rows = _count_rows(ref, self.name, index)
                     with self.cond:
                         if generation != self.generation:
                             return
@@ -158,7 +168,9 @@ class _Epoch:
         while not done():
             left = since + wait_s - time.monotonic()
             if left <= 0:
-                raise TimeoutError(f"block {index} of dataset {self.name!r} was not produced within {wait_s:g} s")
+                raise RendezvousTimeoutError(
+                    f"block {index} of dataset {self.name!r} was not produced within {wait_s:g} s"
+                )
             self.cond.wait(min(left, PROBE_EVERY_S))
             if not done():
                 self.starvation.check(self.name, since, self.produced_at)

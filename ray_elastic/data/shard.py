@@ -40,12 +40,14 @@ import ray
 
 from ray_elastic.auth import Authed
 from ray_elastic.data.plan import SHUFFLE_WINDOW, BlockTable, EpochOrder, step_rows
+from ray_elastic.exceptions import RendezvousTimeoutError
 from ray_elastic.leftovers import run_namespace
 from ray_elastic.runtime.process import current, maybe_current
 
 logger = logging.getLogger(__name__)
 
 _WAIT_S = 600.0  # the feed producing the next blocks of an epoch (reading and preprocessing included)
+_ANSWER_MARGIN_S = 60.0  # the feed's own answer after its bounded wait (a restart of the feed included)
 _PREFETCH_BLOCKS = 2
 _LIVE: dict[str, DataShard] = {}  # this worker's shards, by dataset name
 
@@ -179,7 +181,11 @@ class DataShard:
 
     def _ask_feed(self, start: int) -> None:
         """Learn the table entries from block `start` on (their references and row counts)."""
-        entries, ended = ray.get(self._feed.blocks.remote(self.name, self.epoch, start, _WAIT_S), timeout=_WAIT_S + 60)
+        entries, ended = _get(
+            self._feed.blocks.remote(self.name, self.epoch, start, _WAIT_S),
+            _WAIT_S + _ANSWER_MARGIN_S,
+            f"the feed actor's table of dataset {self.name!r} from block {start} (epoch {self.epoch})",
+        )
         for offset, (ref, rows) in enumerate(entries):
             index = start + offset
             if index == len(self._table):
@@ -198,12 +204,15 @@ class DataShard:
         if index not in self._blocks:
             for attempt in range(2):
                 if index not in self._refs:  # dropped behind the position, wanted again after a rollback
-                    self._refs[index] = ray.get(
-                        self._feed.ref.remote(self.name, self.epoch, index, _WAIT_S), timeout=_WAIT_S + 60
+                    self._refs[index] = _get(
+                        self._feed.ref.remote(self.name, self.epoch, index, _WAIT_S),
+                        _WAIT_S + _ANSWER_MARGIN_S,
+                        f"the feed actor's reference to block {index} of dataset {self.name!r} (epoch {self.epoch})",
                     )
                 ref, offset = self._refs[index]
                 try:
-                    self._blocks[index] = (ray.get(ref, timeout=_WAIT_S), offset)
+                    what = f"block {index} of dataset {self.name!r} (epoch {self.epoch}) from the object store"
+                    self._blocks[index] = (_get(ref, _WAIT_S, what), offset)
                     break
                 except ray.exceptions.ObjectLostError:  # its owner, the feed, died and Ray restarted it
                     self._refs = {}  # every reference from the old feed is void: ask the new one
@@ -307,6 +316,14 @@ def _to_format(batch: dict[str, np.ndarray], batch_format: str) -> Any:
 
         return pd.DataFrame(batch)
     return batch
+
+
+def _get(ref: Any, timeout: float, what: str) -> Any:
+    """`ray.get(ref)` within `timeout` s; past it, `RendezvousTimeoutError` naming `what` (not Ray's bare words)."""
+    try:
+        return ray.get(ref, timeout=timeout)
+    except ray.exceptions.GetTimeoutError:
+        raise RendezvousTimeoutError(f"waited {timeout:g} s for {what} without an answer") from None
 
 
 def get_dataset_shard(name: str, *, shuffle: bool = False, seed: int = 0) -> DataShard:

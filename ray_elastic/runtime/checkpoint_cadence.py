@@ -3,7 +3,9 @@
 Rank 0 hands every `checkpoint_every`-th commit to a background
 `CheckpointWriter` (writes are retried and bounded by `collective_timeout`),
 and a rank 0 that never synced loads the last durable checkpoint before its
-first sync. Without `checkpoint_dir` every method does nothing.
+first sync (bounded by `collective_timeout` too: the other ranks wait for it
+in the sync; storage that does not answer is a `CheckpointError` naming it).
+Without `checkpoint_dir` every method does nothing.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import Any
 import ray
 
 from ray_elastic.assignment import WorkerSlot
-from ray_elastic.checkpoint import CheckpointStore, CheckpointWriter
+from ray_elastic.checkpoint import CheckpointStore, CheckpointWriter, within
 from ray_elastic.config import WorkerConfig
 from ray_elastic.rendezvous import KVClient
 
@@ -81,7 +83,11 @@ class CheckpointCadence:
         if slot.rank != 0:
             return None
         self._resume_checked = True
-        found = self._writer.store.read()
+        found = within(
+            self.settings.collective_timeout,
+            f"reading the durable checkpoint in {self.settings.checkpoint_dir} (collective_timeout)",
+            self._writer.store.read,
+        )
         if found is None:
             return None
         payload, meta = found
