@@ -1,0 +1,120 @@
+"""The training of tests/test_schedulers_integration.py: one LR scheduler of each kind, each driving its own optimizer.
+
+A model of `len(KINDS)` small parts; part k is trained by optimizer k (an
+AdamW) under scheduler k. On the `"optimizer"` path each optimizer is a
+`DistributedOptimizer`; on the `"ddp"` path the model is `prepare_model`'s
+and the optimizers are plain. Every scheduler and optimizer is kept in one
+`TorchState`, committed every 5 steps. Rank 0 reports after each step the
+LR of every optimizer and whether the objects the loop holds are still the
+ones the state rolls back (the scheduler, and the optimizer it drives).
+`lr_curve(n)` is the fault-free LR of each kind after each of n steps.
+The run ends `extra_steps` after the world first has `end_world` workers
+past `signal_step`.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+from workloads import _fire_faults
+
+import ray_elastic as elastic
+
+KINDS = {
+    "StepLR": lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=7, gamma=0.5),
+    "MultiStepLR": lambda o: torch.optim.lr_scheduler.MultiStepLR(o, milestones=[12, 30, 55], gamma=0.3),
+    "OneCycleLR": lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.05, total_steps=5000),
+    "CosineAnnealingLR": lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=60),
+    "LambdaLR": lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda step: 1.0 / (1 + 0.05 * step)),
+    "ReduceLROnPlateau": lambda o: torch.optim.lr_scheduler.ReduceLROnPlateau(o, patience=4, factor=0.7),
+    "warm-up then cosine": lambda o: torch.optim.lr_scheduler.SequentialLR(
+        o,
+        [torch.optim.lr_scheduler.LinearLR(o, 0.1, total_iters=10), torch.optim.lr_scheduler.CosineAnnealingLR(o, 80)],
+        milestones=[10],
+    ),
+}
+LR = 0.01
+
+
+def _plateau_metric(step: int) -> float:
+    return 1.0  # never improves: ReduceLROnPlateau lowers the LR every patience + 1 steps, by the step count alone
+
+
+def _advance(sched, step: int) -> None:
+    sched.step(_plateau_metric(step)) if isinstance(sched, torch.optim.lr_scheduler.ReduceLROnPlateau) else sched.step()
+
+
+def lr_curve(steps: int) -> list[list[float]]:
+    """Each kind's LR after 1, 2, ... `steps` fault-free steps, on a plain optimizer."""
+    opts = [torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=LR) for _ in KINDS]
+    scheds = [make(o) for make, o in zip(KINDS.values(), opts, strict=True)]
+    curve = []
+    for step in range(steps):
+        for o, sched in zip(opts, scheds, strict=True):
+            o.step()
+            _advance(sched, step)
+        curve.append([o.param_groups[0]["lr"] for o in opts])
+    return curve
+
+
+class Parts(torch.nn.Module):
+    """One small linear part per scheduler kind."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.parts = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in KINDS)
+
+    def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
+        return [part(x) for part in self.parts]
+
+
+def scheduler_train_fn(config: dict) -> dict:
+    torch.manual_seed(0)
+    plain = Parts()
+    ddp = config["path"] == "ddp"
+    model = elastic.torch.prepare_model(plain) if ddp else plain
+    inner = [torch.optim.AdamW(part.parameters(), lr=LR) for part in plain.parts]
+    if ddp:
+        opts = inner
+    else:
+        pairs = zip(inner, plain.parts, strict=True)
+        opts = [elastic.torch.DistributedOptimizer(o, part.named_parameters()) for o, part in pairs]
+    scheds = [make(o) for make, o in zip(KINDS.values(), opts, strict=True)]
+    held = {f"opt{k}": o for k, o in enumerate(opts)} | {f"sched{k}": s for k, s in enumerate(scheds)}
+    state = elastic.torch.TorchState(model=model, **held, step=0, shrunk_at=None)
+    started = time.monotonic()
+
+    @elastic.run
+    def train(state) -> dict:
+        while True:
+            if elastic.size() == config["end_world"] and state.step >= config["signal_step"]:
+                state.shrunk_at = state.step if state.shrunk_at is None else state.shrunk_at
+                if state.step >= state.shrunk_at + config["extra_steps"]:
+                    break
+            if time.monotonic() - started > config["deadline_s"]:
+                raise TimeoutError(f"training did not end within {config['deadline_s']} s")
+            x = torch.randn(16, 8, generator=torch.Generator().manual_seed(state.step * 10 + elastic.rank()))
+            for o in opts:
+                o.zero_grad()
+            sum(out.pow(2).mean() for out in model(x)).backward()
+            for o, sched in zip(opts, scheds, strict=True):
+                o.step()
+                _advance(sched, state.step)
+            state.step += 1
+            same = all(getattr(state, name) is obj for name, obj in held.items())
+            same = same and all(sched.optimizer is o for sched, o in zip(scheds, opts, strict=True))
+            lrs = [o.param_groups[0]["lr"] for o in inner]
+            elastic.report({"step": state.step, "world_size": elastic.size(), "lrs": lrs, "held": same})
+            if elastic.rank() == 0 and state.step >= config["signal_step"] and elastic.size() == config["signal_world"]:
+                Path(config["signal_file"]).touch()
+            _fire_faults(config, state.step)
+            time.sleep(config.get("step_time", 0.02))
+            if state.step % 5 == 0:
+                state.commit()
+            else:
+                state.check_host_updates()
+        return {"steps": state.step, "world_size": elastic.size()}
+
+    return train(state)
