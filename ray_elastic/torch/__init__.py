@@ -6,12 +6,15 @@ sampler = elastic.torch.ElasticSampler(dataset, shuffle=True, seed=0)
 sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1)   # opt is a torch.optim.Optimizer
 state = elastic.torch.TorchState(model=model, optimizer=opt, sampler=sampler, scheduler=sched, epoch=0)
 
-or, with torch's DistributedDataParallel and a plain optimizer:
+or, with torch's DistributedDataParallel, a plain optimizer and a plain DataLoader (Ray Train's names):
 
 model = elastic.torch.prepare_model(model)
+loader = elastic.torch.prepare_data_loader(DataLoader(dataset, batch_size=64, shuffle=True))
+state = elastic.torch.TorchState(model=model, optimizer=opt, loader=loader, epoch=0)
 """
 
 from ray_elastic.torch.broadcast import broadcast_parameters
+from ray_elastic.torch.data_loader import ElasticDataLoader, prepare_data_loader
 from ray_elastic.torch.ddp import ElasticDDP, prepare_model
 from ray_elastic.torch.optimizer import DistributedOptimizer
 from ray_elastic.torch.rng import RngState
@@ -20,6 +23,7 @@ from ray_elastic.torch.state import StateHandler, TorchState, broadcast_optimize
 
 __all__ = [
     "DistributedOptimizer",
+    "ElasticDataLoader",
     "ElasticDDP",
     "ElasticSampler",
     "RngState",
@@ -27,6 +31,7 @@ __all__ = [
     "TorchState",
     "broadcast_optimizer_state",
     "broadcast_parameters",
+    "prepare_data_loader",
     "prepare_model",
     "register_handler",
 ]

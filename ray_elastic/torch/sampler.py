@@ -88,6 +88,7 @@ class ElasticSampler(Sampler[int]):
         self._needs_union = False
         self._world: tuple[int, int] | None = None
         self._iteration: _Iteration | None = None
+        self._pending: tuple[int, int] | None = None  # a batch being trained, counted once it is done (hold_batch)
 
     # ---- world and epoch -----------------------------------------------------------------
 
@@ -99,6 +100,7 @@ class ElasticSampler(Sampler[int]):
             raise ValueError(f"need 0 <= rank < size and size >= 1, got rank={rank}, size={size}")
         self._world = (rank, size)
         self._iteration = None
+        self._pending = None
 
     def set_epoch(self, epoch: int) -> None:
         """Start `epoch`: nothing processed, no padding trained, a new order if shuffling.
@@ -115,6 +117,7 @@ class ElasticSampler(Sampler[int]):
         self._padding_trained = 0
         self._needs_union = False
         self._iteration = None
+        self._pending = None
 
     # ---- iteration -----------------------------------------------------------------------
 
@@ -136,6 +139,7 @@ class ElasticSampler(Sampler[int]):
             num_dropped = 0
             padded = np.concatenate([remaining, np.resize(remaining, (-num_real) % size)])
         self._iteration = _Iteration(padded, num_real, rank, size, num_dropped)
+        self._pending = None
         return _yield_ints(padded[rank::size])
 
     def __len__(self) -> int:
@@ -178,6 +182,23 @@ class ElasticSampler(Sampler[int]):
         if start < it.num_real:
             _set_bits(self._bitmap, it.padded[start : min(stop, it.num_real)])
         self._padding_trained += max(0, stop - max(start, it.num_real))
+
+    def hold_batch(self, batch_idx: int, batch_size: int) -> None:
+        """Batch `batch_idx` is being trained: it counts (as `record_batch`) at the next `hold_batch` or commit.
+
+        What `prepare_data_loader`'s loader calls as it hands out each batch:
+        the loop asking for the next batch, or a commit after the step
+        (`record_pending`), means the batch was trained; a rollback before
+        either leaves it unprocessed.
+        """
+        self.record_pending()
+        self._pending = (operator.index(batch_idx), operator.index(batch_size))
+
+    def record_pending(self) -> None:
+        """Count the batch `hold_batch` holds, if any (a commit calls it through the state handler)."""
+        pending, self._pending = self._pending, None
+        if pending is not None and self._iteration is not None:
+            self.record_batch(*pending)
 
     def record_indices(self, indices: Any) -> None:
         """Mark dataset indices processed on this rank only, and raise `needs_union`.
@@ -242,6 +263,7 @@ class ElasticSampler(Sampler[int]):
         self._padding_trained = int(state_dict["padding_trained"])
         self._needs_union = bool(state_dict["needs_union"])
         self._iteration = None
+        self._pending = None
 
     # ---- read-only views -----------------------------------------------------------------
 

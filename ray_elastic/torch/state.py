@@ -589,32 +589,38 @@ def broadcast_optimizer_state(optimizer: Any, root_rank: int = 0) -> None:
 
 
 class SamplerHandler(StateHandler):
-    """An `ElasticSampler`: the epoch and the processed-sample bitmap."""
+    """An `ElasticSampler` (or a prepared loader's): the epoch and the processed-sample bitmap."""
 
     def __init__(self, value: Any) -> None:
         super().__init__(value)
-        self._saved = value.state_dict()
+        self._saved = self.sampler.state_dict()
+
+    @property
+    def sampler(self) -> ElasticSampler:
+        """The sampler itself, or the one inside a `prepare_data_loader` loader (the state's value)."""
+        return self.value if isinstance(self.value, ElasticSampler) else self.value.sampler
 
     def prepare_save(self) -> None:
         # record_indices() marks only this rank's samples: OR the bitmaps so every rank holds all.
         # Agree first, so no rank enters the union alone (TorchState's first commit skips this).
+        self.sampler.record_pending()  # a prepared loader's batch trained since it was handed out
         ctx = maybe_current()
         ring = ctx.group if ctx is not None else None
-        if ring is not None and ring.max_int(int(self.value.needs_union)):
-            ring.bitwise_or_(self.value.bitmap)
-            self.value.needs_union = False
+        if ring is not None and ring.max_int(int(self.sampler.needs_union)):
+            ring.bitwise_or_(self.sampler.bitmap)
+            self.sampler.needs_union = False
 
     def save(self) -> None:
-        self._saved = self.value.state_dict()
+        self._saved = self.sampler.state_dict()
 
     def restore(self) -> None:
-        self.value.load_state_dict(self._saved)
+        self.sampler.load_state_dict(self._saved)
 
     def snapshot(self) -> dict[str, Any]:
         return self._saved  # state_dict() copies the bitmap, and save() replaces the dict
 
     def load_snapshot(self, snapshot: dict[str, Any]) -> None:
-        n = self.value.state_dict()["n"]
+        n = self.sampler.state_dict()["n"]
         if snapshot.get("n") != n:
             raise ValueError(f"the checkpoint's sampler covers {snapshot.get('n')} samples, this one {n}")
         self._saved = snapshot
@@ -624,21 +630,21 @@ class SamplerHandler(StateHandler):
         _sync_from_rank0(self)
 
     def describe(self) -> dict[str, Any]:
-        return {k: v for k, v in self.value.state_dict().items() if k != "bitmap"}
+        return {k: v for k, v in self.sampler.state_dict().items() if k != "bitmap"}
 
     def receive(self, meta: dict[str, Any]) -> None:
-        state = self.value.state_dict()
+        state = self.sampler.state_dict()
         state.update(meta)
         if state["bitmap"].size != (meta["n"] + 7) // 8:
             state["bitmap"] = np.zeros((meta["n"] + 7) // 8, dtype=np.uint8)
-        self.value.load_state_dict(state)
+        self.sampler.load_state_dict(state)
 
     def tensors(self) -> list[torch.Tensor]:
-        return [torch.from_numpy(self.value.bitmap)]  # the live bitmap: received in place
+        return [torch.from_numpy(self.sampler.bitmap)]  # the live bitmap: received in place
 
     def after_sync(self) -> None:
         ring = current_ring()
-        self.value.set_world(ring.rank, ring.size)
+        self.sampler.set_world(ring.rank, ring.size)
 
 
 class ObjectHandler(StateHandler):
@@ -692,6 +698,10 @@ def _handler_for(value: Any) -> StateHandler:
         return OptimizerHandler(value)
     if isinstance(value, ElasticSampler):
         return SamplerHandler(value)
+    from ray_elastic.torch.data_loader import ElasticDataLoader  # noqa: PLC0415 - it imports this module's sampler
+
+    if isinstance(value, ElasticDataLoader):
+        return SamplerHandler(value)  # its sampler's position; `state.loader` stays the loader
     from ray_elastic.torch.state_dict_handler import StateDictHandler, saves_itself  # noqa: PLC0415 - imports this
 
     if saves_itself(value):  # a scheduler, a GradScaler, an EMA: restored in place, never replaced by a copy

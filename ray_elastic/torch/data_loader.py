@@ -1,0 +1,119 @@
+"""`prepare_data_loader`: a user's `DataLoader`, exact per epoch through every reset, with no bookkeeping call.
+
+Ray Train's name and shape: the loader is rebuilt over the same dataset, batch
+size, collate function and worker processes, with an `ElasticSampler` in
+place of its sampler (shuffling if the loader shuffled). Each batch the loop
+takes is held by the sampler (`hold_batch`) and counts as trained when the
+loop comes back for the next one, or at a commit after its step, whichever
+comes first; a rollback before either hands it out again. So a plain
+`for x, y in loader:` loop needs no `record_batch`. Batches move to the
+worker's GPU where it has one.
+
+Keep the loader (or its `sampler`) in the `TorchState`: its position is then
+committed, rolled back and handed to newcomers like the rest of the state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, IterableDataset, RandomSampler, SequentialSampler
+
+from ray_elastic.torch.sampler import ElasticSampler
+
+
+def prepare_data_loader(loader: DataLoader, seed: int = 0, move_to_device: bool = True) -> ElasticDataLoader:
+    """The same loader, sharded over the elastic world and exact through resets (see the module doc).
+
+    Args:
+        loader: a `torch.utils.data.DataLoader` over a map-style dataset, with
+            its default sampler (`shuffle=True` or not) and a `batch_size`.
+        seed: the shuffle's seed, combined with the epoch (the same on every rank).
+        move_to_device: move each batch's tensors to the worker's GPU, where it has one.
+
+    Raises `TypeError`/`ValueError` naming what cannot be sharded exactly: an
+    iterable dataset, a custom sampler or batch sampler, no batch size.
+    """
+    if not isinstance(loader, DataLoader):
+        raise TypeError(f"prepare_data_loader takes a torch DataLoader, got {type(loader).__name__}")
+    if isinstance(loader.dataset, IterableDataset):
+        raise TypeError(
+            "prepare_data_loader needs a map-style dataset (with __len__ and indices); for a stream use "
+            "ElasticTrainer(datasets=...) and ray_elastic.get_dataset_shard"
+        )
+    if loader.batch_size is None:
+        raise ValueError("prepare_data_loader needs the DataLoader's batch_size (a batch_sampler cannot be split)")
+    if not isinstance(loader.sampler, (RandomSampler, SequentialSampler)):
+        raise ValueError(
+            "prepare_data_loader replaces the DataLoader's sampler, and this one is a "
+            f"{type(loader.sampler).__name__}: build the DataLoader with shuffle=True or False, "
+            "or use ElasticSampler yourself"
+        )
+    sampler = ElasticSampler(loader.dataset, shuffle=isinstance(loader.sampler, RandomSampler), seed=seed)
+    rebuilt = DataLoader(
+        loader.dataset,
+        batch_size=loader.batch_size,
+        sampler=sampler,
+        num_workers=loader.num_workers,
+        collate_fn=loader.collate_fn,
+        pin_memory=loader.pin_memory,
+        drop_last=loader.drop_last,
+        timeout=loader.timeout,
+        worker_init_fn=loader.worker_init_fn,
+        multiprocessing_context=loader.multiprocessing_context,
+        generator=loader.generator,
+        prefetch_factor=loader.prefetch_factor,
+        persistent_workers=loader.persistent_workers,
+        pin_memory_device=loader.pin_memory_device,
+    )
+    device = _worker_device() if move_to_device else None
+    return ElasticDataLoader(rebuilt, sampler, device)
+
+
+def _worker_device() -> torch.device | None:
+    """The GPU this worker was given, or None on CPU (nothing to move)."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return None
+
+
+def _to_device(batch: Any, device: torch.device) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, (list, tuple)):
+        moved = [_to_device(b, device) for b in batch]
+        return type(batch)(*moved) if hasattr(batch, "_fields") else type(batch)(moved)
+    if isinstance(batch, dict):
+        return {k: _to_device(v, device) for k, v in batch.items()}
+    return batch
+
+
+class ElasticDataLoader:
+    """Iterates like the `DataLoader` it wraps; each batch counts as trained once the loop moves past it."""
+
+    def __init__(self, loader: DataLoader, sampler: ElasticSampler, device: torch.device | None) -> None:
+        self.loader = loader
+        self.sampler = sampler
+        self.device = device
+
+    def __iter__(self) -> Iterator[Any]:
+        batch_size = self.loader.batch_size
+        for i, batch in enumerate(self.loader):
+            self.sampler.hold_batch(i, batch_size)  # counts batch i - 1: the loop came back for this one
+            yield batch if self.device is None else _to_device(batch, self.device)
+        self.sampler.record_pending()  # the loop came back after the last batch
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start `epoch` (as `ElasticSampler.set_epoch`: setting the current one keeps the progress)."""
+        self.sampler.set_epoch(epoch)
+
+    def __getattr__(self, name: str) -> Any:
+        loader = self.__dict__.get("loader")
+        if loader is None:
+            raise AttributeError(name)
+        return getattr(loader, name)  # dataset, batch_size, num_workers, collate_fn ...
