@@ -8,6 +8,9 @@ and the optimizers are plain. Every scheduler and optimizer is kept in one
 LR of every optimizer and whether the objects the loop holds are still the
 ones the state rolls back (the scheduler, and the optimizer it drives).
 `lr_curve(n)` is the fault-free LR of each kind after each of n steps.
+The batches come from `prepare_data_loader` over `SAMPLES` sample ids, and
+rank 0 reports every rank's batch with each step (a ledger; no
+`record_batch` anywhere).
 The run ends `extra_steps` after the world first has `end_world` workers
 past `signal_step`.
 """
@@ -36,6 +39,7 @@ KINDS = {
     ),
 }
 LR = 0.01
+SAMPLES = 300  # sample ids in the prepared DataLoader
 
 
 def _plateau_metric(step: int) -> float:
@@ -70,6 +74,14 @@ class Parts(torch.nn.Module):
         return [part(x) for part in self.parts]
 
 
+def _done(state, config: dict) -> bool:
+    """The run's end: `extra_steps` after the world first had `end_world` workers past `signal_step`."""
+    if elastic.size() == config["end_world"] and state.step >= config["signal_step"]:
+        state.shrunk_at = state.step if state.shrunk_at is None else state.shrunk_at
+        return state.step >= state.shrunk_at + config["extra_steps"]
+    return False
+
+
 def scheduler_train_fn(config: dict) -> dict:
     torch.manual_seed(0)
     plain = Parts()
@@ -82,39 +94,46 @@ def scheduler_train_fn(config: dict) -> dict:
         pairs = zip(inner, plain.parts, strict=True)
         opts = [elastic.torch.DistributedOptimizer(o, part.named_parameters()) for o, part in pairs]
     scheds = [make(o) for make, o in zip(KINDS.values(), opts, strict=True)]
+    # a plain DataLoader of sample ids: the loop below never says which batches it trained
+    samples = torch.utils.data.TensorDataset(torch.arange(SAMPLES))
+    loader = elastic.torch.prepare_data_loader(torch.utils.data.DataLoader(samples, batch_size=2, shuffle=True))
     held = {f"opt{k}": o for k, o in enumerate(opts)} | {f"sched{k}": s for k, s in enumerate(scheds)}
-    state = elastic.torch.TorchState(model=model, **held, step=0, shrunk_at=None)
+    state = elastic.torch.TorchState(model=model, loader=loader, **held, step=0, epoch=0, shrunk_at=None)
     started = time.monotonic()
 
     @elastic.run
     def train(state) -> dict:
-        while True:
-            if elastic.size() == config["end_world"] and state.step >= config["signal_step"]:
-                state.shrunk_at = state.step if state.shrunk_at is None else state.shrunk_at
-                if state.step >= state.shrunk_at + config["extra_steps"]:
+        while not _done(state, config):
+            loader.set_epoch(state.epoch)
+            for (ids,) in loader:
+                if time.monotonic() - started > config["deadline_s"]:
+                    raise TimeoutError(f"training did not end within {config['deadline_s']} s")
+                x = torch.randn(16, 8, generator=torch.Generator().manual_seed(int(ids.sum())))
+                for o in opts:
+                    o.zero_grad()
+                sum(out.pow(2).mean() for out in model(x)).backward()
+                for o, sched in zip(opts, scheds, strict=True):
+                    o.step()
+                    _advance(sched, state.step)
+                state.step += 1
+                same = all(getattr(state, name) is obj for name, obj in held.items())
+                same = same and all(sched.optimizer is o for sched, o in zip(scheds, opts, strict=True))
+                report = {"step": state.step, "epoch": state.epoch, "world_size": elastic.size(), "held": same}
+                report["lrs"] = [o.param_groups[0]["lr"] for o in inner]
+                report["trained"] = elastic.allgather_object(ids.tolist())  # every rank's batch of this step
+                elastic.report(report)
+                if elastic.rank() == 0 and state.step >= config["signal_step"] and elastic.size() == 4:
+                    Path(config["signal_file"]).touch()
+                _fire_faults(config, state.step)
+                time.sleep(config.get("step_time", 0.02))
+                if state.step % 5 == 0:
+                    state.commit()
+                else:
+                    state.check_host_updates()
+                if _done(state, config):
                     break
-            if time.monotonic() - started > config["deadline_s"]:
-                raise TimeoutError(f"training did not end within {config['deadline_s']} s")
-            x = torch.randn(16, 8, generator=torch.Generator().manual_seed(state.step * 10 + elastic.rank()))
-            for o in opts:
-                o.zero_grad()
-            sum(out.pow(2).mean() for out in model(x)).backward()
-            for o, sched in zip(opts, scheds, strict=True):
-                o.step()
-                _advance(sched, state.step)
-            state.step += 1
-            same = all(getattr(state, name) is obj for name, obj in held.items())
-            same = same and all(sched.optimizer is o for sched, o in zip(scheds, opts, strict=True))
-            lrs = [o.param_groups[0]["lr"] for o in inner]
-            elastic.report({"step": state.step, "world_size": elastic.size(), "lrs": lrs, "held": same})
-            if elastic.rank() == 0 and state.step >= config["signal_step"] and elastic.size() == config["signal_world"]:
-                Path(config["signal_file"]).touch()
-            _fire_faults(config, state.step)
-            time.sleep(config.get("step_time", 0.02))
-            if state.step % 5 == 0:
-                state.commit()
             else:
-                state.check_host_updates()
+                state.epoch += 1  # the loader ran out: the epoch is complete
         return {"steps": state.step, "world_size": elastic.size()}
 
     return train(state)

@@ -6,15 +6,18 @@ copy of the optimizer, so the real LR stopped changing (0.025 at the end
 instead of 0.0015625). Here every scheduler kind drives its own optimizer in
 one run per path; the LR rank 0 reports after every step, including the
 steps redone after the rollback, must be the fault-free run's at that step.
+The batches come from `prepare_data_loader` with no `record_batch` call:
+every sample is trained once per epoch through the three events.
 """
 
 from __future__ import annotations
 
 import json
+from collections import Counter
 
 import pytest
 from conftest import wait_until
-from scheduler_workload import KINDS, lr_curve, scheduler_train_fn
+from scheduler_workload import KINDS, SAMPLES, lr_curve, scheduler_train_fn
 from test_integration import fit_in_thread
 from workloads import FileDiscovery
 
@@ -24,7 +27,7 @@ pytestmark = pytest.mark.integration
 
 
 @pytest.mark.parametrize("path", ["optimizer", "ddp"])
-def test_every_scheduler_follows_a_fault_free_run_through_a_kill_a_join_and_a_leave(cluster, no_leaks, tmp_path, path):
+def test_schedulers_and_a_prepared_loader_through_a_kill_a_join_and_a_leave(cluster, no_leaks, tmp_path, path):
     hosts = tmp_path / "hosts.json"
     first, second = (n.node_id for n in cluster.worker_nodes_at_start)
     hosts.write_text(json.dumps({first: 2, second: 2}))
@@ -36,7 +39,6 @@ def test_every_scheduler_follows_a_fault_free_run_through_a_kill_a_join_and_a_le
         "deadline_s": 150,
         "signal_file": str(signal),
         "signal_step": 40,
-        "signal_world": 4,
         # two steps past the commit at step 10: steps 11 and 12 are redone
         "faults": [{"rank": 1, "step": 12, "action": "sigkill", "marker": str(tmp_path / "killed")}],
     }
@@ -64,3 +66,17 @@ def test_every_scheduler_follows_a_fault_free_run_through_a_kill_a_join_and_a_le
         assert m["held"], f"step {m['step']}: a scheduler or optimizer in the state is no longer the loop's own"
         for kind, lr, expected in zip(KINDS, m["lrs"], curve[m["step"] - 1], strict=True):
             assert lr == expected, f"{path}, {kind}: LR {lr} at step {m['step']}, fault-free {expected}"
+    # prepare_data_loader: every sample once per complete epoch (padding aside), counting only steps that stood
+    last: dict[int, dict] = {}
+    for m in result.metrics:
+        last[m["step"]] = m  # a step redone after the rollback replaces the undone one
+    epochs: dict[int, Counter] = {}
+    for m in last.values():
+        epochs.setdefault(m["epoch"], Counter()).update(i for batch in m["trained"] for i in batch)
+    complete = [e for e in epochs if e < max(epochs)]
+    assert len(complete) >= 2, f"only {len(complete)} complete epochs"
+    for e in complete:
+        seen = epochs[e]
+        assert set(seen) == set(range(SAMPLES)), f"epoch {e}: never trained {set(range(SAMPLES)) - set(seen)}"
+        repeats = sum(seen.values()) - SAMPLES
+        assert repeats <= 3 * 4, f"epoch {e}: {repeats} samples trained twice (padding is at most 3 per split)"
