@@ -28,7 +28,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ray_elastic import autoscale
 from ray_elastic.auth import RunToken
-from ray_elastic.checkpoint import CheckpointError, CheckpointStore
+from ray_elastic.checkpoint import CheckpointError, CheckpointStore, within
 from ray_elastic.config import RunConfig
 from ray_elastic.data import check_datasets
 from ray_elastic.data.feed import create_feed_actor
@@ -104,7 +104,8 @@ class ElasticTrainer:
             installed, else pygloo), "gloo", "pygloo" or "nccl" (GPU workers:
             `resources_per_worker` must ask for a GPU).
         elastic_timeout: seconds to wait for `min_workers` (at start and after
-            losing workers), for a newcomer to boot and for placement.
+            losing workers), for a newcomer to boot and for placement; and
+            the longest `fit()` waits for a driver actor that answers nothing.
         reset_limit: fail after this many resets (None: unbounded).
         cooldown_range: (min, max) seconds a host whose worker failed is held
             back, doubling with each failure, then offered again.
@@ -307,9 +308,14 @@ class ElasticTrainer:
         if self.run_config.checkpoint_dir is None:
             return
         store = CheckpointStore(self.run_config.checkpoint_dir)
-        try:
+
+        def probe() -> dict[str, Any] | None:
             store.check_writable()
-            meta = store.meta()
+            return store.meta()
+
+        try:
+            # storage that hangs (a dead mount) must not hang fit(): bounded as the driver's own look at it
+            meta = within(self.run_config.discovery_timeout, f"checking {store.url!r} (discovery_timeout)", probe)
         except CheckpointError as e:
             raise ValueError(str(e)) from e
         if meta is not None and self.verbose:
@@ -343,6 +349,9 @@ class ElasticTrainer:
             progress.close()
 
     def _poll_driver(self, driver: Any, run_ref: Any, progress: Any, reports: _Reports) -> RunOutcome:
+        """The run's outcome; a driver alive but answering nothing for `elastic_timeout` fails it (said each time)."""
+        limit = self.run_config.elastic_timeout
+        answered = time.monotonic()  # when the driver last answered a status query
         events_seen = 0  # the driver sends only the events after these (and those whose reset goes on)
         while True:
             ready, _ = ray.wait([run_ref], timeout=_POLL_S)
@@ -360,7 +369,16 @@ class ElasticTrainer:
             try:
                 status = ray.get(driver.status.remote(reports.seen, events_seen), timeout=_STATUS_TIMEOUT_S)
             except ray.exceptions.GetTimeoutError:
+                silent = time.monotonic() - answered
+                if silent > limit:
+                    return RunOutcome(
+                        ok=False,
+                        error=f"the run's driver actor answered no status query for {silent:.0f} s "
+                        f"(elastic_timeout={limit:g} s): it is stuck, and no failure of the run can be handled",
+                    )
+                logger.warning("the run's driver actor has answered no status query for %.0f s", silent)
                 continue
+            answered = time.monotonic()
             events_seen = status.events_from + len(status.events)
             progress.update({**vars(status), "metrics": reports.take(status.metrics_from, status.metrics)})
 
