@@ -1,7 +1,7 @@
 """The training of tests/test_schedulers_integration.py: one LR scheduler of each kind, each driving its own optimizer.
 
 A model of `len(KINDS)` small parts; part k is trained by optimizer k (an
-AdamW) under scheduler k. On the `"optimizer"` path each optimizer is a
+AdamW) under scheduler k, with a `GradScaler` and gradient clipping. On the `"optimizer"` path each optimizer is a
 `DistributedOptimizer`; on the `"ddp"` path the model is `prepare_model`'s
 and the optimizers are plain. Every scheduler and optimizer is kept in one
 `TorchState`, committed every 5 steps. Rank 0 reports after each step the
@@ -17,6 +17,7 @@ past `signal_step`.
 
 from __future__ import annotations
 
+import hashlib
 import time
 from pathlib import Path
 
@@ -97,7 +98,9 @@ def scheduler_train_fn(config: dict) -> dict:
     # a plain DataLoader of sample ids: the loop below never says which batches it trained
     samples = torch.utils.data.TensorDataset(torch.arange(SAMPLES))
     loader = elastic.torch.prepare_data_loader(torch.utils.data.DataLoader(samples, batch_size=2, shuffle=True))
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)  # mixed precision's loss scaling, with clipping
     held = {f"opt{k}": o for k, o in enumerate(opts)} | {f"sched{k}": s for k, s in enumerate(scheds)}
+    held["scaler"] = scaler
     state = elastic.torch.TorchState(model=model, loader=loader, **held, step=0, epoch=0, shrunk_at=None)
     started = time.monotonic()
 
@@ -111,10 +114,15 @@ def scheduler_train_fn(config: dict) -> dict:
                 x = torch.randn(16, 8, generator=torch.Generator().manual_seed(int(ids.sum())))
                 for o in opts:
                     o.zero_grad()
-                sum(out.pow(2).mean() for out in model(x)).backward()
-                for o, sched in zip(opts, scheds, strict=True):
-                    o.step()
+                scaler.scale(sum(out.pow(2).mean() for out in model(x))).backward()
+                for o, part, sched in zip(opts, plain.parts, scheds, strict=True):
+                    if not ddp:
+                        o.synchronize()  # the reduced gradients, to unscale and clip (DDP reduced them in backward)
+                    scaler.unscale_(o)
+                    torch.nn.utils.clip_grad_norm_(part.parameters(), 0.5)
+                    scaler.step(o)
                     _advance(sched, state.step)
+                scaler.update()
                 state.step += 1
                 same = all(getattr(state, name) is obj for name, obj in held.items())
                 same = same and all(sched.optimizer is o for sched, o in zip(scheds, opts, strict=True))
@@ -134,6 +142,7 @@ def scheduler_train_fn(config: dict) -> dict:
                     break
             else:
                 state.epoch += 1  # the loader ran out: the epoch is complete
-        return {"steps": state.step, "world_size": elastic.size()}
+        digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in plain.parameters())).hexdigest()
+        return {"steps": state.step, "world_size": elastic.size(), "digests": elastic.allgather_object(digest)}
 
     return train(state)

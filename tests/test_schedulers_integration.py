@@ -58,6 +58,7 @@ def test_schedulers_and_a_prepared_loader_through_a_kill_a_join_and_a_leave(clus
     kinds = [e.kind for e in result.events]
     assert {"worker_failed", "hosts_added", "hosts_removed"} <= set(kinds), kinds
     assert result.return_value["world_size"] == 2
+    assert len(set(result.return_value["digests"])) == 1, "the ranks ended with different parameters"
     steps = [m["step"] for m in result.metrics]
     assert len(steps) > len(set(steps)), "no step was redone: the kill rolled nothing back"
     assert {3, 4, 2} <= {m["world_size"] for m in result.metrics}
