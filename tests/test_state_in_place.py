@@ -115,3 +115,20 @@ def test_plain_values_keep_their_deep_copy():
     history.append(3)
     state.restore()
     assert state.history == [1, 2] and state.history is not history
+
+
+def test_an_averaged_model_rolls_back_in_place():
+    model, opt = _model_opt()
+    swa = torch.optim.swa_utils.AveragedModel(model)
+    state = TorchState(model=model, optimizer=opt, swa=swa)
+    swa.update_parameters(model)
+    state.save()
+    committed = [p.clone() for p in swa.parameters()]
+    opt.zero_grad()
+    model(torch.ones(3, 4)).sum().backward()
+    opt.step()
+    swa.update_parameters(model)
+    assert int(swa.n_averaged) == 2
+    state.restore()
+    assert state.swa is swa and int(swa.n_averaged) == 1
+    assert all(torch.equal(a, b) for a, b in zip(swa.parameters(), committed, strict=True))
