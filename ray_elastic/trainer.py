@@ -266,9 +266,7 @@ class ElasticTrainer:
                 if self.datasets
                 else None
             )
-            driver = create_driver_actor(
-                run_id, namespace, token, kv, self._payload, self.discovery, self.run_config, here
-            )
+            driver = create_driver_actor(run_id, namespace, token, self._payload, self.discovery, self.run_config, here)
             outcome = self._follow(driver, driver.run.remote(), reports, data_line)
             del feed  # the run is over: its feed may go (the clean-up removes it in any case)
         finally:

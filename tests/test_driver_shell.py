@@ -174,3 +174,18 @@ def test_a_restarted_drivers_loop_runs_when_resent_worker_calls_fill_every_slot_
         run.cancel()
 
     asyncio.run(scenario())
+
+
+def test_the_drivers_start_arguments_wait_in_the_gcs_signed_and_a_forged_or_missing_one_is_named(gcs, tmp_path):
+    """Issue 34: a restart must not hang on constructor arguments in the object store, nor run another job's code."""
+    token = RunToken()
+    snapshot.save_start("run1", token, b"train_fn's payload", "discover.sh")
+    assert snapshot.load_start("run1", token) == (b"train_fn's payload", "discover.sh")
+    marker = tmp_path / "ran"
+    gcs.data[b"driver-start/run1"] = b"\0" * 32 + pickle.dumps(RunsCode(str(marker)))
+    with pytest.raises(snapshot.ForgedSnapshotError, match="start arguments .* not signed with this run's secret"):
+        snapshot.load_start("run1", token)
+    assert not marker.exists()
+    del gcs.data[b"driver-start/run1"]
+    with pytest.raises(snapshot.StartMissingError, match="not in the GCS"):
+        snapshot.load_start("run1", token)

@@ -119,15 +119,15 @@ class _Received(NamedTuple):
 class DriverActor:
     """Wrapped by `ray.remote` in `create_driver_actor`; methods run on one loop."""
 
-    def __init__(self, run_id: str, namespace: str, kv: Any, payload: bytes, discovery: Any, config: RunConfig) -> None:
+    def __init__(self, run_id: str, namespace: str, config: RunConfig) -> None:
+        """Plain values only, which Ray keeps with the actor for its restarts (`_load_start` finds the rest)."""
         self.run_id = run_id
         self.namespace = namespace
-        self.kv = kv
+        self.kv: Any = None  # the run's KV actor, found by name (`_load_start`)
         self.config = config
         self.worker_config = config.worker(run_id)
-        self._payload_ref = ray.put(payload)
-        # callables arrive pickled by the trainer (their module may exist only on its side)
-        self._discovery_spec = unpack(discovery) if isinstance(discovery, bytes) else discovery
+        self._payload_ref: Any = None  # train_fn's payload in the object store, for the workers (`_load_start`)
+        self._discovery_spec: Any = None
         self.core = DriverCore(config, wall_offset=time.time() - time.monotonic(), started_at=time.monotonic())
         self.metrics = MetricsLog(run_id)
         self._queue: asyncio.Queue = asyncio.Queue()
@@ -171,35 +171,12 @@ class DriverActor:
         # the handle workers call back on: carrying the run's token (`with_token_check` set it)
         self._self_handle = Authed(ray.get_runtime_context().current_actor, self._run_token)
         try:
-            resumed = _restarted()
-            poller = make_poller(self._discovery_spec, self.config, resumed)
-            if resumed:
-                actions = await self._resume()
+            try:
+                await self._load_start()
+            except snapshot.StartError as e:  # forged, or gone with the run: nothing to start from
+                self.core.fail(str(e))
             else:
-                try:
-                    first = [m.HostsDiscovered(await self._poll(poller))]
-                except DiscoveryError as e:
-                    first = [m.DiscoveryFailed(str(e))]
-                actions = self.core.handle(first, time.monotonic())
-                await self._persist()
-            self._started.set()
-            await self._carry_out(actions)
-            if not self.core.state.is_final:
-                self._tasks.append(asyncio.create_task(self._discovery_loop(poller)))
-                self._tasks.append(asyncio.create_task(self._liveness_loop()))
-                self._tasks.append(asyncio.create_task(self._watch_kv()))
-                self._tasks.append(asyncio.create_task(self._renew_autoscale_share()))
-                self._tasks.append(asyncio.create_task(self._drain_loop()))
-            last_tick = time.monotonic()
-            while not self.core.state.is_final:
-                batch = await self._next_batch()
-                now = time.monotonic()
-                if now - last_tick >= _TICK_S:
-                    batch.append(m.Tick())
-                    last_tick = now
-                actions = self.core.handle(batch, now)
-                await self._persist()  # before the actions: a restarted driver asks again what they may have lost
-                await self._carry_out(actions)
+                await self._loop()
         except Exception as e:  # noqa: BLE001 - a driver bug must still end the run with its reason
             logger.exception("driver failed")
             self.core.fail(f"internal error in the driver: {type(e).__name__}: {e}")
@@ -220,6 +197,58 @@ class DriverActor:
             resets=self.core.resets,
             checkpoint_error=self.core.checkpoint_error,
         )
+
+    async def _load_start(self) -> None:
+        """Find the run's KV actor by name, take train_fn's payload and the discovery spec from the GCS.
+
+        None of them is a constructor argument: Ray would keep an actor handle
+        or a large argument in the object store, under `fit()`'s process, and
+        a restart would hang on it once it is lost. Each within `_KV_BACK_S`.
+        """
+        loop = asyncio.get_running_loop()
+        try:
+            kv = await asyncio.wait_for(loop.run_in_executor(None, ray.get_actor, "kv", self.namespace), _KV_BACK_S)
+        except ValueError as e:
+            raise snapshot.StartMissingError(f"the run's KV actor is gone ({e}): the run ended") from e
+        self.kv = Authed(kv, self._run_token)
+        payload, discovery = await asyncio.wait_for(
+            loop.run_in_executor(None, snapshot.load_start, self.run_id, self._run_token), _KV_BACK_S
+        )
+        self._payload_ref = ray.put(payload)
+        # callables arrive pickled by the trainer (their module may exist only on its side)
+        self._discovery_spec = unpack(discovery) if isinstance(discovery, bytes) else discovery
+
+    async def _loop(self) -> None:
+        """Start or resume the run, then apply what happens, batch by batch, until it ends."""
+        resumed = _restarted()
+        poller = make_poller(self._discovery_spec, self.config, resumed)
+        if resumed:
+            actions = await self._resume()
+        else:
+            try:
+                first = [m.HostsDiscovered(await self._poll(poller))]
+            except DiscoveryError as e:
+                first = [m.DiscoveryFailed(str(e))]
+            actions = self.core.handle(first, time.monotonic())
+            await self._persist()
+        self._started.set()
+        await self._carry_out(actions)
+        if not self.core.state.is_final:
+            self._tasks.append(asyncio.create_task(self._discovery_loop(poller)))
+            self._tasks.append(asyncio.create_task(self._liveness_loop()))
+            self._tasks.append(asyncio.create_task(self._watch_kv()))
+            self._tasks.append(asyncio.create_task(self._renew_autoscale_share()))
+            self._tasks.append(asyncio.create_task(self._drain_loop()))
+        last_tick = time.monotonic()
+        while not self.core.state.is_final:
+            batch = await self._next_batch()
+            now = time.monotonic()
+            if now - last_tick >= _TICK_S:
+                batch.append(m.Tick())
+                last_tick = now
+            actions = self.core.handle(batch, now)
+            await self._persist()  # before the actions: a restarted driver asks again what they may have lost
+            await self._carry_out(actions)
 
     async def _next_batch(self) -> list[m.Message]:
         """What is queued now (waiting up to a tick for the first), with deaths completed by their node's fate."""
@@ -831,7 +860,6 @@ def create_driver_actor(
     run_id: str,
     namespace: str,
     token: RunToken,
-    kv: Authed,
     payload: bytes,
     discovery: Callable | str | None,
     config: RunConfig,
@@ -840,7 +868,9 @@ def create_driver_actor(
     """Start the run's driver actor, named `driver` in the run's namespace; it answers only calls carrying `token`."""
     # restarted by Ray when it dies, and sent again the calls it had not answered (fit()'s run() among them)
     cls = ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1)(with_token_check(DriverActor))
+    # the payload and discovery wait in the GCS, signed, not in the object store under this process's ownership
+    snapshot.save_start(run_id, token, payload, discovery)
     handle = cls.options(
         name="driver", namespace=namespace, max_concurrency=1000, scheduling_strategy=scheduling_strategy
-    ).remote(token, run_id, namespace, kv, payload, discovery, config)
+    ).remote(token, run_id, namespace, config)
     return Authed(handle, token)

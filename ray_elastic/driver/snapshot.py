@@ -9,15 +9,19 @@ snapshot, so a call the dead driver took but did not save fails on the
 caller's side and Ray sends it again to the restarted driver.
 
 The GCS outlives both run actors (a driver and a KV actor that die together
-lose nothing). The key goes with the run (`delete`, called by `fit()`'s
-clean-up and by orphaned workers).
+lose nothing). Beside the snapshot lies what the driver starts from that
+may be large (`save_start`: train_fn's payload, the discovery spec): as
+constructor arguments Ray would keep them in the object store, owned by
+`fit()`'s process, and a restart would hang on them once they are lost.
+Both keys go with the run (`delete`, called by `fit()`'s clean-up and by
+orphaned workers).
 
 Any job on the cluster can write that key (the run id shows in its
 namespaces' names), and a snapshot is a pickle: unpickling one that another
 job wrote would run its code in the driver. So each snapshot carries an
 HMAC under the run's secret (`RunToken.sign`), and `load` unpickles only a
 snapshot whose signature verifies; any other is refused with
-`ForgedSnapshotError`, unread.
+`ForgedSnapshotError`, unread. The start arguments are signed the same way.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from __future__ import annotations
 import pickle
 from typing import Any
 
+import cloudpickle
 from ray.experimental import internal_kv
 
 from ray_elastic.auth import RunToken
@@ -34,34 +39,70 @@ _PURPOSE = "driver snapshot"
 _SIGNATURE_BYTES = 32  # HMAC-SHA256
 
 
-class ForgedSnapshotError(RuntimeError):
-    """The snapshot under the run's key is not signed with the run's secret: someone else wrote it."""
+class StartError(RuntimeError):
+    """What the driver starts from in the GCS cannot be used."""
 
 
-def _key(run_id: str) -> bytes:
-    return f"driver/{run_id}".encode()
+class ForgedSnapshotError(StartError):
+    """The snapshot (or start arguments) under the run's key is not signed with the run's secret: someone else
+    wrote it."""
 
 
-def save(run_id: str, blob: bytes, token: RunToken) -> None:
-    """Store `blob` (a pickle) under the run's key, signed with the run's secret."""
-    signed = token.sign(f"{_PURPOSE}/{run_id}", blob) + blob
-    internal_kv._internal_kv_put(_key(run_id), signed, overwrite=True, namespace=_NAMESPACE)
+class StartMissingError(StartError):
+    """The driver's start arguments are gone from the GCS: the run's clean-up removed them."""
 
 
-def load(run_id: str, token: RunToken) -> Any:
-    """The unpickled snapshot, or None if there is none; `ForgedSnapshotError` if its signature does not verify."""
-    stored = internal_kv._internal_kv_get(_key(run_id), namespace=_NAMESPACE)
+def _key(run_id: str) -> str:
+    return f"driver/{run_id}"
+
+
+def _start_key(run_id: str) -> str:
+    return f"driver-start/{run_id}"
+
+
+def _put(key: str, blob: bytes, token: RunToken) -> None:
+    signed = token.sign(f"{_PURPOSE}/{key}", blob) + blob
+    internal_kv._internal_kv_put(key.encode(), signed, overwrite=True, namespace=_NAMESPACE)
+
+
+def _get(key: str, token: RunToken, what: str) -> Any:
+    stored = internal_kv._internal_kv_get(key.encode(), namespace=_NAMESPACE)
     if stored is None:
         return None
     signature, blob = stored[:_SIGNATURE_BYTES], stored[_SIGNATURE_BYTES:]
-    if not token.signed(f"{_PURPOSE}/{run_id}", blob, signature):
+    if not token.signed(f"{_PURPOSE}/{key}", blob, signature):
         raise ForgedSnapshotError(
-            f"the driver's snapshot in the GCS (key driver/{run_id}, {len(stored)} bytes) is not signed with this "
-            "run's secret: another job on the cluster wrote it. It was refused unread, and the restarted driver "
-            "cannot resume without its own snapshot"
+            f"{what} in the GCS (key {key}, {len(stored)} bytes) is not signed with this run's secret: another job "
+            "on the cluster wrote it. It was refused unread, and the driver cannot go on without its own"
         )
     return pickle.loads(blob)
 
 
+def save(run_id: str, blob: bytes, token: RunToken) -> None:
+    """Store `blob` (a pickle) under the run's key, signed with the run's secret."""
+    _put(_key(run_id), blob, token)
+
+
+def load(run_id: str, token: RunToken) -> Any:
+    """The unpickled snapshot, or None if there is none; `ForgedSnapshotError` if its signature does not verify."""
+    return _get(_key(run_id), token, "the driver's snapshot")
+
+
+def save_start(run_id: str, token: RunToken, payload: bytes, discovery: Any) -> None:
+    """What the run's driver starts from, every time Ray starts it: train_fn's payload and the discovery spec."""
+    _put(_start_key(run_id), cloudpickle.dumps((payload, discovery)), token)
+
+
+def load_start(run_id: str, token: RunToken) -> tuple[bytes, Any]:
+    """`save_start`'s arguments; `ForgedSnapshotError` if they are not the run's, `StartMissingError` if gone."""
+    start = _get(_start_key(run_id), token, "the driver's start arguments")
+    if start is None:
+        raise StartMissingError(
+            f"the driver's start arguments are not in the GCS (key {_start_key(run_id)}): the run ended"
+        )
+    return start
+
+
 def delete(run_id: str) -> None:
-    internal_kv._internal_kv_del(_key(run_id), namespace=_NAMESPACE)
+    for key in (_key(run_id), _start_key(run_id)):
+        internal_kv._internal_kv_del(key.encode(), namespace=_NAMESPACE)
