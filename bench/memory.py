@@ -9,22 +9,33 @@
    is the driver's own bookkeeping for N ranks, on top of its process. RSS is
    read with psutil before the object exists (the process with ray_elastic
    imported) and after.
-2. Worker overhead. A 2-worker `ElasticTrainer` on a local Ray trains a small
+2. Driver under churn (`--churn N`, no Ray). The real core goes through N
+   membership changes on 8 one-slot hosts: each change kills rank 0 (every
+   other one with its node, replaced by a new node), the next generation
+   syncs, the replacement boots and is admitted. Every N/10 changes it
+   records the process's RSS, the core's records, its snapshot's size and
+   pickling time, and the microseconds one change cost: a week-long run
+   with churn must keep all of them flat.
+3. Worker overhead. A 2-worker `ElasticTrainer` on a local Ray trains a small
    MLP for a few steps (so each worker has joined a Gloo ring, synced and
    committed) and reads its own RSS. Beside it, with the same model and the
    same steps: a bare `python -c` process that imports torch (no Ray), and a
    plain Ray actor that imports torch (Ray's own share of a worker process).
 
-Prints a table and writes bench/results/memory.json. Reports, never asserts.
+Prints a table and writes bench/results/memory.json (memory_churn.json for
+`--churn-only`). Reports, never asserts.
 
     .venv/bin/python bench/memory.py [--ranks 1024]
+    .venv/bin/python bench/memory.py --churn-only --churn 100000
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
+import pickle
 import subprocess
 import sys
 import time
@@ -119,6 +130,88 @@ class LongRunHost:
         return {"reports": reports, "bounded": bounded, "rss_growth_mb": rss_mb() - base, "kept": len(caller.kept)}
 
 
+class Churn:
+    """A driver core on 8 one-slot hosts, taken through membership changes as a run with churn would."""
+
+    def __init__(self) -> None:
+        from ray_elastic.config import RunConfig
+        from ray_elastic.driver import messages as m
+        from ray_elastic.driver.core import DriverCore
+
+        self.m = m
+        config = RunConfig(min_workers=1, max_workers=8, resources_per_worker={"CPU": 1.0}, cooldown_range=(0, 0))
+        self.now = 1000.0
+        self.core = DriverCore(config, wall_offset=0.0, started_at=self.now)
+        self.hosts = {f"{i:040x}": 1 for i in range(8)}  # node-id-sized host keys
+        self.next_host = len(self.hosts)
+        self.whole_again(self.send(m.HostsDiscovered(dict(self.hosts))))
+
+    def send(self, *messages) -> list:
+        self.now += 0.01
+        return self.core.handle(list(messages), self.now)
+
+    def whole_again(self, actions: list) -> None:
+        """Sync every new generation and admit the replacements until 8 ranks train again."""
+        m = self.m
+        for _ in range(10):
+            spawned = [a.worker_id for a in actions if isinstance(a, m.Spawn)]
+            for publish in [a for a in actions if isinstance(a, m.Publish)]:
+                self.send(*[m.WorkerSynced(w, publish.generation, self.now, publish.generation) for w in publish.plan])
+            if len(self.core.plan) == 8 and not spawned and self.core.state.value == "running":
+                return
+            actions = self.send(*[m.WorkerReady(w) for w in spawned], m.Tick())
+        raise RuntimeError(f"the world did not become whole again: {self.core.failure or len(self.core.plan)}")
+
+    def change(self, i: int) -> None:
+        m = self.m
+        victim = next(iter(self.core.plan))
+        if i % 2:  # rank 0's node is lost, a new node is offered
+            self.hosts.pop(self.core.workers[victim].host, None)
+            self.hosts[f"{self.next_host:040x}"] = 1
+            self.next_host += 1
+            actions = self.send(
+                m.WorkerDied(victim, "node lost", node_alive=False), m.HostsDiscovered(dict(self.hosts))
+            )
+        else:
+            actions = self.send(m.WorkerDied(victim, "SIGKILL", node_alive=True))
+        self.whole_again(actions)
+
+
+def churn(changes: int) -> list[dict]:
+    """RSS, records, snapshot and time per change every `changes // 10` changes through the real core."""
+    run = Churn()
+    gc.collect()
+    base = rss_mb()
+    rows = []
+    every = max(1, changes // 10)
+    started = time.perf_counter()
+    for i in range(1, changes + 1):
+        run.change(i)
+        if i % every == 0:
+            spent = time.perf_counter() - started
+            gc.collect()
+            t = time.perf_counter()
+            blob = pickle.dumps(run.core, protocol=pickle.HIGHEST_PROTOCOL)
+            core = run.core
+            rows.append(
+                {
+                    "changes": i,
+                    "generation": core.generation,
+                    "rss_growth_mb": round(rss_mb() - base, 2),
+                    "us_per_change": round(spent / every * 1e6, 1),
+                    "snapshot_kb": round(len(blob) / 1024, 1),
+                    "snapshot_pickle_ms": round((time.perf_counter() - t) * 1000, 2),
+                    "workers": len(core.workers),
+                    "fenced": len(core.fenced),
+                    "hosts_seen": len(core.host_first_seen),
+                    "events": len(core.events),
+                }
+            )
+            print(json.dumps(rows[-1]), flush=True)
+            started = time.perf_counter()
+    return rows
+
+
 @ray.remote(num_cpus=1)
 class TorchActor:
     """A plain Ray actor doing the same work: Ray's own share of a worker process."""
@@ -168,7 +261,13 @@ def main() -> None:
     parser.add_argument("--metric-steps", type=int, default=10_000, help="reported metrics the driver holds")
     parser.add_argument("--reps", type=int, default=2, help="repetitions of the worker overhead measurement")
     parser.add_argument("--long-run-reports", type=int, default=2_000_000, help="reports of the long-run check")
+    parser.add_argument("--churn", type=int, default=100_000, help="membership changes through the driver's core")
+    parser.add_argument("--churn-only", action="store_true", help="only the churn measurement (no Ray)")
     args = parser.parse_args()
+    if args.churn_only:
+        logging.disable(logging.WARNING)  # a line per change otherwise
+        write_results("memory_churn", churn(args.churn), changes=args.churn)
+        return
     import ray_elastic as elastic
 
     ray.init(address="local", num_cpus=2, logging_level=logging.ERROR, include_dashboard=False)
