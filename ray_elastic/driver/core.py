@@ -756,7 +756,7 @@ class DriverCore:
         if self._syncing:
             return
         self._check_crash_loop(msg.generation)
-        for ev in self._events_of(msg.generation):
+        for ev in self.events.of_generation(msg.generation):
             if ev.reset_duration is None:
                 ev.reset_duration = max(0.0, msg.at - ev.time)
                 if ev.kind is not EventKind.START:
@@ -766,7 +766,7 @@ class DriverCore:
     def _check_crash_loop(self, generation: int) -> None:
         """A generation that a failure made has synced: note where it resumed, and stop a repeating failure."""
         place, self._synced_commits = self._synced_commits, None
-        failures = [e for e in self._events_of(generation) if e.kind in _FAILURE_KINDS]
+        failures = [e for e in self.events.of_generation(generation) if e.kind in _FAILURE_KINDS]
         if place is None or not failures:
             return
         self._failure_places.append(place)
@@ -776,16 +776,6 @@ class DriverCore:
         loop, reason = decide_crash_loop(self._failure_places, self._failure_reasons)
         if loop:
             self.fail(reason)
-
-    def _events_of(self, generation: int) -> list[Event]:
-        """The events `generation` absorbed, oldest first (events are logged in generation order)."""
-        found = []
-        for ev in self.events.newest_first():
-            if ev.generation < generation:
-                break
-            if ev.generation == generation:
-                found.append(ev)
-        return found[::-1]
 
     def _on_resumed(self, msg: m.WorkerResumed, now: float) -> None:
         meta: Mapping[str, Any] = msg.meta

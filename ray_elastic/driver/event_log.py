@@ -39,8 +39,15 @@ class EventLog:
                 )
             self.dropped += 1
 
-    def newest_first(self) -> Iterator[Event]:
-        return reversed(self._events)
+    def of_generation(self, generation: int) -> list[Event]:
+        """The events `generation` absorbed, oldest first: read from the newest back (they come in generation order)."""
+        found = []
+        for ev in reversed(self._events):
+            if ev.generation < generation:
+                break
+            if ev.generation == generation:
+                found.append(ev)
+        return found[::-1]
 
     def since(self, seen: int) -> tuple[int, list[Event]]:
         """The events from run-wide number `seen` on, and any older one whose reset has not ended yet.
