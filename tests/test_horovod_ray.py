@@ -1,0 +1,202 @@
+"""horovod.ray's executors on ray-elastic: `from ray_elastic.horovod.ray import RayExecutor, ElasticRayExecutor`.
+
+The first part runs without Ray: how horovod.ray's arguments map, and that
+bad input fails before anything is spawned, naming the argument. The second
+runs on the session's cluster (2 nodes x 2 CPUs): a static `RayExecutor`
+whose workers and executable persist between calls, with every worker's
+result in rank order; the elastic runs (`RayExecutor(min_workers=...)` and
+`ElasticRayExecutor` with `TestDiscovery`) go through a script in the shape
+of horovod's examples/ray (tests/horovod_scripts/ray_elastic_train.py).
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+
+import pytest
+
+import ray_elastic.horovod.ray as hray
+from ray_elastic.horovod.ray import ElasticRayExecutor, RayExecutor, TestDiscovery
+from ray_elastic.horovod.ray.sessions import Callbacks, _Forwarding
+from ray_elastic.horovod.ray.settings import HorovodRayWarning
+from ray_elastic.horovod.ray.worker_loop import MARK
+from ray_elastic.trainer import _Reports
+
+# ---- arguments, without Ray ------------------------------------------------------------------------
+
+
+def test_create_settings_keeps_horovods_fields_and_maps_nics_to_one_interface():
+    st = RayExecutor.create_settings(timeout_s=5, placement_group_timeout_s=7, nics={"eth1"})
+    assert (st.timeout_s, st.placement_group_timeout_s, st.nics, st.verbose) == (5, 7, {"eth1"}, 1)
+    with pytest.raises(ValueError, match="nics=.*one interface"):
+        RayExecutor.create_settings(nics={"eth0", "eth1"})
+    with pytest.raises(ValueError, match="timeout_s"):
+        RayExecutor.create_settings(timeout_s=0)
+
+
+def test_ssh_arguments_warn_naming_themselves_and_write_no_key(tmp_path):
+    key = tmp_path / "key"
+    with pytest.warns(HorovodRayWarning, match="ssh_identity_file.*ssh_str"):
+        RayExecutor.create_settings(ssh_identity_file=str(key), ssh_str="PRIVATE")
+    assert not key.exists()
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"max_workers": 4}, "max_workers was given without a positive min_workers"),
+        ({"min_workers": 1, "num_workers": 2}, "both min_workers and num_workers"),
+        ({}, "pass num_workers"),
+        ({"num_workers": 2, "num_hosts": 2}, "not both"),
+        ({"num_workers": 0}, "num_workers must be an integer >= 1"),
+        ({"num_workers": 2, "gpus_per_worker": 1}, "gpus_per_worker is set, but use_gpu is False"),
+        ({"min_workers": 2, "max_workers": 1}, r"max_workers \(1\) must be >= min_workers \(2\)"),
+        ({"min_workers": 1, "cooldown_range": (5, 1)}, "cooldown_range"),
+        ({"min_workers": 1, "override_discovery": False}, "override_discovery=False needs settings.discovery"),
+    ],
+)
+def test_bad_executor_arguments_fail_before_anything_starts(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        RayExecutor(RayExecutor.create_settings(), **kwargs)
+
+
+def test_static_and_elastic_modes_and_what_each_ignores_says_so():
+    st = RayExecutor.create_settings()
+    assert RayExecutor(st, num_hosts=2, num_workers_per_host=2).plan.num_workers == 4
+    assert st.elastic is False
+    assert RayExecutor(st, min_workers=1, max_workers=3).elastic and st.elastic
+    with pytest.warns(HorovodRayWarning, match="reset_limit, cooldown_range ignored: a static run"):
+        RayExecutor(st, num_workers=2, reset_limit=1, cooldown_range=(1, 2))
+    with pytest.warns(HorovodRayWarning, match="num_hosts ignored: elastic mode"):
+        RayExecutor(st, min_workers=1, num_hosts=2)
+
+
+def test_calls_before_start_and_elastic_only_refusals_name_the_method():
+    static = RayExecutor(RayExecutor.create_settings(), num_workers=2)
+    with pytest.raises(RuntimeError, match="call start"):
+        static.run(lambda: 1)
+    elastic = RayExecutor(RayExecutor.create_settings(), min_workers=1)
+    with pytest.raises(NotImplementedError, match="execute_single"):
+        elastic.execute_single(lambda w: 1)
+    with pytest.raises(NotImplementedError, match="run_remote"):
+        elastic.run_remote(lambda: 1)
+    static.shutdown()  # before start: nothing to do
+
+
+def test_elastic_ray_executor_settings_as_horovod_names_them():
+    with pytest.warns(DeprecationWarning, match="min_np is deprecated"):
+        st = ElasticRayExecutor.create_settings(min_np=2, max_num_proc=4, cooldown_range=(1, 2), verbose=2)
+    assert (st.min_num_proc, st.num_proc, st.max_num_proc, st.cooldown_range, st.verbose) == (2, 2, 4, (1, 2), 2)
+    with pytest.raises(TypeError, match=r"\['cpus_per_slot'\]"):
+        ElasticRayExecutor.create_settings(cpus_per_slot=2)
+    with pytest.warns(HorovodRayWarning, match="ssh_port"):
+        ElasticRayExecutor.create_settings(ssh_port=22)
+    with pytest.raises(ValueError, match="max_num_proc"):
+        ElasticRayExecutor.create_settings(min_num_proc=3, max_num_proc=2)
+    with pytest.raises(ValueError, match="override_discovery=False needs settings.discovery"):
+        ElasticRayExecutor(ElasticRayExecutor.create_settings(), override_discovery=False)
+    ex = ElasticRayExecutor(st, cpus_per_slot=2)
+    assert isinstance(st.discovery, hray.RayHostDiscovery) and ex.resources == {"CPU": 2.0}
+
+
+def test_test_discovery_withdraws_then_gives_back_a_host_on_schedule(monkeypatch):
+    nodes = {"a": 2, "b": 2}
+    monkeypatch.setattr(hray.RayHostDiscovery, "find_available_hosts_and_slots", lambda self: dict(nodes))
+    now = [100.0]
+    monkeypatch.setattr("ray_elastic.horovod.ray.elastic.time.time", lambda: now[0])
+    d = TestDiscovery(min_hosts=1, max_hosts=2, change_frequency_s=10, verbose=False, seed=0)
+    seen = []
+    for _ in range(4):
+        seen.append(len(d.find_available_hosts_and_slots()))
+        now[0] += 10
+    assert seen == [2, 1, 2, 1]
+    with pytest.raises(ValueError, match="_graceful=False"):
+        TestDiscovery(1, 2, 10, _graceful=False)
+
+
+def test_callbacks_get_rank0_reports_once_and_never_the_command_markers():
+    got = []
+    calls = Callbacks()
+    calls.begin([got.append])
+    forwarding = _Forwarding(_Reports(None), calls)
+    forwarding.take(0, [(0.0, {"loss": 1.0}), (0.1, {MARK: 0})])
+    forwarding.take(0, [(0.0, {"loss": 1.0}), (0.1, {MARK: 0}), (0.2, {"loss": 0.5})])  # fit() re-fetches
+    assert got == [{"loss": 1.0}, {"loss": 0.5}] and calls.wait_marked(0, 0)
+
+    def broken(info):
+        raise KeyError("callback bug")
+
+    calls.begin([broken])
+    calls({"loss": 2.0})
+    assert isinstance(calls.end(), KeyError)
+    with pytest.raises(ValueError, match="callbacks must be callables"):
+        calls.begin([3])
+
+
+# ---- a static RayExecutor on the cluster ------------------------------------------------------------
+
+
+class Executable:
+    """As in horovod.ray's tests: joins in __init__, and keeps a counter between calls."""
+
+    def __init__(self, epochs):
+        import ray_elastic.horovod.torch as hvd
+
+        hvd.init()
+        self.hvd = hvd
+        self.epochs = epochs
+        self.calls = 0
+
+    def rank_epoch(self):
+        self.calls += 1
+        return self.hvd.rank() * self.epochs, self.calls
+
+
+def ranks_and_sum(scale):
+    import torch
+
+    import ray_elastic.horovod.torch as hvd
+    from ray_elastic.horovod.ray import ray_logger
+
+    hvd.init()
+    total = hvd.allreduce(torch.tensor([float(hvd.rank())]), op=hvd.Sum)
+    if hvd.rank() == 0:
+        for step in range(3):
+            ray_logger.log({"step": step, "world_size": hvd.size()})
+    return hvd.rank() * scale, hvd.size(), float(total)
+
+
+@pytest.mark.integration
+def test_a_static_executor_keeps_its_workers_and_returns_every_rank_in_order(cluster, no_leaks):
+    import ray
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    executor = RayExecutor(RayExecutor.create_settings(timeout_s=30), num_hosts=2, num_workers_per_host=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", HorovodRayWarning)  # nothing given here is moot
+        executor.start(executable_cls=Executable, executable_args=[2], extra_env_vars={"HVD_RAY_TEST": 7})
+    try:
+        seen = []
+        assert executor.run(ranks_and_sum, args=[10], callbacks=[seen.append]) == [(r * 10, 4, 6.0) for r in range(4)]
+        assert seen == [{"step": s, "world_size": 4} for s in range(3)]
+        # the same executables: their counters go on
+        assert executor.execute(lambda w: w.rank_epoch()) == [(0, 1), (2, 1), (4, 1), (6, 1)]
+        assert executor.execute(lambda w: w.rank_epoch()) == [(0, 2), (2, 2), (4, 2), (6, 2)]
+        assert executor.execute_single(lambda w: w.hvd.rank()) == 0
+        assert ray.get(executor.run_remote(lambda x: x + 1, args=[1])) == [2, 2, 2, 2]
+        envs = executor.execute(lambda w: (os_env("HVD_RAY_TEST"), os_env("HOROVOD_RANK"), os_env("HOROVOD_SIZE")))
+        assert envs == [("7", str(r), "4") for r in range(4)]
+        nodes = executor.execute(lambda w: ray.get_runtime_context().get_node_id())
+        assert [nodes.count(n) for n in set(nodes)] == [2, 2], nodes
+        with pytest.raises(ZeroDivisionError, match="division"):
+            executor.run(lambda: 1 / 0)
+        assert executor.execute(lambda w: w.calls) == [2, 2, 2, 2]  # a user error leaves the workers serving
+    finally:
+        executor.shutdown()
+
+
+def os_env(name):
+    import os
+
+    return os.environ.get(name)
