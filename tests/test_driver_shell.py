@@ -189,3 +189,27 @@ def test_the_drivers_start_arguments_wait_in_the_gcs_signed_and_a_forged_or_miss
     del gcs.data[b"driver-start/run1"]
     with pytest.raises(snapshot.StartMissingError, match="not in the GCS"):
         snapshot.load_start("run1", token)
+
+
+def test_the_shell_lets_go_of_finished_queries_and_of_gone_workers():
+    """Issue 34: a week of churn grew the shell's tasks, handles and per-worker records without bound."""
+
+    async def scenario():
+        driver = RestartedDriver()
+        driver._tasks, driver._handles, driver._runs, driver._pids, driver._pgs = [], {}, {}, {}, {}
+
+        async def answered():
+            return None
+
+        for _ in range(100):
+            driver._background(answered())
+            await driver._tasks[-1]  # the query answers
+        assert len(driver._tasks) <= 2
+        for i in range(100):
+            worker_id = f"w{i}"
+            driver._handles[worker_id], driver._pids[worker_id] = object(), i
+            driver._metric_seqs[worker_id] = object()
+            driver._release(worker_id)
+        assert not driver._handles and not driver._pids and not driver._metric_seqs
+
+    asyncio.run(scenario())

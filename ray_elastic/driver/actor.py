@@ -426,15 +426,20 @@ class DriverActor:
                     if handle is not None:
                         handle.abandon.remote(action.generation, action.reason)
             elif isinstance(action, m.QueryActivity):
-                self._tasks.append(asyncio.create_task(self._query_activity(action)))
+                self._background(self._query_activity(action))
             elif isinstance(action, m.LookForCheckpoint):
-                self._tasks.append(asyncio.create_task(self._look_for_checkpoint()))
+                self._background(self._look_for_checkpoint())
             elif isinstance(action, m.RequestResources):
                 await self._request_resources(action.count)
             elif isinstance(action, m.RecordMetric):
                 _RECORDERS[action.name](self.run_id, action.value)
             else:
                 raise TypeError(f"the driver shell got an unknown action {action!r}")
+
+    def _background(self, coro: Any) -> None:
+        """Run `coro` beside the loop (cancelled when the run ends); the finished ones are let go."""
+        self._tasks = [t for t in self._tasks if not t.done()]
+        self._tasks.append(asyncio.create_task(coro))
 
     def _spawn(self, action: m.Spawn) -> None:
         if action.worker_id not in self._pgs:  # a restarted driver keeps the one its predecessor made
@@ -499,6 +504,9 @@ class DriverActor:
         self._handles.pop(worker_id, None)
         self._runs.pop(worker_id, None)
         self._pids.pop(worker_id, None)
+        rec = self.core.workers.get(worker_id)
+        if rec is None or rec.status is not WorkerStatus.FINISHED:  # rank 0's last batches may still be resent
+            self._metric_seqs.pop(worker_id, None)
         pg = self._pgs.pop(worker_id, None)
         if pg is not None:
             try:
@@ -639,6 +647,8 @@ class DriverActor:
             await asyncio.sleep(interval)
             ids = [w for w in self.core.alive_ids() if w in self._handles]
             nodes = sorted({h for w in ids if (h := self._host_of(w)) is not None})
+            for node in set(self._probes) - set(nodes):  # no worker there any more (its node may be gone)
+                self._kill_probe(node)
             for node in nodes:
                 if node not in self._probes:
                     self._probes[node] = start_probe(node)
