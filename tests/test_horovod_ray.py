@@ -11,8 +11,13 @@ of horovod's examples/ray (tests/horovod_scripts/ray_elastic_train.py).
 
 from __future__ import annotations
 
+import json
+import os
+import re
+import subprocess
 import sys
 import warnings
+from pathlib import Path
 
 import pytest
 
@@ -22,6 +27,8 @@ from ray_elastic.horovod.ray.sessions import Callbacks, _Forwarding
 from ray_elastic.horovod.ray.settings import HorovodRayWarning
 from ray_elastic.horovod.ray.worker_loop import MARK
 from ray_elastic.trainer import _Reports
+
+REPO = Path(__file__).resolve().parent.parent
 
 # ---- arguments, without Ray ------------------------------------------------------------------------
 
@@ -200,3 +207,45 @@ def os_env(name):
     import os
 
     return os.environ.get(name)
+
+
+# ---- elastic runs: horovod's examples/ray, two import lines changed ----------------------------------
+
+SCRIPT = Path(__file__).parent / "horovod_scripts" / "ray_elastic_train.py"
+SAMPLES, LR = 512, 0.01
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("executor", ["elastic-ray", "ray"])
+def test_horovods_elastic_ray_example_lives_through_a_sigkill_and_test_discoverys_host_changes(
+    cluster, no_leaks, tmp_path, executor
+):
+    log = tmp_path / "epochs.jsonl"
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["RAY_ADDRESS"] = cluster.address
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    argv = [
+        *("--executor", executor, "--log", str(log), "--epochs", "16", "--samples", str(SAMPLES)),
+        *("--lr", str(LR), "--batch-seconds", "0.05", "--change-frequency-s", "6", "--kill-at", "1,3"),
+    ]
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), *argv], env=env, cwd=REPO, capture_output=True, text=True, timeout=400
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-6000:]
+    assert Path(str(log) + ".killed").exists(), "rank 1 never SIGKILLed itself"
+
+    results = json.loads(re.search(r"^RESULTS (.*)$", proc.stdout, re.MULTILINE).group(1))
+    assert [r["rank"] for r in results] == list(range(len(results))), results  # every finishing worker, by rank
+    assert {r["size"] for r in results} == {len(results)}, results
+    assert len({r["checksum"] for r in results}) == 1, f"ranks ended with different models: {results}"
+
+    epochs = [json.loads(line) for line in log.read_text().splitlines()]
+    sizes = [e["size"] for e in epochs]
+    assert len(epochs) == 16 and len(set(sizes)) > 1, sizes  # TestDiscovery withdrew and gave back hosts
+    for e in epochs:
+        assert e["processed"] == SAMPLES, e  # every sample once per epoch through the kill and the changes
+        assert e["lr"] == pytest.approx(LR * e["size"]), e
+    steps = re.search(r"^\[callback\] (\d+) steps at world sizes \[(.*)\]$", proc.stdout, re.MULTILINE)
+    assert steps and int(steps.group(1)) > 0 and len(steps.group(2).split(",")) > 1, out[-3000:]
+    print(f"{executor}: world sizes per epoch {sizes}; {len(results)} results")
