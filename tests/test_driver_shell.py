@@ -145,7 +145,7 @@ class RestartedDriver(DriverActor):
         self._queue = asyncio.Queue()
         self._answers = []
         self._received = self._in_batch = self._durable = 0
-        self._snapshot = None
+        self._snapshot = self._core_blob = None
         self._started = asyncio.Event()
         self._drive_task = None
 

@@ -146,6 +146,7 @@ class DriverActor:
         self._durable = 0  # the newest of them a snapshot holds
         self._answers: list[tuple[int, asyncio.Future]] = []  # calls waiting for their message's snapshot
         self._snapshot: bytes | None = None
+        self._core_blob: bytes | None = None  # the core as last pickled: reused while it has not changed
         self._started = asyncio.Event()  # the core is the run's: fresh, or loaded from the snapshot
         self._drive_task: asyncio.Task | None = None
 
@@ -247,7 +248,11 @@ class DriverActor:
                 batch.append(m.Tick())
                 last_tick = now
             actions = self.core.handle(batch, now)
-            await self._persist()  # before the actions: a restarted driver asks again what they may have lost
+            # a tick that asked for nothing changed nothing a restarted driver needs (it prunes, it forgets)
+            changed = bool(actions) or any(not isinstance(x, m.Tick) for x in batch)
+            await self._persist(
+                core_changed=changed
+            )  # before the actions: a restarted driver asks again what they may have lost
             await self._carry_out(actions)
 
     async def _next_batch(self) -> list[m.Message]:
@@ -284,15 +289,19 @@ class DriverActor:
         return out
 
     # ---- the snapshot ------------------------------------------------------------------
-    async def _persist(self) -> None:
+    async def _persist(self, core_changed: bool = True) -> None:
         """Write what a restarted driver needs (if it changed), then answer the calls it now holds.
 
-        Pickled on the loop, so it is one moment's state (the core is pruned:
-        about 10 ms at the event log's cap); written to the GCS off the loop,
-        within `_KV_BACK_S`. A GCS that does not take it fails the run, naming
-        why: a driver that cannot save cannot be resumed.
+        Pickled on the loop, so it is one moment's state: the core only when
+        it changed (up to ~15 ms at the event log's cap), the metrics (a few
+        reports) each time; a thread would not help, pickling holds the GIL.
+        Written to the GCS off the loop, within `_KV_BACK_S`. A GCS that does
+        not take it fails the run, naming why: a driver that cannot save
+        cannot be resumed.
         """
-        blob = pickle.dumps((self.core, self.metrics, self._metric_seqs), protocol=pickle.HIGHEST_PROTOCOL)
+        if core_changed or self._core_blob is None:
+            self._core_blob = pickle.dumps(self.core, protocol=pickle.HIGHEST_PROTOCOL)
+        blob = pickle.dumps((self._core_blob, self.metrics, self._metric_seqs), protocol=pickle.HIGHEST_PROTOCOL)
         durable = self._in_batch
         if blob != self._snapshot:
             loop = asyncio.get_running_loop()
@@ -348,7 +357,8 @@ class DriverActor:
         if saved is None:
             self.core.fail("the run's driver actor restarted before it had saved any state; the run cannot go on")
             return []
-        self.core, self.metrics, self._metric_seqs = saved
+        core_blob, self.metrics, self._metric_seqs = saved
+        self.core = pickle.loads(core_blob)  # covered by the snapshot's signature
         logger.warning("the driver restarted: resuming generation %d from its snapshot", self.core.generation)
         # a KV actor that restarted while no driver watched it holds no generation: the core learns of it
         # (an older, non-zero one only means the dead driver's publish was cut short: restored below)
