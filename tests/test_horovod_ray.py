@@ -203,6 +203,29 @@ def test_a_static_executor_keeps_its_workers_and_returns_every_rank_in_order(clu
         executor.shutdown()
 
 
+@pytest.mark.integration
+def test_a_static_executor_whose_worker_dies_fails_the_next_call_naming_the_rank(cluster, no_leaks):
+    import signal
+    import time
+
+    import ray
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    executor = RayExecutor(RayExecutor.create_settings(timeout_s=30), num_workers=2)
+    executor.start()
+    try:
+        pids = executor.run(os.getpid)
+        os.kill(pids[1], signal.SIGKILL)  # the cluster's nodes run on this machine
+        started = time.monotonic()
+        with pytest.raises(RuntimeError, match="worker of rank 1 died"):
+            executor.run(os.getpid)
+        assert time.monotonic() - started < 20
+        with pytest.raises(RuntimeError, match="worker of rank 1 died"):
+            executor.execute(lambda w: 1)
+    finally:
+        executor.shutdown()
+
+
 def os_env(name):
     import os
 

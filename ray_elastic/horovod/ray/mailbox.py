@@ -38,6 +38,7 @@ class Mailbox:
         self._commands: list[tuple[str, Any, frozenset[int] | None]] = []
         self._outcomes: dict[int, dict[int, tuple[bool, bytes]]] = {}
         self._started: dict[int, tuple[bool, bytes | None]] = {}  # rank -> (ok, the error if not)
+        self._actors: dict[int, str] = {}  # rank -> the worker actor's id, to watch it
         self._failure: str | None = None
         self._changed: asyncio.Condition | None = None
 
@@ -70,9 +71,11 @@ class Mailbox:
             return self._commands[seq]
         return (STOP, None, None) if self._failure else None
 
-    async def started(self, rank: int, ok: bool, error: bytes | None = None) -> None:
+    async def started(self, rank: int, ok: bool, error: bytes | None = None, actor_id: str | None = None) -> None:
         """A worker joined the ring and built its executable (`ok`), or failed to (`error`, pickled)."""
         self._started[rank] = (ok, error)
+        if actor_id is not None:
+            self._actors[rank] = actor_id
         await self._notify()
 
     async def wait_started(self, count: int, timeout: float) -> dict[int, tuple[bool, bytes | None]]:
@@ -102,6 +105,10 @@ class Mailbox:
         if not ok:
             raise value
         return value
+
+    def actors(self) -> dict[int, str]:
+        """The started workers' actor ids, by rank."""
+        return self._actors
 
     def all_outcomes(self) -> dict[int, dict[int, tuple[bool, bytes]]]:
         return self._outcomes

@@ -140,6 +140,7 @@ class StaticSession:
         self.callbacks = Callbacks()
         self.mailbox = create_mailbox()
         self.failure: str | None = None
+        self._actors: dict[int, str] = {}  # rank -> worker actor id, watched during calls
         self._ended = threading.Event()
         try:
             self._trainer = ReportingTrainer(
@@ -185,6 +186,7 @@ class StaticSession:
                     self.stop()
                     raise cloudpickle.loads(error)
             if len(started) >= self.num_workers:
+                self._actors = ray.get(self.mailbox.actors.remote())
                 return
             if self._ended.is_set() or time.monotonic() > deadline:
                 why = self.failure or "still waiting"
@@ -210,6 +212,7 @@ class StaticSession:
                     break
                 if self._ended.is_set():
                     raise RuntimeError(self.failure)
+                self._check_workers_alive()
             if callbacks and not self.callbacks.wait_marked(seq, _MARK_TIMEOUT_S):
                 logger.warning("rank 0's last reports of this call did not reach the callbacks within %g s", 10)
         finally:
@@ -240,6 +243,28 @@ class StaticSession:
     def _check_alive(self) -> None:
         if self._ended.is_set():
             raise RuntimeError(self.failure)
+        self._check_workers_alive()
+
+    def _check_workers_alive(self) -> None:
+        """A dead worker ends the session now (its call would wait for the run to time out otherwise)."""
+        dead = sorted(rank for rank, actor_id in self._actors.items() if _actor_state(actor_id) == "DEAD")
+        if dead:
+            reason = (
+                f"the executor's worker of rank {dead[0]} died; a static RayExecutor does not replace it "
+                "(horovod.ray's neither): call shutdown() and start() again, or use elastic mode (min_workers=)"
+            )
+            logger.error("%s", reason)
+            self.stop()
+            self.failure = reason
+            raise RuntimeError(reason)
+
+
+def _actor_state(actor_id: str) -> str | None:
+    """The actor's state in Ray's GCS ("ALIVE", "DEAD", ...); None when it cannot be read now."""
+    try:
+        return ray._private.state.actors(actor_id).get("State")
+    except Exception:  # noqa: BLE001 - a GCS hiccup is no verdict
+        return None
 
 
 def run_elastic(

@@ -90,7 +90,7 @@ class ServeCommands:
             ray.get(self.mailbox.started.remote(_rank_or_minus_one(), False, pickled_error(e)))
             raise
         rank = current().slot.rank
-        ray.get(self.mailbox.started.remote(rank, True))
+        ray.get(self.mailbox.started.remote(rank, True, None, ray.get_runtime_context().get_actor_id()))
         seq = 0
         while True:
             command = ray.get(self.mailbox.next_command.remote(seq, _POLL_S))
