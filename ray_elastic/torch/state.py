@@ -65,95 +65,15 @@ from ray_elastic.state.state import State, SyncReport, mismatch
 from ray_elastic.state.sync_plan import SyncPlan, fresh_commit_id
 from ray_elastic.state.transfer import agree, share_object
 from ray_elastic.torch.broadcast import send_tensors_, wait_while_transferring
+from ray_elastic.torch.data_loader import ElasticDataLoader
+from ray_elastic.torch.handler import StateHandler, _moves_only_what_is_needed, _sync_from_rank0
 from ray_elastic.torch.optimizer import DistributedOptimizer
 from ray_elastic.torch.rng import RngState
 from ray_elastic.torch.sampler import ElasticSampler
+from ray_elastic.torch.state_dict_handler import StateDictHandler, saves_itself
 
 logger = logging.getLogger(__name__)
 _state_numbers = itertools.count()  # each TorchState of this process, in construction order
-
-
-class StateHandler:
-    """How one kind of value is saved, restored and synced.
-
-    `save`, `restore` and `sync` are the minimum. To move state only to the
-    ranks that need it, also implement `describe`, `receive`, `tensors` and,
-    where needed, `received` and `after_sync` (`save` must then make no
-    collective call: only the receivers run it in a sync).
-    """
-
-    def __init__(self, value: Any) -> None:
-        self.value = value
-
-    def save(self) -> None:
-        raise NotImplementedError
-
-    def restore(self) -> None:
-        raise NotImplementedError
-
-    def sync(self) -> None:
-        """Make every rank hold rank 0's value (every rank calls it)."""
-        raise NotImplementedError
-
-    def describe(self) -> Any:
-        """On rank 0: a small picklable description of the saved value, for the ranks that receive it."""
-        raise NotImplementedError
-
-    def receive(self, description: Any) -> None:
-        """On a receiving rank: take `description`, and shape `tensors()` like rank 0's."""
-
-    def tensors(self) -> list[torch.Tensor]:
-        """The live tensors a sync copies into the receivers, in the same order on every rank."""
-        return []
-
-    def received(self) -> None:
-        """On a receiving rank, once its tensors arrived: make what it now holds its commit."""
-        self.keep_live()
-
-    def keep_live(self) -> None:
-        """Make the live value the commit, where the next optimizer step waits for it (`save()` by default)."""
-        self.save()
-
-    def after_sync(self) -> None:
-        """On every rank, after each sync (e.g. to take the new world size)."""
-
-    def prepare_save(self) -> None:
-        """Collectives a save needs, run by every rank before any handler saves (a failure then tears nothing)."""
-
-    def touched(self) -> None:
-        """The state's optimizer is about to step: the live tensors stop being the commit."""
-
-    def guard(self, stepped: set[int]) -> None:
-        """`stepped`: ids of the tensors the state's optimizers step (whose step waits for a pending copy)."""
-
-    def snapshot(self) -> Any:
-        """A picklable copy of what `save()` kept, for a durable checkpoint."""
-        raise NotImplementedError(
-            f"{type(self).__name__} does not support durable checkpoints: implement snapshot() and load_snapshot()"
-        )
-
-    def load_snapshot(self, snapshot: Any) -> None:
-        """Make `snapshot` the saved value and restore it."""
-        raise NotImplementedError(
-            f"{type(self).__name__} does not support durable checkpoints: implement snapshot() and load_snapshot()"
-        )
-
-
-def _moves_only_what_is_needed(handler: StateHandler) -> bool:
-    return type(handler).describe is not StateHandler.describe
-
-
-def _sync_from_rank0(handler: StateHandler) -> None:
-    """The full broadcast of `handler`'s value from rank 0 (its `sync()`, as Horovod's helpers do)."""
-    ring = current_ring()
-    plan = SyncPlan(ring.rank, (0,), tuple(range(1, ring.size)))
-    description = share_object(ring, plan, handler.describe() if ring.rank == 0 else None)
-    if plan.receives:
-        handler.receive(description)
-    send_tensors_(ring, plan, handler.tensors())
-    if plan.receives:
-        handler.received()
-    handler.after_sync()
 
 
 def _faulted_in(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -698,12 +618,8 @@ def _handler_for(value: Any) -> StateHandler:
         return OptimizerHandler(value)
     if isinstance(value, ElasticSampler):
         return SamplerHandler(value)
-    from ray_elastic.torch.data_loader import ElasticDataLoader  # noqa: PLC0415 - it imports this module's sampler
-
     if isinstance(value, ElasticDataLoader):
         return SamplerHandler(value)  # its sampler's position; `state.loader` stays the loader
-    from ray_elastic.torch.state_dict_handler import StateDictHandler, saves_itself  # noqa: PLC0415 - imports this
-
     if saves_itself(value):  # a scheduler, a GradScaler, an EMA: restored in place, never replaced by a copy
         return StateDictHandler(value)
     return ObjectHandler(value)

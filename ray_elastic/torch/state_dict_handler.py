@@ -15,7 +15,7 @@ import copy
 from typing import Any
 
 from ray_elastic.state.state import mismatch
-from ray_elastic.torch.state import StateHandler
+from ray_elastic.torch.handler import StateHandler, _sync_from_rank0
 
 
 def saves_itself(value: Any) -> bool:
@@ -41,8 +41,6 @@ class StateDictHandler(StateHandler):
         self.value.load_state_dict(copy.deepcopy(self._saved))
 
     def sync(self) -> None:
-        from ray_elastic.torch.state import _sync_from_rank0  # noqa: PLC0415 - the module imports this one
-
         _sync_from_rank0(self)
 
     def describe(self) -> Any:
