@@ -226,6 +226,32 @@ def test_a_static_executor_whose_worker_dies_fails_the_next_call_naming_the_rank
         executor.shutdown()
 
 
+class Broken:
+    def __init__(self):
+        raise OSError("no such device")
+
+
+@pytest.mark.integration
+def test_start_fails_with_timeout_when_the_cluster_cannot_place_every_worker_and_with_the_executables_error(
+    cluster, no_leaks
+):
+    import time
+
+    ray_module = sys.modules["ray"]
+    ray_module.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    settings = RayExecutor.create_settings(timeout_s=3, placement_group_timeout_s=2)
+    executor = RayExecutor(settings, num_workers=5)  # the cluster holds 4
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match="of 5 workers started within 5 s"):
+        executor.start()
+    assert time.monotonic() - started < 60
+    executor.shutdown()
+    executor = RayExecutor(RayExecutor.create_settings(), num_workers=2)
+    with pytest.raises(OSError, match="no such device"):
+        executor.start(executable_cls=Broken)
+    executor.shutdown()
+
+
 def os_env(name):
     import os
 
