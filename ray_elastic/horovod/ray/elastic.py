@@ -29,7 +29,7 @@ import ray
 
 from ray_elastic.discovery import slots_for_resources
 from ray_elastic.horovod.ray import settings as s
-from ray_elastic.horovod.ray.runner import _DEFAULT_COOLDOWN, _ensure_ray, trainer_discovery
+from ray_elastic.horovod.ray.runner import DEFAULT_COOLDOWN, ensure_ray, trainer_discovery
 from ray_elastic.horovod.ray.sessions import run_elastic
 
 logger = logging.getLogger(__name__)
@@ -246,7 +246,7 @@ class ElasticRayExecutor:
 
     def start(self) -> None:
         """Connect to Ray (or start it); the workers start with each `run()`, once `min_num_proc` slots exist."""
-        _ensure_ray()
+        ensure_ray()
         self._started = True
 
     def run(self, worker_fn: Callable[[], Any], callbacks: list[Callable[[Any], Any]] | None = None) -> list[Any]:
@@ -271,7 +271,7 @@ class ElasticRayExecutor:
             "discovery": None if self.override_discovery else trainer_discovery(st.discovery),
             "elastic_timeout": st.elastic_timeout,
             "reset_limit": st.reset_limit,
-            "cooldown_range": st.cooldown_range or _DEFAULT_COOLDOWN,
+            "cooldown_range": st.cooldown_range or DEFAULT_COOLDOWN,
             "collective_timeout": st.timeout_s,
             "verbose": int(bool(st.verbose)),
         }

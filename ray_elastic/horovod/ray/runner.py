@@ -34,7 +34,7 @@ from ray_elastic.horovod.ray.worker_loop import call_with
 
 logger = logging.getLogger(__name__)
 
-_DEFAULT_COOLDOWN = (10.0, 300.0)  # horovod.ray's None; ray-elastic's own default (hosts are offered again)
+DEFAULT_COOLDOWN = (10.0, 300.0)  # horovod.ray's None; ray-elastic's own default (hosts are offered again)
 
 
 class RayExecutor:
@@ -156,7 +156,7 @@ class RayExecutor:
             raise RuntimeError("start() was already called: call shutdown() first")
         env = {**s.check_env("extra_env_vars", extra_env_vars), **s.gloo_env(self.settings.nics)}
         executable = (executable_cls, list(executable_args or []), dict(executable_kwargs or {}))
-        _ensure_ray()
+        ensure_ray()
         self._warn_placement_group()
         if self.elastic:
             self._started = (env, executable)
@@ -304,7 +304,7 @@ def _elastic_plan(
         raise ValueError(f"max_workers ({max_workers}) must be >= min_workers ({min_workers})")
     if reset_limit is not None:
         s.check_count("reset_limit", reset_limit, 0)
-    cooldown = _DEFAULT_COOLDOWN if cooldown_range is None else tuple(cooldown_range)
+    cooldown = DEFAULT_COOLDOWN if cooldown_range is None else tuple(cooldown_range)
     numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 for v in cooldown)
     if len(cooldown) != 2 or not numbers or cooldown[0] > cooldown[1]:
         raise ValueError(f"cooldown_range must be (min_s, max_s) with 0 <= min_s <= max_s, got {cooldown_range!r}")
@@ -359,7 +359,7 @@ def _check_fn(fn: Any) -> None:
         raise ValueError(f"fn must be callable, got {type(fn).__name__}")
 
 
-def _ensure_ray() -> None:
+def ensure_ray() -> None:
     """horovod.ray wants `ray.init()` called first; like `ElasticTrainer.fit()`, start or join one if not."""
     if not ray.is_initialized():
         ray.init(address=os.environ.get("RAY_ADDRESS"), logging_level=logging.WARNING)
