@@ -56,7 +56,9 @@ def test_kv_actor_sigkilled_during_a_rendezvous_costs_one_more_reset(cluster, no
         counting_train_fn,
         min_workers=2,
         max_workers=4,
-        config={"faults": faults, "steps": 60, "deadline_s": 120},
+        # steps of 50 ms after the kill: the run outlasts the driver's noticing the KV actor's restart (the ranks'
+        # ring forms as soon as the KV is back, and 35 steps of 5 ms sometimes ended the run before the driver's event)
+        config={"faults": faults, "steps": 60, "step_time": 0.05, "deadline_s": 120},
         cooldown_range=(60, 60),  # the dead rank's slot stays empty: the world goes 4 -> 3
         verbose=0,
     ).fit()
