@@ -213,3 +213,12 @@ def test_the_shell_lets_go_of_finished_queries_and_of_gone_workers():
         assert not driver._handles and not driver._pids and not driver._metric_seqs
 
     asyncio.run(scenario())
+
+
+def test_a_restarted_drivers_bounded_wait_names_what_it_waited_for(monkeypatch):
+    """A restart's wait on the GCS or the KV actor that runs out ends the run naming it, not a bare TimeoutError."""
+    from ray_elastic.driver import actor as driver_actor
+
+    monkeypatch.setattr(driver_actor, "_KV_BACK_S", 0.01)
+    with pytest.raises(driver_actor._NoAnswerError, match="could not load its snapshot from the GCS within 0.01 s"):
+        asyncio.run(driver_actor._within("load its snapshot from the GCS", asyncio.sleep(5)))

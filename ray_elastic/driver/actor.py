@@ -78,6 +78,20 @@ logger = logging.getLogger(__name__)
 
 _TICK_S = 0.5
 _KV_BACK_S = 60.0  # how long a restarting KV actor may take to answer again
+
+
+class _NoAnswerError(Exception):
+    """A restarted driver's bounded wait ran out; the message names what it waited for."""
+
+
+async def _within(what: str, awaitable: Any) -> Any:
+    """`awaitable`, within `_KV_BACK_S`; else `_NoAnswerError` saying the driver could not `what`."""
+    try:
+        return await asyncio.wait_for(awaitable, _KV_BACK_S)
+    except asyncio.TimeoutError as e:
+        raise _NoAnswerError(f"the run's driver could not {what} within {_KV_BACK_S:g} s; the run cannot go on") from e
+
+
 _CHECKPOINT_RETRY_S = 2.0  # between looks at checkpoint storage that failed
 
 
@@ -178,6 +192,8 @@ class DriverActor:
                 self.core.fail(str(e))
             else:
                 await self._loop()
+        except _NoAnswerError as e:  # a restart's bounded wait on the GCS or the KV actor ran out: named
+            self.core.fail(str(e))
         except Exception as e:  # noqa: BLE001 - a driver bug must still end the run with its reason
             logger.exception("driver failed")
             self.core.fail(f"internal error in the driver: {type(e).__name__}: {e}")
@@ -208,12 +224,15 @@ class DriverActor:
         """
         loop = asyncio.get_running_loop()
         try:
-            kv = await asyncio.wait_for(loop.run_in_executor(None, ray.get_actor, "kv", self.namespace), _KV_BACK_S)
+            kv = await _within(
+                "find the run's KV actor by name", loop.run_in_executor(None, ray.get_actor, "kv", self.namespace)
+            )
         except ValueError as e:
             raise snapshot.StartMissingError(f"the run's KV actor is gone ({e}): the run ended") from e
         self.kv = Authed(kv, self._run_token)
-        payload, discovery = await asyncio.wait_for(
-            loop.run_in_executor(None, snapshot.load_start, self.run_id, self._run_token), _KV_BACK_S
+        payload, discovery = await _within(
+            "read train_fn's payload and the discovery spec from the GCS",
+            loop.run_in_executor(None, snapshot.load_start, self.run_id, self._run_token),
         )
         self._payload_ref = ray.put(payload)
         # callables arrive pickled by the trainer (their module may exist only on its side)
@@ -348,8 +367,9 @@ class DriverActor:
         """Ray restarted this driver: load the snapshot, find the workers, and say what to ask again."""
         loop = asyncio.get_running_loop()
         try:
-            saved = await asyncio.wait_for(
-                loop.run_in_executor(None, snapshot.load, self.run_id, self._run_token), _KV_BACK_S
+            saved = await _within(
+                "load its snapshot from the GCS",
+                loop.run_in_executor(None, snapshot.load, self.run_id, self._run_token),
             )
         except snapshot.ForgedSnapshotError as e:
             self.core.fail(str(e))
@@ -362,11 +382,12 @@ class DriverActor:
         logger.warning("the driver restarted: resuming generation %d from its snapshot", self.core.generation)
         # a KV actor that restarted while no driver watched it holds no generation: the core learns of it
         # (an older, non-zero one only means the dead driver's publish was cut short: restored below)
-        if self.core.generation and await asyncio.wait_for(self.kv.current_generation.remote(), _KV_BACK_S) == 0:
+        kv_generation = await _within("ask the KV actor its generation", self.kv.current_generation.remote())
+        if self.core.generation and kv_generation == 0:
             self._queue.put_nowait(m.KVRestarted("it restarted while the driver was down"))
         actions = self.core.restarted(time.monotonic(), "its process died; Ray restarted it")
         await self._persist()
-        await asyncio.wait_for(self._reattach(), _KV_BACK_S)
+        await _within("find its workers again", self._reattach())
         return actions
 
     async def _reattach(self) -> None:
@@ -528,7 +549,8 @@ class DriverActor:
         try:
             await asyncio.wait_for(self.kv.restore.remote(action.generation, dict(action.plan)), _KV_BACK_S)
         except Exception as e:  # noqa: BLE001 - a timeout or a KV actor dead again
-            self._queue.put_nowait(m.PublishFailed(action.generation, f"restoring it failed: {_first_line(e)}"))
+            why = f"no answer within {_KV_BACK_S:g} s" if isinstance(e, asyncio.TimeoutError) else _first_line(e)
+            self._queue.put_nowait(m.PublishFailed(action.generation, f"restoring it failed: {why}"))
 
     async def _publish(self, action: m.Publish) -> None:
         try:
