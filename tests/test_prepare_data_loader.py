@@ -73,7 +73,8 @@ def test_every_sample_once_through_a_rollback_and_a_new_world_with_no_record_cal
         trained += [next(it)[0].tolist() for it in its]
     for s in ranks:
         s.save()  # a commit after batch 1's step: batch 0 counted when batch 1 was taken, batch 1 now
-    undone = [next(it)[0].tolist() for it in its]  # batch 2 trained, then a rank fails before the next commit
+    for it in its:
+        next(it)  # batch 2 trained, then a rank fails before the next commit
     for s in ranks:
         s.restore()
     assert ranks[0].loader.sampler.num_processed == 2 * 2 * BS, "the rolled-back batch counted as processed"
