@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from ray_elastic.collective import group as current_ring
+from ray_elastic.state.state import mismatch
 from ray_elastic.state.sync_plan import SyncPlan
 from ray_elastic.state.transfer import share_object
 from ray_elastic.torch.broadcast import send_tensors_
@@ -100,3 +101,19 @@ def _sync_from_rank0(handler: StateHandler) -> None:
     if plan.receives:
         handler.received()
     handler.after_sync()
+
+
+class CopiedHandler(StateHandler):
+    """A handler whose commit is one picklable copy in `_saved`: it is the durable snapshot as it is."""
+
+    _saved: Any
+
+    def snapshot(self) -> Any:
+        return self._saved  # save() replaces it with a fresh copy
+
+    def load_snapshot(self, snapshot: Any) -> None:
+        differ = mismatch(self._saved, snapshot)
+        if differ is not None:
+            raise ValueError(f"the checkpoint does not fit this attribute: {differ}")
+        self._saved = snapshot
+        self.restore()

@@ -61,12 +61,12 @@ from ray_elastic.collective.base import CollectiveGroup
 from ray_elastic.runtime.allocator import is_tuned
 from ray_elastic.runtime.process import maybe_current
 from ray_elastic.state.pages import can_populate, populate_range
-from ray_elastic.state.state import State, SyncReport, mismatch
+from ray_elastic.state.state import State, SyncReport
 from ray_elastic.state.sync_plan import SyncPlan, fresh_commit_id
 from ray_elastic.state.transfer import agree, share_object
 from ray_elastic.torch.broadcast import send_tensors_, wait_while_transferring
 from ray_elastic.torch.data_loader import ElasticDataLoader
-from ray_elastic.torch.handler import StateHandler, _moves_only_what_is_needed, _sync_from_rank0
+from ray_elastic.torch.handler import CopiedHandler, StateHandler, _moves_only_what_is_needed, _sync_from_rank0
 from ray_elastic.torch.optimizer import DistributedOptimizer
 from ray_elastic.torch.rng import RngState
 from ray_elastic.torch.sampler import ElasticSampler
@@ -567,7 +567,7 @@ class SamplerHandler(StateHandler):
         self.sampler.set_world(ring.rank, ring.size)
 
 
-class ObjectHandler(StateHandler):
+class ObjectHandler(CopiedHandler):
     """Any picklable value: deep copies; a sync hands rank 0's to the ranks that need it."""
 
     def __init__(self, value: Any) -> None:
@@ -588,16 +588,6 @@ class ObjectHandler(StateHandler):
 
     def receive(self, description: Any) -> None:
         self.value = description
-
-    def snapshot(self) -> Any:
-        return self._saved  # save() replaces it with a fresh deep copy
-
-    def load_snapshot(self, snapshot: Any) -> None:
-        differ = mismatch(self._saved, snapshot)
-        if differ is not None:
-            raise ValueError(f"the checkpoint does not fit this attribute: {differ}")
-        self._saved = snapshot
-        self.restore()
 
 
 _REGISTRY: list[tuple[type, Callable[[Any], StateHandler]]] = []

@@ -14,8 +14,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from ray_elastic.state.state import mismatch
-from ray_elastic.torch.handler import StateHandler, _sync_from_rank0
+from ray_elastic.torch.handler import CopiedHandler, _sync_from_rank0
 
 
 def saves_itself(value: Any) -> bool:
@@ -27,7 +26,7 @@ def saves_itself(value: Any) -> bool:
     )
 
 
-class StateDictHandler(StateHandler):
+class StateDictHandler(CopiedHandler):
     """An object with `state_dict()`/`load_state_dict()`: its state is committed, restored and synced in place."""
 
     def __init__(self, value: Any) -> None:
@@ -48,13 +47,3 @@ class StateDictHandler(StateHandler):
 
     def receive(self, description: Any) -> None:
         self.value.load_state_dict(copy.deepcopy(description))
-
-    def snapshot(self) -> Any:
-        return self._saved  # save() replaces it with a fresh deep copy
-
-    def load_snapshot(self, snapshot: Any) -> None:
-        differ = mismatch(self._saved, snapshot)
-        if differ is not None:
-            raise ValueError(f"the checkpoint does not fit this attribute: {differ}")
-        self._saved = snapshot
-        self.restore()
