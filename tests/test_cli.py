@@ -25,7 +25,14 @@ from ray_elastic import ElasticTrainer, cli
 CLI = os.path.join(VENV_BIN, "ray-elastic")
 # trainer arguments with a differently named option, or none: train_fn is the positional
 # train_fn is the positional FILE.py:FUNCTION; Ray Datasets are objects a command line cannot carry
-RENAMED = {"discovery": "--discovery-script", "train_fn": None, "datasets": None}
+# (data_cpus and data_starvation_timeout act only on those datasets)
+RENAMED = {
+    "discovery": "--discovery-script",
+    "train_fn": None,
+    "datasets": None,
+    "data_cpus": None,
+    "data_starvation_timeout": None,
+}
 
 
 def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
