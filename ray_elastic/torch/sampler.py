@@ -88,7 +88,8 @@ class ElasticSampler(Sampler[int]):
         self._needs_union = False
         self._world: tuple[int, int] | None = None
         self._iteration: _Iteration | None = None
-        self._pending: tuple[int, int] | None = None  # a batch being trained, counted once it is done (hold_batch)
+        # a batch being trained, counted once it is done (hold_batch); void once its iteration ended
+        self._pending: tuple[int, int] | None = None
 
     # ---- world and epoch -----------------------------------------------------------------
 
@@ -100,7 +101,6 @@ class ElasticSampler(Sampler[int]):
             raise ValueError(f"need 0 <= rank < size and size >= 1, got rank={rank}, size={size}")
         self._world = (rank, size)
         self._iteration = None
-        self._pending = None
 
     def set_epoch(self, epoch: int) -> None:
         """Start `epoch`: nothing processed, no padding trained, a new order if shuffling.
@@ -117,7 +117,6 @@ class ElasticSampler(Sampler[int]):
         self._padding_trained = 0
         self._needs_union = False
         self._iteration = None
-        self._pending = None
 
     # ---- iteration -----------------------------------------------------------------------
 
@@ -263,7 +262,6 @@ class ElasticSampler(Sampler[int]):
         self._padding_trained = int(state_dict["padding_trained"])
         self._needs_union = bool(state_dict["needs_union"])
         self._iteration = None
-        self._pending = None
 
     # ---- read-only views -----------------------------------------------------------------
 
