@@ -73,6 +73,29 @@ class _Bucket:
         self.work: CollectiveWork | None = None
 
 
+def _buckets(params: list[torch.Tensor], cap: int) -> list[_Bucket]:
+    """`params` in buckets of at most `cap` bytes, each of one dtype and one device, in reverse order.
+
+    Reverse order approximates the order in which backward produces the
+    gradients (as DDP does), so the first buckets are launched first.
+    """
+    buckets: list[_Bucket] = []
+    current: list[torch.Tensor] = []
+    size = 0
+    for p in reversed(params):
+        if current:
+            first = current[0]
+            full = size + p.numel() * p.element_size() > cap
+            if full or (p.dtype, p.device) != (first.dtype, first.device):
+                buckets.append(_Bucket(current))
+                current, size = [], 0
+        current.append(p)
+        size += p.numel() * p.element_size()
+    if current:
+        buckets.append(_Bucket(current))
+    return buckets
+
+
 # GradScaler warns that it will stop handing itself to step(); until then that is how the reduction comes first
 warnings.filterwarnings("ignore", message="GradScaler is going to stop passing itself", category=FutureWarning)
 
@@ -121,21 +144,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
         names = {id(p): n for n, p in (named_parameters or [])}
         self._names = {p: names.get(id(p), f"param{i}") for i, p in enumerate(params)}
-        cap = int(bucket_cap_mb * 2**20)
-        self._buckets: list[_Bucket] = []
-        current_params: list[torch.Tensor] = []
-        size = 0
-        for p in reversed(params):
-            if current_params:
-                first = current_params[0]
-                full = size + p.numel() * p.element_size() > cap
-                if full or (p.dtype, p.device) != (first.dtype, first.device):
-                    self._buckets.append(_Bucket(current_params))
-                    current_params, size = [], 0
-            current_params.append(p)
-            size += p.numel() * p.element_size()
-        if current_params:
-            self._buckets.append(_Bucket(current_params))
+        self._cap = int(bucket_cap_mb * 2**20)
+        self._buckets = _buckets(params, self._cap)
         # the last bucket carries one more element: the count of ranks holding a host-change notice,
         # so check_host_updates() after step() agrees through this allreduce instead of its own
         last = self._buckets[-1]
@@ -195,10 +205,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
         # the new parameters get buckets of their own, before the one that carries the host-change count
         last = self._buckets.pop()
-        groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-        for p in added:
-            groups.setdefault((p.dtype, p.device), []).append(p)
-        self._buckets.extend(_Bucket(ps) for ps in groups.values())
+        self._buckets.extend(_buckets(added, self._cap))
         self._buckets.append(last)
         self._bucket_of = {p: b for b in self._buckets for p in b.params}
 
@@ -313,21 +320,19 @@ class DistributedOptimizer(torch.optim.Optimizer):
         reduced, unscaled unless `scaler.unscale_(opt)` ran after
         `synchronize()`, and the step is skipped when any is inf or NaN.
         """
-        if grad_scaler is not None and not self._synchronized:
-            stage = grad_scaler._per_optimizer_states[id(self)]["stage"]
-            if stage is OptState.UNSCALED:
-                raise RuntimeError(
-                    "scaler.unscale_(optimizer) ran before optimizer.synchronize(): the gradients it saw were not "
-                    "reduced yet, so nothing was unscaled (nor clipped). Call optimizer.synchronize() first, then "
-                    "scaler.unscale_(optimizer), clip, and scaler.step(optimizer)"
-                )
+        scaler_state = grad_scaler._per_optimizer_states[id(self)] if grad_scaler is not None else None
+        if scaler_state is not None and not self._synchronized and scaler_state["stage"] is OptState.UNSCALED:
+            raise RuntimeError(
+                "scaler.unscale_(optimizer) ran before optimizer.synchronize(): the gradients it saw were not "
+                "reduced yet, so nothing was unscaled (nor clipped). Call optimizer.synchronize() first, then "
+                "scaler.unscale_(optimizer), clip, and scaler.step(optimizer)"
+            )
         if not self._synchronized:
             self.synchronize()
         self._synchronized = False
         if grad_scaler is None:
             return self.optimizer.step(closure)
         # what GradScaler does for a plain optimizer, on the reduced gradients (its own bookkeeping)
-        scaler_state = grad_scaler._per_optimizer_states[id(self)]
         if scaler_state["stage"] is OptState.READY:
             grad_scaler.unscale_(self)
         if sum(v.item() for v in scaler_state["found_inf_per_device"].values()):
