@@ -604,12 +604,10 @@ def _handler_for(value: Any) -> StateHandler:
             return factory(value)
     if isinstance(value, torch.nn.Module):
         return ModuleHandler(value)
-    if isinstance(value, (torch.optim.Optimizer, DistributedOptimizer)):
+    if isinstance(value, torch.optim.Optimizer):  # a DistributedOptimizer too
         return OptimizerHandler(value)
-    if isinstance(value, ElasticSampler):
+    if isinstance(value, (ElasticSampler, ElasticDataLoader)):  # a loader: its sampler's position, the loader kept
         return SamplerHandler(value)
-    if isinstance(value, ElasticDataLoader):
-        return SamplerHandler(value)  # its sampler's position; `state.loader` stays the loader
     if saves_itself(value):  # a scheduler, a GradScaler, an EMA: restored in place, never replaced by a copy
         return StateDictHandler(value)
     return ObjectHandler(value)
