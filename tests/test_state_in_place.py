@@ -132,3 +132,18 @@ def test_an_averaged_model_rolls_back_in_place():
     state.restore()
     assert state.swa is swa and int(swa.n_averaged) == 1
     assert all(torch.equal(a, b) for a, b in zip(swa.parameters(), committed, strict=True))
+
+
+def test_a_rollback_between_a_grad_scalers_step_and_its_update_lets_the_redone_step_unscale():
+    """A failure after scaler.step(opt) and before scaler.update(): the redone step must not find opt 'stepped'."""
+    model, opt = _model_opt()
+    scaler = torch.amp.GradScaler("cpu")
+    state = TorchState(model=model, optimizer=opt, scaler=scaler)
+    scaler.scale(model(torch.ones(3, 4)).sum()).backward()
+    scaler.step(opt)  # ... and the ring fails before scaler.update()
+    state.restore()
+    opt.zero_grad()
+    scaler.scale(model(torch.ones(3, 4)).sum()).backward()
+    scaler.unscale_(opt)  # raised "unscale_() is being called after step()" before
+    scaler.step(opt)
+    scaler.update()

@@ -14,6 +14,8 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+import torch
+
 from ray_elastic.torch.handler import CopiedHandler, _sync_from_rank0
 
 
@@ -38,6 +40,10 @@ class StateDictHandler(CopiedHandler):
 
     def restore(self) -> None:
         self.value.load_state_dict(copy.deepcopy(self._saved))
+        if isinstance(self.value, torch.amp.GradScaler):
+            # the rolled-back step's bookkeeping (optimizers unscaled or stepped before update()) goes with it,
+            # or the redone step's unscale_ finds an optimizer "stepped" already
+            self.value._per_optimizer_states.clear()
 
     def sync(self) -> None:
         _sync_from_rank0(self)
