@@ -242,8 +242,19 @@ class ElasticTrainer:
         """The backend `backend="auto"` resolved to."""
         return self.run_config.backend
 
-    def fit(self) -> Result:
-        """Train until rank 0's `train_fn` returns; raise `TrainingFailedError` otherwise."""
+    def fit(self, on_report: Callable[[dict[str, Any]], None] | None = None) -> Result:
+        """Train until rank 0's `train_fn` returns; raise `TrainingFailedError` otherwise.
+
+        `on_report`: called with each dict rank 0 passed to `report()`, in
+        order, in the thread running `fit()`, as `fit()` fetches them (about
+        twice a second), the way a Tune trainable or a progress callback
+        wants them. It is called once per report even when the driver
+        restarts. An exception it raises stops the run (its workers are
+        released) and propagates from `fit()`: a callback that cannot take a
+        report must not be dropped silently.
+        """
+        if on_report is not None and not callable(on_report):
+            raise ValueError(f"on_report must be callable, got {type(on_report).__name__}")
         with _INIT_LOCK:  # two threads' first fit() must not start two Ray instances
             if not ray.is_initialized():
                 ray.init(address=os.environ.get("RAY_ADDRESS"), logging_level=logging.WARNING)
@@ -254,7 +265,7 @@ class ElasticTrainer:
         namespace = run_namespace(run_id)
         kv = driver = None
         outcome: RunOutcome | None = None
-        reports = _Reports(self.run_config.keep_metrics)
+        reports = _Reports(self.run_config.keep_metrics, on_report)
         try:
             here = NodeAffinitySchedulingStrategy(_coordinator_node(), soft=False)
             token = RunToken()  # the run's actors answer only calls carrying it (see auth.py)
@@ -324,7 +335,7 @@ class ElasticTrainer:
                 meta.get("world_size"),
             )
 
-    def _follow(self, driver: Any, run_ref: Any, reports: _Reports, note: str | None = None) -> RunOutcome:
+    def _follow(self, driver: Any, run_ref: Any, reports: _Reports, note: str | None) -> RunOutcome:
         """Wait for the driver, collecting its reports and showing progress and event lines until it ends.
 
         `note`: a line about the run shown before the first progress (what it keeps for its datasets).
@@ -384,15 +395,19 @@ class ElasticTrainer:
 class _Reports:
     """Rank 0's reports as `fit()` fetches them: the newest `keep` kept, the others counted."""
 
-    def __init__(self, keep: int | None) -> None:
+    def __init__(self, keep: int | None, on_report: Callable[[dict[str, Any]], None] | None = None) -> None:
         self.kept: deque[tuple[float, dict[str, Any]]] = deque(maxlen=keep)
         self.seen = 0  # run-wide index of the next report to fetch
+        self._on_report = on_report
 
     def take(self, first: int, batch: list[tuple[float, dict[str, Any]]]) -> list[tuple[float, dict[str, Any]]]:
         """Keep the reports of `batch` (starting at run-wide index `first`) not seen yet; return them."""
         new = batch[max(0, self.seen - first) :]
         self.kept.extend(new)
         self.seen = max(self.seen, first + len(batch))
+        if self._on_report is not None:
+            for _, metrics in new:
+                self._on_report(metrics)
         return new
 
     @property

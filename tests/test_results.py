@@ -50,13 +50,50 @@ def _reporting_train_fn(config):
 
 
 def test_reports_are_deep_copies_checked_at_the_call_and_kept_from_before_run(cluster, no_leaks):
-    result = ElasticTrainer(_reporting_train_fn, 2, 2, config={"steps": 12}, verbose=0).fit()
+    fetched: list[tuple[str, dict]] = []
+    fit_thread = threading.current_thread().name
+    result = ElasticTrainer(_reporting_train_fn, 2, 2, config={"steps": 12}, verbose=0).fit(
+        on_report=lambda m: fetched.append((threading.current_thread().name, m))
+    )
+    assert [m for _, m in fetched] == result.metrics, "on_report sees every report once, in order"
+    assert {name for name, _ in fetched} == {fit_thread}, "on_report runs in the thread that called fit()"
     assert result.metrics[0] == {"phase": "setup"}
     steps = result.metrics[1:]
     assert [m["step"] for m in steps] == list(range(1, 13)), "a refused metric must not stop the later ones"
     assert all(m["history"] == list(range(1, m["step"] + 1)) for m in steps), "reports are snapshots"
     (refused,) = result.return_value["refused"]
     assert "the value of 'lock' (lock) cannot be pickled" in refused
+
+
+def _endless_reporting_train_fn(config):
+    @elastic.run
+    def train(state):
+        while True:
+            state.step += 1
+            elastic.report({"step": state.step})
+            state.commit()
+            time.sleep(0.01)
+
+    return train(elastic.ObjectState(step=0))
+
+
+class _FullQueue(Exception):
+    pass
+
+
+def test_an_on_report_that_raises_stops_the_run_and_leaves_nothing_behind(cluster, no_leaks):
+    def on_report(metrics):
+        if metrics["step"] >= 5:
+            raise _FullQueue("the callback cannot take more")
+
+    with pytest.raises(_FullQueue, match="cannot take more"):
+        ElasticTrainer(_endless_reporting_train_fn, 2, 2, verbose=0).fit(on_report=on_report)
+    # no_leaks: the endless run's actors and placement groups are gone
+
+
+def test_on_report_must_be_callable(cluster):
+    with pytest.raises(ValueError, match="on_report must be callable"):
+        ElasticTrainer(_endless_reporting_train_fn, 2, 2, verbose=0).fit(on_report="print")
 
 
 def _unpicklable_return_train_fn(config):

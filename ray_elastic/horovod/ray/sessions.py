@@ -11,7 +11,7 @@ as horovod.ray's elastic driver starts fresh workers for each `run()`; the
 result is every finishing worker's value in rank order.
 
 Both hand rank 0's `report()`s (`ray_logger.log`) to the call's callbacks as
-`fit()` fetches them (`ReportingTrainer`), in the thread running `fit()`; a
+`fit()` fetches them (`fit(on_report=...)`), in the thread running `fit()`; a
 callback that raises fails its call once the workers are done, not `fit()`.
 """
 
@@ -35,35 +35,6 @@ logger = logging.getLogger(__name__)
 _WAIT_S = 1.0  # one wait on the mailbox; the caller checks the session between waits
 _MARK_TIMEOUT_S = 10.0  # rank 0's last reports of a call reaching the callbacks (fit() polls every 0.5 s)
 _STOP_TIMEOUT_S = 60.0  # shutdown(): the workers leave and fit() cleans up
-
-
-class ReportingTrainer(ElasticTrainer):
-    """An `ElasticTrainer` whose `fit()` hands each of rank 0's reports to `on_report` as it fetches it."""
-
-    def __init__(self, *args: Any, on_report: Callable[[dict[str, Any]], None], **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._on_report = on_report
-
-    def _follow(self, driver: Any, run_ref: Any, reports: Any, note: str | None = None) -> Any:
-        return super()._follow(driver, run_ref, _Forwarding(reports, self._on_report), note)
-
-
-class _Forwarding:
-    """fit()'s report list, passing on the reports it takes for the first time."""
-
-    def __init__(self, reports: Any, on_report: Callable[[dict[str, Any]], None]) -> None:
-        self._reports = reports
-        self._on_report = on_report
-
-    @property
-    def seen(self) -> int:
-        return self._reports.seen
-
-    def take(self, first: int, batch: list[tuple[float, dict[str, Any]]]) -> list[tuple[float, dict[str, Any]]]:
-        new = self._reports.take(first, batch)
-        for _, metrics in new:
-            self._on_report(metrics)
-        return new
 
 
 class Callbacks:
@@ -143,12 +114,11 @@ class StaticSession:
         self._actors: dict[int, str] = {}  # rank -> worker actor id, watched during calls
         self._ended = threading.Event()
         try:
-            self._trainer = ReportingTrainer(
+            self._trainer = ElasticTrainer(
                 ServeCommands(self.mailbox, env, executable),
                 min_workers=num_workers,
                 max_workers=num_workers,
                 reset_limit=0,  # a static job's lost worker fails it, as in horovod.ray
-                on_report=self.callbacks,
                 **trainer_kwargs,
             )
         except BaseException:
@@ -159,7 +129,7 @@ class StaticSession:
 
     def _fit(self) -> None:
         try:
-            self._trainer.fit()
+            self._trainer.fit(on_report=self.callbacks)
             self.failure = "the executor's workers were shut down (shutdown())"
         except BaseException as e:  # noqa: BLE001 - every ending is told to the calls
             self.failure = f"the executor's workers failed: {type(e).__name__}: {e}"
@@ -279,7 +249,7 @@ def run_elastic(
     dispatch.begin(callbacks)
     mailbox = create_mailbox()
     try:
-        ReportingTrainer(CallOnce(mailbox, fn, env, executable), on_report=dispatch, **trainer_kwargs).fit()
+        ElasticTrainer(CallOnce(mailbox, fn, env, executable), **trainer_kwargs).fit(on_report=dispatch)
         outcomes = ray.get(mailbox.all_outcomes.remote())
     finally:
         ray.kill(mailbox)
