@@ -23,13 +23,14 @@ import ray
 
 from ray_elastic import metrics
 from ray_elastic.assignment import WorkerSlot
+from ray_elastic.collective.activity import MARKS
 from ray_elastic.collective.base import CollectiveGroup
 from ray_elastic.config import WorkerConfig
 from ray_elastic.rendezvous import KVClient
 from ray_elastic.runtime.checkpoint_cadence import CheckpointCadence
 from ray_elastic.runtime.membership import Membership
 from ray_elastic.runtime.metrics_shipper import MetricsShipper, snapshot
-from ray_elastic.runtime.process import ActivityMarks, current, maybe_current, set_current
+from ray_elastic.runtime.process import current, maybe_current, set_current
 
 __all__ = ["WorkerContext", "current", "maybe_current", "set_current"]
 
@@ -54,7 +55,7 @@ class WorkerContext:
     ) -> None:
         self.worker_id = worker_id
         self.settings = settings
-        self.activity = ActivityMarks()
+        self.activity = MARKS  # the backends mark it (collective/activity.py)
         self.membership = Membership(worker_id, KVClient(kv), driver, settings)
         self.checkpoints = CheckpointCadence(worker_id, driver, settings, self.membership.kv)
         self.metrics = MetricsShipper(worker_id, driver)

@@ -6,7 +6,9 @@ dodge a cycle. An import inside a function is allowed (the backend factory
 imports torch and pygloo backends on first use, so a numpy-only worker never
 loads them), but adding it to the graph must not close a cycle: moving any
 such import to module level keeps the package importable. Imports under
-`if TYPE_CHECKING:` never run and are left out.
+`if TYPE_CHECKING:` count too: they never run, but a module that names
+another's types in its signatures depends on it, and a circle of such
+dependences is a layering the reader has to untangle.
 """
 
 from __future__ import annotations
@@ -17,22 +19,14 @@ from pathlib import Path
 PACKAGE = Path(__file__).parents[1] / "ray_elastic"
 
 
-def _modules() -> dict[str, Path]:
+def _modules(package: Path) -> dict[str, Path]:
     modules = {}
-    for path in PACKAGE.rglob("*.py"):
-        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    for path in package.rglob("*.py"):
+        parts = list(path.relative_to(package.parent).with_suffix("").parts)
         if parts[-1] == "__init__":
             parts.pop()
         modules[".".join(parts)] = path
     return modules
-
-
-def _type_checking_imports(tree: ast.Module) -> set[int]:
-    skipped = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            skipped.update(id(n) for n in ast.walk(node) if isinstance(n, (ast.Import, ast.ImportFrom)))
-    return skipped
 
 
 def _targets(node: ast.Import | ast.ImportFrom, package: str, modules: dict[str, Path]) -> list[str]:
@@ -54,20 +48,19 @@ def _targets(node: ast.Import | ast.ImportFrom, package: str, modules: dict[str,
     return found
 
 
-def import_graph() -> tuple[dict[str, set[str]], list[tuple[str, str, int]]]:
+def import_graph(package_dir: Path = PACKAGE) -> tuple[dict[str, set[str]], list[tuple[str, str, int]]]:
     """Edges between the package's modules, and the imports made inside functions or classes."""
-    modules = _modules()
+    modules = _modules(package_dir)
     edges: dict[str, set[str]] = {m: set() for m in modules}
     inner: list[tuple[str, str, int]] = []
     for module, path in modules.items():
         tree = ast.parse(path.read_text(), filename=str(path))
         package = module if path.name == "__init__.py" else module.rpartition(".")[0]
-        skipped = _type_checking_imports(tree)
         top_level = {id(n) for n in tree.body} | {
             id(n) for stmt in tree.body if isinstance(stmt, (ast.If, ast.Try)) for n in ast.walk(stmt)
         }
         for node in ast.walk(tree):
-            if not isinstance(node, (ast.Import, ast.ImportFrom)) or id(node) in skipped:
+            if not isinstance(node, (ast.Import, ast.ImportFrom)):
                 continue
             for target in _targets(node, package, modules):
                 if target == module:
@@ -121,8 +114,18 @@ def test_the_cycle_finder_finds_a_cycle_closed_by_an_import_inside_a_function():
     assert find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
 
 
+def test_an_import_for_types_only_closes_a_cycle_too(tmp_path):
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "low.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.high import High\n")
+    (pkg / "high.py").write_text("from pkg import low\nclass High: ...\n")
+    edges, _ = import_graph(pkg)
+    assert find_cycle(edges) == ["pkg.high", "pkg.low", "pkg.high"]
+
+
 def test_the_graph_sees_the_package_as_it_is():
     edges, inner = import_graph()
     assert "ray_elastic.collective.base" in edges["ray_elastic.collective.torch_dist"]
-    assert "ray_elastic.worker_context" not in edges["ray_elastic.runtime.process"], "TYPE_CHECKING imports never run"
+    assert "ray_elastic.collective.activity" in edges["ray_elastic.collective.base"]
     assert ("ray_elastic.collective.factory", "ray_elastic.collective.nccl") in {(m, t) for m, t, _ in inner}

@@ -44,7 +44,7 @@ class Runtime:
     """What `TorchState.sync` asks of a worker's runtime: the ring."""
 
     def __init__(self, group) -> None:
-        from ray_elastic.runtime.process import ActivityMarks
+        from ray_elastic.collective.activity import ActivityMarks
 
         self.group = group
         self.membership = Membership(group)

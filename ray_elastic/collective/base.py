@@ -20,8 +20,8 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from ray_elastic.collective.activity import collective_activity
 from ray_elastic.exceptions import HorovodInternalError
-from ray_elastic.runtime.process import collective_activity
 
 T = TypeVar("T")
 

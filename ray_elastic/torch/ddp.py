@@ -66,11 +66,12 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from ray_elastic.collective.activity import collective_activity
 from ray_elastic.collective.base import Max
 from ray_elastic.collective.factory import TORCH_BACKENDS
 from ray_elastic.collective.shm import can_reduce
 from ray_elastic.exceptions import HorovodInternalError
-from ray_elastic.runtime.process import collective_activity, current
+from ray_elastic.runtime.process import current
 
 AGREE_EVERY_S = 0.1  # how often, in training time, the ranks agree on a host change (see _Cadence)
 MAX_CHECKS_PER_AGREEMENT = 1000
