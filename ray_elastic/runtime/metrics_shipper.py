@@ -5,6 +5,11 @@ under a lock; a daemon thread sends what accumulated every 0.25 s
 (`driver.add_metrics`, not awaited), and `shutdown()` delivers the rest,
 waiting for the driver's answer at most `timeout` seconds.
 
+Every rank's pace summaries (`runtime/pace.py`, one every 1.5 s of
+training) ride in the same batches, as `add_metrics(..., paces=[...])`: on
+rank 0 with its reports, on the other ranks (whose reports are not kept) in
+a batch that holds only them.
+
 `snapshot()` pickles a report at the call (a few µs for a dict of numbers):
 what is kept is a deep copy, so a list the code mutates afterwards does not
 change the reported value, and a value that cannot be shipped fails at the
@@ -22,6 +27,8 @@ from typing import Any
 
 import ray
 from ray import cloudpickle
+
+from ray_elastic.runtime.pace import PaceSummary
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +67,7 @@ class MetricsShipper:
         self.worker_id = worker_id
         self.driver = driver
         self._buffer: deque[tuple[float, dict[str, Any]]] = deque()
+        self._paces: deque[PaceSummary] = deque()
         self._sent = 0  # batches sent: each carries its number, so a driver restarted in between takes it once
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -71,22 +79,35 @@ class MetricsShipper:
         with self._lock:
             self._buffer.append(stamped)
 
-    def _drain(self) -> tuple[int, list[tuple[float, dict[str, Any]]]]:
+    def add_pace(self, summary: PaceSummary) -> None:
+        """Buffer one of this rank's pace summaries (the pace meter's sink); never blocks."""
         with self._lock:
-            batch = list(self._buffer)
+            self._paces.append(summary)
+
+    def _drain(self) -> tuple[int, list[tuple[float, dict[str, Any]]], list[PaceSummary]]:
+        with self._lock:
+            batch, paces = list(self._buffer), list(self._paces)
             self._buffer.clear()
-            if batch:
+            self._paces.clear()
+            if batch or paces:
                 self._sent += 1
-            return self._sent, batch
+            return self._sent, batch, paces
+
+    def _send(
+        self, seq: int, batch: list[tuple[float, dict[str, Any]]], paces: list[PaceSummary], timeout: float
+    ) -> None:
+        # paces only when there are some: a batch of reports alone is the call it always was
+        extra = {"paces": paces} if paces else {}
+        ray.get(self.driver.add_metrics.remote(self.worker_id, batch, seq, **extra), timeout=timeout)
 
     def _flush_loop(self) -> None:
         while not self._stop.wait(_FLUSH_INTERVAL_S):
-            seq, batch = self._drain()
-            if batch:
+            seq, batch, paces = self._drain()
+            if batch or paces:
                 try:
                     # one batch at a time, so they arrive in order even when Ray sends one again to a
                     # restarted driver; training never waits for this thread
-                    ray.get(self.driver.add_metrics.remote(self.worker_id, batch, seq), timeout=_SEND_TIMEOUT_S)
+                    self._send(seq, batch, paces, _SEND_TIMEOUT_S)
                 except Exception:  # noqa: BLE001 - the thread must outlive one failed send
                     logger.exception("worker %s could not ship %d reports", self.worker_id, len(batch))
 
@@ -94,6 +115,6 @@ class MetricsShipper:
         """Stop the thread and deliver the last metrics, waiting up to `timeout` s for the driver."""
         self._stop.set()
         self._flusher.join(timeout)
-        seq, batch = self._drain()
-        if batch:
-            ray.get(self.driver.add_metrics.remote(self.worker_id, batch, seq), timeout=timeout)
+        seq, batch, paces = self._drain()
+        if batch or paces:
+            self._send(seq, batch, paces, timeout)

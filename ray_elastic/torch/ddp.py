@@ -71,6 +71,7 @@ from ray_elastic.collective.base import Max
 from ray_elastic.collective.factory import TORCH_BACKENDS
 from ray_elastic.collective.shm import can_reduce
 from ray_elastic.exceptions import HorovodInternalError
+from ray_elastic.runtime.pace import PACE
 from ray_elastic.runtime.process import current
 
 AGREE_EVERY_S = 0.1  # how often, in training time, the ranks agree on a host change (see _Cadence)
@@ -367,6 +368,8 @@ class _AbandonableGroup(dist.ProcessGroup):
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
         opts = dist.AllreduceOptions() if opts is None else opts
         what = "DDP's gradient allreduce"
+        if not self._pending:  # the backward's first allreduce: this rank's compute of the step ends
+            PACE.launched(current().generation)
         if self._shared is not None and can_reduce(tensors, opts.reduceOp == dist.ReduceOp.SUM):
             work = self._reduce_shared(tensors)
         elif self._settle:
@@ -392,21 +395,26 @@ class _AbandonableGroup(dist.ProcessGroup):
         reduced: torch.futures.Future = torch.futures.Future()
         reduced.set_result(tensors)  # what the reducer waits on never fails (torch 2.13 crashes on that)
         ring = reduced
+        waiting = time.perf_counter()
         try:
             self._shared.allreduce_sum_(tensors[0])
         except HorovodInternalError as e:
             ring = torch.futures.Future()
             ring.set_exception(e)
+        PACE.waited(time.perf_counter() - waiting)  # the sum waits for every rank's bucket: that is the wait
         return _FutureWork(ring, reduced)
 
     def _raise_if_failed(self) -> None:
         """Autograd's final callback: wait for this backward's allreduces; the ring's error leaves `backward()`."""
         pending, self._pending = self._pending, []
+        waiting = time.perf_counter()
         for work in pending:
             if isinstance(work, _FutureWork):
                 work.wait()  # raises HorovodInternalError: the ring failed, or the driver abandoned it
             else:
                 self._group.wait_work("DDP's gradient allreduce", work)  # idem
+        PACE.waited(time.perf_counter() - waiting)
+        PACE.reduced(current().generation)
         self._settle = False  # a static graph's first backward is over: the reducer finalizes after us from now on
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:

@@ -48,6 +48,7 @@ error naming the backends to use instead.
 
 from __future__ import annotations
 
+import time
 import warnings
 from collections import OrderedDict
 from collections.abc import Iterable
@@ -59,6 +60,7 @@ from torch.amp.grad_scaler import OptState
 from ray_elastic.collective.base import Average, CollectiveWork, ReduceOp, Sum
 from ray_elastic.collective.factory import TORCH_BACKENDS
 from ray_elastic.exceptions import HorovodInternalError
+from ray_elastic.runtime.pace import PACE
 from ray_elastic.runtime.process import current, maybe_current
 
 
@@ -241,6 +243,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _launch(self, bucket: _Bucket) -> None:
         self._next_launch += 1
         ctx = current()
+        if bucket is self._buckets[0]:  # buckets launch in index order: the step's compute ends here
+            PACE.launched(ctx.generation)
         size = ctx.slot.size
         # Average divides while copying into the bucket (one pass, as DDP's default hook divides before
         # its allreduce), so nothing is left to do to the sum but hand it back
@@ -289,7 +293,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 self._launch(bucket)  # buckets with parameters that got no gradient this step
             for bucket in self._buckets:
                 if bucket.work is not None:
+                    waiting = time.perf_counter()
                     bucket.work.wait()
+                    PACE.waited(time.perf_counter() - waiting)
                 if bucket is self._buckets[-1]:
                     ctx.agree_on_notice(bool(bucket.flat[-1].item() > 0))
                 offset = 0
@@ -311,6 +317,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         finally:
             self._error = None
             self._reset_buckets()
+        PACE.reduced(ctx.generation)
         self._synchronized = True
 
     def step(self, closure: Any = None, grad_scaler: torch.amp.GradScaler | None = None) -> Any:
