@@ -34,7 +34,7 @@ from ray_elastic.data import check_datasets
 from ray_elastic.data.feed import create_feed_actor
 from ray_elastic.discovery import alive_ray_nodes, check_discovery_spec, keep_cpus_free, slots_for_resources
 from ray_elastic.driver import snapshot
-from ray_elastic.driver.actor import create_driver_actor
+from ray_elastic.driver_actor import create_driver_actor
 from ray_elastic.events import Event
 from ray_elastic.exceptions import TrainingFailedError
 from ray_elastic.leftovers import remove_run_actors, remove_run_placement_groups, run_namespace

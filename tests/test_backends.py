@@ -75,7 +75,7 @@ def test_the_package_and_the_numpy_example_import_without_torch():
         "import ray_elastic, linear_regression\n"
         "from ray_elastic.collective.factory import load_backend\n"
         "import ray_elastic.collective, ray_elastic.state, ray_elastic.elastic, ray_elastic.worker_actor\n"
-        "import ray_elastic.driver.actor, ray_elastic.trainer\n"
+        "import ray_elastic.driver_actor, ray_elastic.trainer\n"
         "assert ray_elastic.ObjectState and linear_regression.train_fn\n"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -87,7 +87,8 @@ def test_deaths_arriving_together_join_one_reset():
     assert publish.notify == ("w3", "w4")
     assert [r.worker_id for r in s.of(m.Release)] == ["w1", "w2"]
     assert s.kinds()[1:] == [(EventKind.WORKER_FAILED, 2), (EventKind.WORKER_FAILED, 2)]
-    assert "A" not in s.core.hosts and not s.core.cooldown.cooling(s.now)  # a lost node is not cooled, it is gone
+    # a lost node is not cooled, it is gone
+    assert "A" not in s.core.record.hosts and not s.core.failures.cooldown.cooling(s.now)
     assert s.core.state is DriverState.RESETTING
     s.sync(publish)
     assert s.core.state is DriverState.RUNNING
@@ -127,7 +128,7 @@ def test_a_death_during_a_reset_supersedes_it_and_late_syncs_are_ignored():
     assert s.core.state is DriverState.RUNNING
     gen2_event, gen3_event = [e for e in s.core.events if e.kind is EventKind.WORKER_FAILED]
     assert gen2_event.reset_duration is None and gen3_event.reset_duration is not None
-    assert s.core.cooldown.cooling(s.now) == {"A", "C"}
+    assert s.core.failures.cooldown.cooling(s.now) == {"A", "C"}
 
 
 def test_a_sync_arriving_right_after_the_publish_is_counted():
@@ -824,10 +825,12 @@ def test_a_long_run_with_churn_keeps_the_drivers_records_flat():
         assert len(s.core.plan) == 4 and s.core.state is DriverState.RUNNING, s.core.failure
         if change % 250 == 0:
             core = s.core
-            sizes.append((len(core.workers), len(core.fenced), len(core.host_first_seen), len(core.events)))
+            sizes.append(
+                (len(core.workers), len(core.record.roster.fenced), len(core.scaling.host_first_seen), len(core.events))
+            )
     assert sizes[0] == sizes[-1], f"records grew with churn (workers, fenced, hosts, events): {sizes}"
     assert sizes[-1][0] <= 8 and sizes[-1][3] == 100
-    assert s.core.events.dropped > 0 and len(s.core._failure_places) <= 3
+    assert s.core.events.dropped > 0 and len(s.core.failures.failure_places) <= 3
 
 
 def test_status_sends_only_the_events_fit_has_not_seen_and_those_still_resetting():

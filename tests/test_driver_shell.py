@@ -1,6 +1,6 @@
 """The driver shell's pure helpers, without Ray: how it builds its discovery and reads its calls' outcomes.
 
-The shell (`driver/actor.py`) turns what Ray hands it into the core's
+The shell (`driver_actor.py` and its parts) turns what Ray hands it into the core's
 messages; these tests hold the parts of that translation a user would
 notice: a restarted driver that fails a run on one discovery hiccup, or an
 error read as a death that never comes.
@@ -16,13 +16,17 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError
 
 from ray_elastic.auth import RunToken
 from ray_elastic.config import RunConfig
+from ray_elastic.driver import durability, snapshot
 from ray_elastic.driver import messages as m
-from ray_elastic.driver import snapshot
-from ray_elastic.driver.actor import DriverActor, make_poller
 from ray_elastic.driver.core import DriverCore
+from ray_elastic.driver.durability import CallLedger
+from ray_elastic.driver.inbox import Inbox
 from ray_elastic.driver.metrics_log import MetricsLog
 from ray_elastic.driver.policies import Ring, judge_ring_failure
 from ray_elastic.driver.replies import read_activity, read_pings
+from ray_elastic.driver.sources import make_poller
+from ray_elastic.driver.worker_pool import WorkerPool
+from ray_elastic.driver_actor import DriverActor
 
 
 def config(**overrides) -> RunConfig:
@@ -139,20 +143,21 @@ class RestartedDriver(DriverActor):
     def __init__(self) -> None:  # noqa: D107 - only what the calls and the loop touch
         self.run_id = "run1"
         self._run_token = RunToken()
-        self.core = DriverCore(config())
+        self.config = config()
+        self.core = DriverCore(self.config)
         self.metrics = MetricsLog("run1")
         self._metric_seqs = {}
-        self._queue = asyncio.Queue()
-        self._answers = []
-        self._received = self._in_batch = self._durable = 0
-        self._snapshot = self._core_blob = None
+        self.ledger = CallLedger("run1", self._run_token)
+        self.inbox = Inbox(self.config, self.ledger, self._host_of)
+        self.pool = WorkerPool("ns", self.config, self._run_token, self.inbox.put)
+        self._tasks = []
         self._started = asyncio.Event()
         self._drive_task = None
 
     async def _drive(self):
         self._started.set()
         while True:
-            self._unwrap([await self._queue.get(), *self._drain()])
+            self.ledger.unwrap([await self.inbox.queue.get(), *self.inbox.drain()])
             await self._persist()
 
 
@@ -196,7 +201,7 @@ def test_the_shell_lets_go_of_finished_queries_and_of_gone_workers():
 
     async def scenario():
         driver = RestartedDriver()
-        driver._tasks, driver._handles, driver._runs, driver._pids, driver._pgs = [], {}, {}, {}, {}
+        pool = driver.pool
 
         async def answered():
             return None
@@ -207,18 +212,16 @@ def test_the_shell_lets_go_of_finished_queries_and_of_gone_workers():
         assert len(driver._tasks) <= 2
         for i in range(100):
             worker_id = f"w{i}"
-            driver._handles[worker_id], driver._pids[worker_id] = object(), i
+            pool.handles[worker_id], pool.pids[worker_id] = object(), i
             driver._metric_seqs[worker_id] = object()
             driver._release(worker_id)
-        assert not driver._handles and not driver._pids and not driver._metric_seqs
+        assert not pool.handles and not pool.pids and not driver._metric_seqs
 
     asyncio.run(scenario())
 
 
 def test_a_restarted_drivers_bounded_wait_names_what_it_waited_for(monkeypatch):
     """A restart's wait on the GCS or the KV actor that runs out ends the run naming it, not a bare TimeoutError."""
-    from ray_elastic.driver import actor as driver_actor
-
-    monkeypatch.setattr(driver_actor, "_KV_BACK_S", 0.01)
-    with pytest.raises(driver_actor._NoAnswerError, match="could not load its snapshot from the GCS within 0.01 s"):
-        asyncio.run(driver_actor._within("load its snapshot from the GCS", asyncio.sleep(5)))
+    monkeypatch.setattr(durability, "KV_BACK_S", 0.01)
+    with pytest.raises(durability.NoAnswerError, match="could not load its snapshot from the GCS within 0.01 s"):
+        asyncio.run(durability.within("load its snapshot from the GCS", asyncio.sleep(5)))

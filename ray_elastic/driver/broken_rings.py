@@ -1,0 +1,129 @@
+"""Broken rings: members that stop answering, and a ring that breaks with every member alive.
+
+A member that misses its pings is judged on its CPU time
+(`policies.judge_missed_ping`): one computing in a long call that holds the
+GIL is spared up to `collective_timeout`, a silent one is killed as hung. A
+rank whose ring breaks while no death explains it makes the driver ask
+every member what it is doing (`QueryActivity`); the answers tell a rank
+stuck in user code (killed) from a timeout to re-form once (`REFORM`) or a
+timeout that repeats with nothing changed (the run fails):
+`policies.judge_ring_failure`.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from ray_elastic.driver import messages as m
+from ray_elastic.driver.failures import Failures
+from ray_elastic.driver.finishing import Finishing
+from ray_elastic.driver.generations import Generations
+from ray_elastic.driver.policies import Ring, judge_missed_ping, judge_ring_failure
+from ray_elastic.driver.record import RunRecord
+from ray_elastic.driver.roster import ALIVE
+from ray_elastic.protocol import EventKind
+
+logger = logging.getLogger(__name__)
+
+
+class BrokenRings:
+    """The liveness verdicts, and the activity question asked after a ring broke with everyone alive."""
+
+    def __init__(self, record: RunRecord, generations: Generations, finishing: Finishing, failures: Failures) -> None:
+        self.record = record
+        self.generations = generations
+        self.finishing = finishing
+        self.failures = failures
+        self._last_timeout_reset: float | None = None  # when a ring last broke with everyone alive
+        self._querying: int | None = None  # the generation whose members' activity is being asked
+        self._query: m.QueryActivity | None = None  # that question, asked again by a restarted driver
+
+    def membership_changed(self) -> None:
+        """A generation absorbed a real change: a later timeout is a new story, not a repeat."""
+        self._last_timeout_reset = None
+
+    def query_again(self) -> list[m.Action]:
+        """The activity question, if one was out (for a restarted driver)."""
+        return [self._query] if self._querying is not None and self._query is not None else []
+
+    def on_pings(self, msg: m.PingResults, now: float) -> None:
+        """Kill the members that stopped answering, unless their CPU time shows them computing (`judge_missed_ping`)."""
+        roster, config = self.record.roster, self.record.config
+        for worker_id in msg.answered:
+            rec = roster.get(worker_id)
+            if rec is not None:
+                rec.answered = True
+                if rec.spared:
+                    logger.info("worker %s answers again after %.1f s busy", worker_id, now - rec.silent_since)
+                rec.silent_since, rec.spared = None, False
+        for worker_id in sorted(msg.timed_out):
+            rec = roster.get(worker_id)
+            # a process still starting (runtime env, imports) is bounded by the boot deadline instead
+            if rec is None or rec.status not in ALIVE or not rec.answered:
+                continue
+            if rec.silent_since is None:
+                rec.silent_since = msg.sent_at
+            busy, reason = judge_missed_ping(
+                msg.samples.get(worker_id, "no reading was taken"),
+                silent_for=now - rec.silent_since,
+                liveness_timeout=config.liveness_timeout,
+                collective_timeout=config.collective_timeout,
+            )
+            if busy:
+                if not rec.spared:
+                    logger.warning("worker %s on node %s %s", worker_id, rec.host[:8], reason)
+                rec.spared = True
+                continue
+            logger.warning("worker %s on node %s %s; killing it", worker_id, rec.host[:8], reason)
+            self.failures.fence(rec, reason, now)
+
+    def on_reset_requested(self, msg: m.ResetRequested) -> None:
+        """A rank's ring broke. Usually a death explains it; else ask every member what it is doing."""
+        gens, roster = self.generations, self.record.roster
+        if msg.generation != gens.generation:
+            return  # a word about a ring already re-formed
+        if self.finishing.active:
+            self.finishing.fail_uneven(msg.worker_id, msg.reason)
+            return
+        if self._querying == msg.generation:
+            return
+        if any(roster[w].status not in ALIVE for w in gens.plan):
+            return  # a death explains it, and its message re-forms the ring
+        self._querying = msg.generation
+        self._query = m.QueryActivity(msg.generation, tuple(gens.plan), msg.worker_id, msg.reason)
+        self.record.act(self._query)
+
+    def on_activity(self, msg: m.ActivityReport, now: float) -> None:
+        """The members' answers about a broken ring: kill the stuck, re-form once, or fail a repeating timeout."""
+        gens, config = self.generations, self.record.config
+        if self._querying == msg.generation:
+            self._querying = None
+        if msg.generation != gens.generation:
+            return  # the ring was re-formed meanwhile
+        if self.finishing.active:
+            # the ring broke as a rank returned from train_fn (its peers' error can beat its exit to us)
+            self.finishing.fail_uneven(msg.worker_id, msg.reason)
+            return
+        verdict = judge_ring_failure(
+            msg.activity,
+            collective_timeout=config.collective_timeout,
+            liveness_timeout=config.liveness_timeout,
+            last_timeout_reset=self._last_timeout_reset,
+            now=now,
+        )
+        if verdict.verdict is Ring.KILL:
+            logger.warning("ring of generation %d broke: %s; killing them", msg.generation, verdict.reason)
+            for worker_id in verdict.kill:
+                rec = self.record.roster[worker_id]
+                if rec.status in ALIVE:
+                    self.failures.fence(rec, verdict.reason, now)
+        elif verdict.verdict is Ring.FAIL:
+            self.record.fail(
+                f"{verdict.reason} (generations {gens.generation - 1} and {gens.generation}; last error, "
+                f"worker {msg.worker_id}: {msg.reason})"
+            )
+        elif verdict.verdict is Ring.REFORM:
+            self.failures.note_cause(f"worker {msg.worker_id}: {msg.reason}")
+            self._last_timeout_reset = now
+            gens.later(gens.event(EventKind.RESET_REQUESTED, f"worker {msg.worker_id}: {msg.reason}", now))
+            gens.reform()

@@ -1,0 +1,143 @@
+"""The driver's durability: its snapshot in the GCS, and calls answered only once a snapshot holds them.
+
+The driver survives its own death. Ray restarts the actor (`max_restarts`)
+and sends it again the calls it had not answered (`max_task_retries`). So
+after every batch the driver writes its core to a snapshot (`snapshot.py`)
+before it carries the batch's actions out, and answers a worker's call only
+once that call's message is in a snapshot: a call a dead driver answered is
+one its successor knows of. Metrics batches carry sequence numbers, so one
+sent again after a restart counts once (`Seqs`). Every wait of a restarted
+driver on the GCS or the KV actor is bounded by `KV_BACK_S` and, past it,
+names what it waited for (`NoAnswerError`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import pickle
+from typing import Any, NamedTuple
+
+from ray_elastic.auth import RunToken
+from ray_elastic.driver import snapshot
+from ray_elastic.driver.worker_pool import first_line
+
+KV_BACK_S = 60.0  # how long the GCS or a restarting KV actor may take to answer
+
+
+class NoAnswerError(Exception):
+    """A restarted driver's bounded wait ran out; the message names what it waited for."""
+
+
+async def within(what: str, awaitable: Any) -> Any:
+    """`awaitable`, within `KV_BACK_S`; else `NoAnswerError` saying the driver could not `what`."""
+    try:
+        return await asyncio.wait_for(awaitable, KV_BACK_S)
+    except asyncio.TimeoutError as e:
+        raise NoAnswerError(f"the run's driver could not {what} within {KV_BACK_S:g} s; the run cannot go on") from e
+
+
+class Seqs:
+    """The sequence numbers seen, as every number up to `floor` and the ones above it (a few at most)."""
+
+    def __init__(self) -> None:
+        self.floor = 0
+        self.above: set[int] = set()
+
+    def add(self, seq: int) -> bool:
+        """Note `seq`; False if it was seen before."""
+        if seq <= self.floor or seq in self.above:
+            return False
+        self.above.add(seq)
+        while self.floor + 1 in self.above:
+            self.floor += 1
+            self.above.discard(self.floor)
+        return True
+
+
+class Received(NamedTuple):
+    """A message from a call; the call is answered once a snapshot holds it (`seq`)."""
+
+    seq: int
+    message: Any  # None: nothing for the core (add_metrics changed the metrics log)
+
+
+class CallLedger:
+    """The calls waiting for a snapshot, and the snapshot last written."""
+
+    def __init__(self, run_id: str, token: RunToken) -> None:
+        self.run_id = run_id
+        self.token = token
+        self.received = 0  # calls' messages queued so far
+        self.in_batch = 0  # the newest of them in the batch being applied
+        self.durable = 0  # the newest of them a snapshot holds
+        self.answers: list[tuple[int, asyncio.Future]] = []  # calls waiting for their message's snapshot
+        self._snapshot: bytes | None = None
+        self._core_blob: bytes | None = None  # the core as last pickled: reused while it has not changed
+
+    def receive(self, message: Any) -> tuple[Received, asyncio.Future]:
+        """A call's message to queue, and the future answered once a snapshot holds it."""
+        self.received += 1
+        fut = asyncio.get_running_loop().create_future()
+        self.answers.append((self.received, fut))
+        return Received(self.received, message), fut
+
+    def unwrap(self, raw: list[Any]) -> list[Any]:
+        """The messages of `raw`; calls' messages are noted, to be answered once snapshotted."""
+        out = []
+        for x in raw:
+            if isinstance(x, Received):
+                self.in_batch = max(self.in_batch, x.seq)
+                if x.message is not None:
+                    out.append(x.message)
+            else:
+                out.append(x)
+        return out
+
+    async def persist(self, core: Any, rest: tuple[Any, ...], core_changed: bool = True) -> str | None:
+        """Write the core and `rest` (if they changed), then answer the calls they hold; or why the GCS refused.
+
+        Pickled on the loop, so it is one moment's state: the core only when
+        it changed (up to ~15 ms at the event log's cap), the rest (the
+        metrics: a few reports) each time; a thread would not help, pickling
+        holds the GIL. Written to the GCS off the loop, within `KV_BACK_S`.
+        """
+        if core_changed or self._core_blob is None:
+            self._core_blob = pickle.dumps(core, protocol=pickle.HIGHEST_PROTOCOL)
+        blob = pickle.dumps((self._core_blob, *rest), protocol=pickle.HIGHEST_PROTOCOL)
+        durable = self.in_batch
+        if blob != self._snapshot:
+            loop = asyncio.get_running_loop()
+            try:
+                await asyncio.wait_for(
+                    loop.run_in_executor(None, snapshot.save, self.run_id, blob, self.token), KV_BACK_S
+                )
+            except Exception as e:  # noqa: BLE001 - a GCS that is down or slow: the run cannot be made durable
+                return f"no answer within {KV_BACK_S:g} s" if isinstance(e, asyncio.TimeoutError) else first_line(e)
+            self._snapshot = blob
+        self.durable = durable
+        waiting, self.answers = self.answers, []
+        for seq, fut in waiting:
+            if seq <= self.durable:
+                if not fut.done():
+                    fut.set_result(None)
+            else:
+                self.answers.append((seq, fut))
+        return None
+
+    def answer_all(self) -> None:
+        """The run ended: nothing more will be snapshotted; answer every call still waiting."""
+        for _, fut in self.answers:
+            if not fut.done():
+                fut.set_result(None)
+        self.answers = []
+
+    async def load(self) -> tuple[Any, ...] | None:
+        """The last snapshot: (the core, *rest), or None if none was written (`ForgedSnapshotError` if forged)."""
+        loop = asyncio.get_running_loop()
+        saved = await within(
+            "load its snapshot from the GCS", loop.run_in_executor(None, snapshot.load, self.run_id, self.token)
+        )
+        if saved is None:
+            return None
+        core_blob, *rest = saved
+        return (pickle.loads(core_blob), *rest)  # covered by the snapshot's signature

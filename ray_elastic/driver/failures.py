@@ -1,0 +1,217 @@
+"""Failures: deaths, fencing, cool-down, a `train_fn` raising, crash loops, and every member lost.
+
+A worker that dies, or that the driver kills as failed, is fenced at once:
+its death is recorded when it is decided, nothing it sends afterwards
+counts, and the other members of its ring are told to abandon it
+(`Abandon`) before any new generation exists, so none waits out
+`collective_timeout` on a neighbour that is gone. Its host cools down
+(`assignment.Cooldown`), unless its node is gone. A failure that keeps
+resuming from the same commit is a crash loop and fails the run
+(`policies.decide_crash_loop`). When no member is left to hold the state,
+only a durable checkpoint lets the run go on. Broken rings with every
+member alive are judged in `broken_rings.py`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from ray_elastic.assignment import Cooldown
+from ray_elastic.driver import messages as m
+from ray_elastic.driver.finishing import Finishing
+from ray_elastic.driver.generations import Generations
+from ray_elastic.driver.policies import CRASH_LOOP_REPEATS, decide_crash_loop, decide_user_error
+from ray_elastic.driver.record import RunRecord
+from ray_elastic.driver.roster import ALIVE, IN_RING, WorkerRecord, WorkerStatus
+from ray_elastic.protocol import EventKind, UserError
+
+logger = logging.getLogger(__name__)
+
+_FAILURE_KINDS = frozenset({EventKind.WORKER_FAILED, EventKind.RESET_REQUESTED, EventKind.RESTARTED})
+
+
+class Failures:
+    """What a failure costs the run: who is fenced, which host cools down, and whether the run can go on."""
+
+    def __init__(self, record: RunRecord, generations: Generations, finishing: Finishing) -> None:
+        self.record = record
+        self.generations = generations
+        self.finishing = finishing
+        self.cooldown = Cooldown(*record.config.cooldown_range)
+        self._user_failures = 0
+        self._causes: list[str] = []  # what broke the members since the last failure-driven reset synced
+        self.failure_places: list[int] = []  # per failure-driven reset: the commit training resumed from
+        self._failure_reasons: list[str] = []
+        self.last_abandon: m.Abandon | None = None  # the newest generation declared dead to its live members
+        self._checkpoint_lookup = False  # a LookForCheckpoint is out
+
+    def note_cause(self, cause: str) -> None:
+        """What broke the ring, named if the failures repeat (a crash loop) or every member is lost."""
+        self._causes.append(cause)
+
+    # ---- deaths ------------------------------------------------------------------------
+    def on_user_error(self, msg: m.WorkerExited, now: float) -> None:
+        """`train_fn` raised: the run fails with its traceback, unless `max_failures` retries it as a failure."""
+        rec = self.record.roster.get(msg.worker_id)
+        if rec is None:
+            return
+        outcome: UserError = msg.outcome
+        slot = self.generations.plan.get(rec.worker_id)
+        where = f"rank {slot.rank} " if slot is not None else ""
+        said = "train_fn raised in worker" if outcome.retryable else "worker"
+        text = f"{said} {rec.worker_id} ({where}on node {rec.host[:8]}): {outcome.error}"
+        retry, reason = decide_user_error(self._user_failures, self.record.config.max_failures, outcome.retryable)
+        if not retry:
+            self.record.fail(f"{text}\n{outcome.traceback}".rstrip())
+            return
+        # the user asked for retries (flaky hardware): handle it as this worker's failure
+        self._user_failures += 1
+        logger.warning("%s (%s)\n%s", text, reason, outcome.traceback)
+        self.record.act(m.Kill(rec.worker_id))
+        self.on_died(rec.worker_id, f"{outcome.error} ({reason})", True, now, what=f"raised {outcome.error} ({reason})")
+
+    def fence(self, rec: WorkerRecord, why: str, now: float) -> None:
+        """Kill a worker judged failed (hung, stuck, not booted in time): it is dead from this moment.
+
+        Its death is recorded now, not when Ray reports it: its `run()` may
+        have returned just before the kill (no death would follow), and until
+        then it must neither be admitted to a generation nor speak for one.
+        """
+        self.record.act(m.Kill(rec.worker_id, failed=True))
+        self.on_died(rec.worker_id, why, True, now, what="was killed")
+
+    def on_died(self, worker_id: str, reason: str, node_alive: bool, now: float, what: str = "died") -> None:
+        record, gens = self.record, self.generations
+        rec = record.roster.get(worker_id)
+        if rec is None or rec.status not in ALIVE:
+            return
+        was_member = rec.status in IN_RING
+        record.roster.fenced.add(worker_id)
+        self._abandon(rec, what)
+        rec.status = WorkerStatus.GONE
+        record.act(m.Release(worker_id))
+        if node_alive:
+            note = f"; node cooling down for {self.cooldown.record_failure(rec.host, now):g} s"
+        else:
+            record.hosts.pop(rec.host, None)
+            note = "; its node is gone"
+        slot = gens.plan.get(worker_id)
+        where = f"rank {slot.rank}" if slot is not None else "newcomer"
+        logger.warning("worker %s (%s) on node %s died: %s%s", worker_id, where, rec.host[:8], reason, note)
+        if slot is not None and slot.rank == 0 and self.finishing.rank0_lost(rec, reason):
+            return
+        if was_member:
+            self._causes.append(f"worker {worker_id} ({where}): {reason}")
+            detail = f"worker {worker_id} ({where}) on node {rec.host[:8]} {what}{note}"
+            gens.later(gens.event(EventKind.WORKER_FAILED, detail, now))
+        else:
+            # a newcomer lost before it joined: a fault, but nobody trained with it, so no reset
+            detail = f"worker {worker_id} on node {rec.host[:8]} {what} before joining{note}"
+            ev = gens.event(EventKind.NEWCOMER_FAILED, detail, now)
+            ev.reset_duration = 0.0
+            record.events.append(ev)
+        self.finishing.end_if_done()
+
+    def _abandon(self, lost: WorkerRecord, what: str) -> None:
+        """A member of the current ring is lost: tell the others at once, before any new generation exists.
+
+        A rank blocked in a collective waits only on its ring neighbours, which
+        may not include the lost one: without this word it would wait out
+        `collective_timeout`. Once per generation.
+        """
+        gens, roster = self.generations, self.record.roster
+        slot = gens.plan.get(lost.worker_id)
+        if slot is None or (self.last_abandon is not None and self.last_abandon.generation >= gens.generation):
+            return
+        others = tuple(w for w in gens.plan if w != lost.worker_id and roster[w].status in ALIVE)
+        reason = f"worker {lost.worker_id} (rank {slot.rank}) of generation {gens.generation} {what}"
+        self.last_abandon = m.Abandon(gens.generation, others, reason)
+        if others:
+            self.record.act(self.last_abandon)
+
+    def check_boot_deadlines(self, now: float) -> None:
+        """A worker not ready within `elastic_timeout` of its start is killed as failed."""
+        timeout = self.record.config.elastic_timeout
+        for rec in self.record.roster.live(WorkerStatus.STARTING):
+            if now - rec.started_at > timeout:
+                logger.warning("worker %s did not become ready within %g s; killing it", rec.worker_id, timeout)
+                self.fence(rec, f"it did not become ready within elastic_timeout={timeout:g} s", now)
+
+    # ---- failures that repeat ---------------------------------------------------------
+    def check_crash_loop(self, generation: int, place: int | None) -> None:
+        """A generation that a failure made has synced: note where it resumed, and stop a repeating failure."""
+        failures = [e for e in self.record.events.of_generation(generation) if e.kind in _FAILURE_KINDS]
+        if place is None or not failures:
+            return
+        self.failure_places.append(place)
+        causes, self._causes = self._causes, []
+        self._failure_reasons.append(causes[0] if causes else failures[0].detail)
+        del self.failure_places[:-CRASH_LOOP_REPEATS], self._failure_reasons[:-CRASH_LOOP_REPEATS]
+        loop, reason = decide_crash_loop(self.failure_places, self._failure_reasons)
+        if loop:
+            self.record.fail(reason)
+
+    # ---- every member lost -------------------------------------------------------------
+    def all_lost(self) -> None:
+        """Nobody holds the trained state: go on only from a durable checkpoint (`CheckpointFound` answers)."""
+        if self.record.config.checkpoint_dir is None:
+            self._fail_all_lost("configure checkpoint_dir to resume from a durable checkpoint")
+        elif not self._checkpoint_lookup:
+            self._checkpoint_lookup = True
+            self.record.act(m.LookForCheckpoint())
+
+    def on_checkpoint_found(self, msg: m.CheckpointFound, now: float) -> None:
+        self._checkpoint_lookup = False
+        gens, where = self.generations, self.record.config.checkpoint_dir
+        lost = len(gens.plan)
+        if msg.error is not None:
+            self._fail_all_lost(
+                f"the durable checkpoint in {where} could not be looked for within "
+                f"elastic_timeout={self.record.config.elastic_timeout:g} s: {msg.error}"
+            )
+            return
+        if not msg.exists:
+            self._fail_all_lost("no durable checkpoint was written yet")
+            return
+        detail = (
+            f"all {lost} workers of generation {gens.generation} were lost; fresh workers resume "
+            f"from the durable checkpoint in {where}"
+        )
+        gens.later(gens.event(EventKind.RESTARTED, detail, now))
+        gens.restart_from_checkpoint(now)
+
+    def _fail_all_lost(self, why: str) -> None:
+        gens = self.generations
+        causes = "".join(f"\n  {cause}" for cause in self._causes)
+        self.record.fail(
+            f"all {len(gens.plan)} workers of generation {gens.generation} failed; no survivor holds the training "
+            f"state, so the run cannot continue ({why}){': ' + causes if causes else ''}"
+        )
+
+    def on_resumed(self, msg: m.WorkerResumed, now: float) -> None:
+        """Rank 0 loaded the durable checkpoint before its first sync: an event says which, and how old."""
+        meta: Mapping[str, Any] = msg.meta
+        wall = now + self.record.wall_offset
+        age = wall - meta.get("written_at", wall)
+        ev = self.generations.event(
+            EventKind.RESUMED,
+            f"worker {msg.worker_id} (rank 0) loaded the durable checkpoint of commit {meta.get('commit')} "
+            f"(written {age:.1f} s ago at world size {meta.get('world_size')})",
+            now,
+        )
+        ev.reset_duration = 0.0
+        self.record.events.append(ev)
+
+    # ---- a restarted driver -------------------------------------------------------------
+    def abandon_again(self) -> list[m.Action]:
+        """The newest word that a ring lost a member, to its members still alive: they may still block in it."""
+        if self.last_abandon is None:
+            return []
+        alive = tuple(w for w in self.last_abandon.worker_ids if w in self.record.roster.alive_ids())
+        return [self.last_abandon._replace(worker_ids=alive)] if alive else []
+
+    def look_again(self) -> list[m.Action]:
+        """The checkpoint lookup, if one was out."""
+        return [m.LookForCheckpoint()] if self._checkpoint_lookup else []

@@ -1,0 +1,228 @@
+"""Membership and generations: who is in the ring, and when the next one is planned and published.
+
+A generation is one ring: its members and their ranks (`assignment.assign_ranks`,
+oldest first, so rank 0 holds the freshest state). It is published once per
+batch of messages, at the end, when the members changed and the new world
+may form (`policies.decide_publish`): deaths that arrive together join one
+reset. Events waiting for the generation that absorbs them (a death, hosts
+added or withdrawn) are bound to it when it is published, and its reset
+ends when its last member synced: that is each event's `reset_duration`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import NamedTuple
+
+from ray_elastic.assignment import LiveWorker, WorkerSlot, assign_ranks
+from ray_elastic.driver import messages as m
+from ray_elastic.driver.policies import PublishVerdict, decide_publish
+from ray_elastic.driver.record import RunRecord
+from ray_elastic.driver.roster import IN_RING, WorkerRecord, WorkerStatus
+from ray_elastic.events import Event
+from ray_elastic.protocol import EventKind
+
+logger = logging.getLogger(__name__)
+
+
+class Published(NamedTuple):
+    """What `maybe_publish` found: its verdict, and whether a published generation changed the membership."""
+
+    verdict: PublishVerdict | None  # None: nothing to decide (the run is finishing)
+    membership_changed: bool = False  # it absorbed a change other than a ring re-formed as it was
+
+
+class Generations:
+    """The current generation, the one being synced, and the events waiting for the next."""
+
+    def __init__(self, record: RunRecord) -> None:
+        self.record = record
+        self.generation = 0
+        self.plan: dict[str, WorkerSlot] = {}
+        self.syncing: set[str] = set()  # members of the newest generation still syncing
+        self.waiting_since: float | None = record.started_at  # below min_workers since then
+        self._unbound: list[Event] = []  # changes not yet absorbed by a generation
+        # hosts_added events and the newcomers each announces: bound to the generation that admits one of them
+        self._booting: list[tuple[Event, frozenset[str]]] = []
+        self._synced_commits: int | None = None  # the newest generation's commits, as its ranks synced
+        self._force = False  # re-form the ring at the end of this batch even with the same members
+
+    @property
+    def resets(self) -> int:
+        return max(0, self.generation - 1)
+
+    def event(self, kind: EventKind, detail: str, now: float) -> Event:
+        """An event at `now`, in the current generation and world size (re-bound if it waits for the next)."""
+        return self.record.event(kind, detail, now, len(self.plan), self.generation)
+
+    # ---- what the other parts tell it ----------------------------------------------
+    def later(self, event: Event) -> None:
+        """`event` belongs to the generation that absorbs it: the next one published."""
+        self._unbound.append(event)
+
+    def reform(self) -> None:
+        """Form the ring again at the end of this batch, even with the same members."""
+        self._force = True
+
+    def announce(self, event: Event, newcomers: frozenset[str]) -> None:
+        """Newcomers are booting: `event` is told by the generation that admits one of them."""
+        self._booting.append((event, newcomers))
+
+    def named(self) -> set[str]:
+        """Workers a generation, a sync or a boot announcement still names (kept on record)."""
+        return set(self.plan) | self.syncing | {w for _, newcomers in self._booting for w in newcomers}
+
+    def pending_leavers(self) -> list[WorkerRecord]:
+        """Members withdrawn by discovery whose leaving no generation has carried out yet."""
+        roster = self.record.roster
+        return [roster[w] for w in self.plan if roster[w].status is WorkerStatus.LEAVING]
+
+    def start_waiting(self, now: float) -> None:
+        if self.waiting_since is None:
+            self.waiting_since = now
+
+    def restart_from_checkpoint(self, now: float) -> None:
+        """Every member was lost: fresh workers form the next generation from the durable checkpoint."""
+        self.plan = {}
+        self.start_waiting(now)
+
+    def check_wait(self, now: float, cooling: int) -> bool:
+        """Below `min_workers` for longer than `elastic_timeout`: the run fails, saying what it had (True)."""
+        record = self.record
+        timeout = record.config.elastic_timeout
+        if self.waiting_since is None or now - self.waiting_since <= timeout:
+            return False
+        ready = len(record.roster.live(WorkerStatus.READY, WorkerStatus.MEMBER))
+        record.fail(
+            f"min_workers={record.config.min_workers} not reached within elastic_timeout={timeout:g} s "
+            f"(ready workers: {ready}; slots offered: {sum(record.hosts.values())}; hosts cooling down: {cooling})"
+        )
+        return True
+
+    # ---- planning and publishing --------------------------------------------------------
+    def maybe_publish(self, now: float, finishing: bool) -> Published:
+        """Publish the next generation if membership changed and it may form now.
+
+        `ALL_LOST` (no member left to hold the state) is the caller's to
+        handle: only a durable checkpoint can go on from there.
+        """
+        force, self._force = self._force, False
+        if finishing:
+            return Published(None)  # a member finished: the others finish the same generation
+        roster = self.record.roster
+        ready = [r.worker_id for r in roster.live(WorkerStatus.READY, WorkerStatus.MEMBER)]
+        verdict, reason = decide_publish(
+            current=self.plan,
+            ready=ready,
+            alive=set(roster.alive_ids()),
+            leaving=[r.worker_id for r in roster.live(WorkerStatus.LEAVING)],
+            starting=len(roster.live(WorkerStatus.STARTING)),
+            min_workers=self.record.config.min_workers,
+            force=force,
+        )
+        if verdict is PublishVerdict.UNCHANGED:
+            if self.waiting_since is not None and self.plan:
+                logger.info("driver: the current generation is whole again; no longer waiting")
+                self.waiting_since = None
+        elif verdict is PublishVerdict.BELOW_MIN:
+            if self.waiting_since is None:
+                logger.info("driver: waiting (%s)", reason)
+                self.waiting_since = now
+        elif verdict is PublishVerdict.NOW:
+            logger.info("driver: publishing generation %d (%s)", self.generation + 1, reason)
+            return Published(verdict, self._publish(ready, now))
+        return Published(verdict)
+
+    def _publish(self, ready: Sequence[str], now: float) -> bool:
+        """Form the next generation of `ready`; whether it absorbed a change other than a ring re-formed."""
+        record, roster = self.record, self.record.roster
+        self._tell_leavers(now)
+        previous = list(self.plan)
+        old_size = len(previous)
+        self.generation += 1
+        self.plan = assign_ranks([LiveWorker(w, roster[w].host, roster[w].seq) for w in ready])
+        for worker_id in ready:
+            roster[worker_id].status = WorkerStatus.MEMBER
+        notify = tuple(w for w in previous if roster[w].status in IN_RING)
+        # the plan and who must sync are recorded before the shell publishes: a sync that
+        # arrives right after the publish finds them
+        self.syncing = set(self.plan)
+        self._synced_commits = None
+        self.waiting_since = None
+        record.act(m.Publish(self.generation, self.plan, notify))
+        size = len(self.plan)
+        record.act(m.RecordMetric("world_size", size))
+        if self.generation == 1:
+            start = self.event(EventKind.START, f"{size} workers", now)
+            start.time = record.started_at + record.wall_offset
+            self._unbound.append(start)
+        else:
+            record.act(m.RecordMetric("reset"))
+            logger.info("generation %d: world size %d -> %d", self.generation, old_size, size)
+        self._admit_booted(now)
+        changed = any(ev.kind is not EventKind.RESET_REQUESTED for ev in self._unbound)
+        for ev in self._unbound:
+            ev.generation = self.generation
+            ev.previous_world_size = old_size
+            ev.world_size = size
+            record.events.append(ev)
+        self._unbound = []
+        limit = record.config.reset_limit
+        if limit is not None and self.resets > limit:
+            record.fail(f"reset_limit={limit} reached: {self.resets} resets")
+        return changed
+
+    def _tell_leavers(self, now: float) -> None:
+        """The events of members this generation leaves out: preempted (a draining node) or withdrawn."""
+        record, draining = self.record, self.record.draining
+        leavers = self.pending_leavers()
+        preempted = [r for r in leavers if r.host in draining]
+        withdrawn = [r for r in leavers if r.host not in draining]
+        for host in sorted({r.host for r in preempted}):
+            names = ", ".join(r.worker_id for r in preempted if r.host == host)
+            deadline = draining[host]
+            left = f"deadline in {deadline - (now + record.wall_offset):.0f} s" if deadline else "no deadline"
+            detail = f"preempted: node {host[:8]} is draining ({left}); {names} leave"
+            self._unbound.append(self.event(EventKind.PREEMPTED, detail, now))
+        if withdrawn:
+            names = ", ".join(f"{r.worker_id} on node {r.host[:8]}" for r in withdrawn)
+            self._unbound.append(self.event(EventKind.HOSTS_REMOVED, f"hosts withdrawn: {names} leave", now))
+
+    def _admit_booted(self, now: float) -> None:
+        """Newcomers this generation admits: their hosts_added event is told now, when the others' pause starts."""
+        wall = now + self.record.wall_offset
+        roster = self.record.roster
+        booting = []
+        for ev, newcomers in self._booting:
+            if newcomers & set(self.plan):
+                # the others' pause starts now; the boot before it cost them nothing
+                ev.detail += f", admitted after booting {wall - ev.time:.1f} s"
+                ev.time = wall
+                self._unbound.append(ev)
+            elif any(roster[w].status in (WorkerStatus.STARTING, WorkerStatus.READY) for w in newcomers):
+                booting.append((ev, newcomers))  # still booting: announced by the generation that admits them
+        self._booting = booting
+
+    # ---- the reset's end ------------------------------------------------------------
+    def on_synced(self, msg: m.WorkerSynced) -> tuple[bool, int | None]:
+        """A member synced. When the last one has, the generation's events get their reset's duration.
+
+        Returns whether the generation has now synced whole, and the commit
+        its ranks resumed from (None when none said), for the crash-loop check.
+        """
+        if msg.generation != self.generation or msg.worker_id not in self.syncing:
+            return False, None
+        self.syncing.discard(msg.worker_id)
+        if msg.commits is not None:
+            self._synced_commits = max(self._synced_commits or 0, msg.commits)
+        if self.syncing:
+            return False, None
+        place, self._synced_commits = self._synced_commits, None
+        for ev in self.record.events.of_generation(msg.generation):
+            if ev.reset_duration is None:
+                ev.reset_duration = max(0.0, msg.at - ev.time)
+                if ev.kind is not EventKind.START:
+                    self.record.act(m.RecordMetric("recovery", ev.reset_duration))
+                    logger.info("%s; recovered in %.2f s, world size %d", ev.detail, ev.reset_duration, ev.world_size)
+        return True, place

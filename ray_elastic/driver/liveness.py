@@ -1,0 +1,140 @@
+"""Liveness rounds: every live worker pinged, and the CPU time of those that did not answer read on their node.
+
+A worker that did not answer in time is judged (by the core) on its CPU
+time, read by its node's `ProcessProbe` (`progress.py`); when that probe did
+not answer the same round either, its node is unreachable (cut off, or lost
+without a word) and there is nothing to wait for. So a silent node costs at
+most one round: a third of `liveness_timeout` plus `liveness_timeout`.
+Every ping and every reading is bounded by `liveness_timeout`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import Any
+
+import ray
+
+from ray_elastic.config import RunConfig
+from ray_elastic.driver import messages as m
+from ray_elastic.driver.progress import start_probe
+from ray_elastic.driver.replies import read_pings
+from ray_elastic.driver.worker_pool import WorkerPool, first_line
+
+
+class LivenessRounds:
+    """The rounds of pings, and one probe per node with a worker on it (started when first needed).
+
+    Args:
+        config: `liveness_timeout` sets the round and every wait in it.
+        pool: the workers' handles and process ids.
+        alive_hosts: the live workers' ids and their hosts, as the core has them now.
+        report: puts the round's `PingResults` on the driver's queue.
+    """
+
+    def __init__(
+        self,
+        config: RunConfig,
+        pool: WorkerPool,
+        alive_hosts: Callable[[], dict[str, str]],
+        report: Callable[[Any], None],
+    ) -> None:
+        self.config = config
+        self.pool = pool
+        self.alive_hosts = alive_hosts
+        self.report = report
+        self.probes: dict[str, Any] = {}  # node -> its ProcessProbe
+
+    async def run(self) -> None:
+        """Ping every live worker, and the probe of each node they run on, each round."""
+        interval = max(0.2, self.config.liveness_timeout / 3)
+        while True:
+            await asyncio.sleep(interval)
+            hosts = {w: h for w, h in self.alive_hosts().items() if w in self.pool.handles}
+            ids = list(hosts)
+            nodes = sorted(set(hosts.values()))
+            for node in set(self.probes) - set(nodes):  # no worker there any more (its node may be gone)
+                self.kill_probe(node)
+            for node in nodes:
+                if node not in self.probes:
+                    self.probes[node] = start_probe(node)
+            sent_at = time.monotonic()
+            timeout = self.config.liveness_timeout
+            answers = await asyncio.gather(
+                *[asyncio.wait_for(self._ping(w), timeout) for w in ids],
+                *[asyncio.wait_for(self.probes[n].ping.remote(), timeout) for n in nodes],
+                return_exceptions=True,
+            )
+            results = dict(zip(ids, answers[: len(ids)], strict=True))
+            silent_nodes = set()
+            for node, answer in zip(nodes, answers[len(ids) :], strict=True):
+                if isinstance(answer, asyncio.TimeoutError):
+                    silent_nodes.add(node)
+                elif isinstance(answer, BaseException):  # the probe died: a fresh one reads CPU time if needed
+                    self.kill_probe(node)
+            answered, timed_out = read_pings(results)
+            samples = await self._read_cpu(timed_out, hosts, silent_nodes) if timed_out else {}
+            self.report(m.PingResults(answered=answered, timed_out=timed_out, sent_at=sent_at, samples=samples))
+
+    async def _ping(self, worker_id: str) -> None:
+        """A ping; a worker's first asks for its pid instead (it answers the same way), to read its CPU time later."""
+        handle = self.pool.handles[worker_id]
+        if worker_id in self.pool.pids:
+            await handle.ping.remote()
+        else:
+            self.pool.pids[worker_id] = await handle.pid.remote()
+
+    async def _read_cpu(
+        self, worker_ids: frozenset[str], hosts: dict[str, str], silent_nodes: set[str]
+    ) -> dict[str, m.CpuSample | str]:
+        """Each worker's CPU use over a short window, read by its node's `ProcessProbe`, or why there is none.
+
+        One call per node, under `liveness_timeout` in all (the probe's start
+        included): a node cut off silently gives no reading, and its workers
+        are then killed as hung.
+        """
+        limit = self.config.liveness_timeout
+        window = min(0.5, limit / 4)
+        pids = self.pool.pids
+        by_node: dict[str, list[str]] = {}
+        samples: dict[str, m.CpuSample | str] = {}
+        for worker_id in worker_ids:
+            host = hosts.get(worker_id)
+            if worker_id not in pids or host is None:
+                samples[worker_id] = "its process id is not known yet"
+            elif host in silent_nodes:
+                samples[worker_id] = f"its node did not answer within {limit:g} s either"
+            else:
+                by_node.setdefault(host, []).append(worker_id)
+
+        async def read(node: str, ids: list[str]) -> None:
+            if node not in self.probes:
+                self.probes[node] = start_probe(node)
+            try:
+                by_pid = await asyncio.wait_for(self.probes[node].sample.remote([pids[w] for w in ids], window), limit)
+            except Exception as e:  # noqa: BLE001 - no answer, or the probe died (with its node, maybe)
+                if isinstance(e, asyncio.TimeoutError):
+                    why = f"no reading within {limit:g} s (its node may be unreachable)"
+                else:
+                    why = f"the reading failed: {first_line(e)}"
+                    self.kill_probe(node)  # the next reading starts a fresh one
+                samples.update({w: why for w in ids})
+                return
+            samples.update({w: by_pid[pids[w]] for w in ids})
+
+        await asyncio.gather(*[read(node, ids) for node, ids in by_node.items()])
+        return samples
+
+    def kill_probe(self, node: str) -> None:
+        probe = self.probes.pop(node, None)
+        if probe is not None:
+            try:
+                ray.kill(probe, no_restart=True)
+            except Exception:  # noqa: BLE001 - already dead
+                pass
+
+    def close(self) -> None:
+        for node in list(self.probes):
+            self.kill_probe(node)

@@ -1,0 +1,66 @@
+"""What every part of the driver's core reads and writes: the shared record of one run.
+
+The parts (`generations`, `finishing`, `failures`, `scaling`) each decide
+one thing and keep their own bookkeeping; what they all need lives here:
+the options, the clock, the workers (`Roster`), the hosts discovery offers
+and the nodes draining, the event log, the actions the shell is to carry
+out, and the run's fate (failed or done, and why). Nothing here decides.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from ray_elastic.config import RunConfig
+from ray_elastic.driver import messages as m
+from ray_elastic.driver.event_log import EventLog
+from ray_elastic.driver.roster import Roster, WorkerRecord, WorkerStatus
+from ray_elastic.events import Event
+from ray_elastic.protocol import DriverState, EventKind
+
+logger = logging.getLogger(__name__)
+
+
+class RunRecord:
+    """The run's facts, shared by the core's parts; the actions they ask for, in order."""
+
+    def __init__(self, config: RunConfig, wall_offset: float, started_at: float) -> None:
+        """`wall_offset` turns the shell's monotonic `now` into wall-clock event times; `started_at` is monotonic."""
+        self.config = config
+        self.wall_offset = wall_offset
+        self.started_at = started_at
+        self.roster = Roster()
+        self.hosts: dict[str, int] = {}  # discovery's view: host -> slots
+        self.draining: dict[str, float] = {}  # node -> wall-clock deadline (0: none); no worker may stay or start there
+        self.events = EventLog()
+        self.failure: str | None = None
+        self.final: DriverState | None = None
+        self.actions: list[m.Action] = []
+
+    def act(self, action: m.Action) -> None:
+        self.actions.append(action)
+
+    def take_actions(self) -> list[m.Action]:
+        actions, self.actions = self.actions, []
+        return actions
+
+    def fail(self, reason: str) -> None:
+        """The run ends failed with `reason` (the first reason given wins)."""
+        if self.final is None:
+            logger.error("run failed: %s", reason)
+            self.failure = reason
+            self.final = DriverState.FAILED
+
+    def done(self) -> None:
+        if self.final is None:
+            self.final = DriverState.DONE
+
+    def let_go(self, rec: WorkerRecord) -> None:
+        """Stop a worker that is not needed (left out, or the run is finishing)."""
+        self.act(m.Kill(rec.worker_id))
+        rec.status = WorkerStatus.GONE
+
+    def event(self, kind: EventKind, detail: str, now: float, world_size: int, generation: int) -> Event:
+        return Event(
+            time=now + self.wall_offset, kind=kind, world_size=world_size, generation=generation, detail=detail
+        )

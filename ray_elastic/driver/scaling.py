@@ -1,0 +1,165 @@
+"""Scaling and admission: the hosts discovery offers, draining nodes, newcomers and leavers, the autoscaler.
+
+After every batch the workers are brought in line with the hosts
+(`assignment.plan_scaling`): newcomers are started on hosts with free slots
+(not on a draining node, not on a host cooling down), members on a host no
+longer offered leave gracefully with the next generation, and the run asks
+Ray's autoscaler for the slots still missing up to `max_workers`. A host
+missing from one discovery poll only is kept until the next (a blip is
+absorbed), and when discovery withdraws every member that holds the
+trained state at once, the oldest stays until the others have received it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+
+from ray_elastic.assignment import Cooldown, LiveWorker, plan_scaling
+from ray_elastic.driver import messages as m
+from ray_elastic.driver.generations import Generations
+from ray_elastic.driver.record import RunRecord
+from ray_elastic.driver.roster import IN_RING, WorkerRecord, WorkerStatus
+from ray_elastic.protocol import EventKind
+
+logger = logging.getLogger(__name__)
+
+
+class Scaling:
+    """Who should run where: newcomers started, leavers let go, the autoscaler asked."""
+
+    def __init__(self, record: RunRecord, generations: Generations, cooldown: Cooldown) -> None:
+        self.record = record
+        self.generations = generations
+        self.cooldown = cooldown
+        self.host_first_seen: dict[str, float] = {}
+        self._missing_once: set[str] = set()  # hosts the last poll did not offer, kept for one more poll
+        self._holding: str | None = None  # the withdrawn member kept to hand the trained state over
+        self._autoscale_requested = 0
+
+    # ---- what the cluster says ---------------------------------------------------------
+    def update_hosts(self, offered: Mapping[str, int], now: float) -> None:
+        """Take discovery's view; a host missing from one poll only is kept until the next (a blip is absorbed)."""
+        for host in offered:
+            self.host_first_seen.setdefault(host, now)
+        hosts = self.record.hosts
+        missing = {h: n for h, n in hosts.items() if h not in offered and h not in self._missing_once}
+        if missing:
+            logger.info("discovery no longer offers %s; kept until the next poll confirms it", sorted(missing))
+        self._missing_once = set(missing)
+        self.record.hosts = {**missing, **offered}
+
+    def on_draining(self, deadlines: Mapping[str, float], now: float) -> None:
+        """Ray drains these nodes (a preemption notice): their workers leave at their next check."""
+        for node in set(deadlines) - set(self.record.draining):
+            deadline = deadlines[node]
+            left = f"{deadline - (now + self.record.wall_offset):.0f} s" if deadline else "no deadline"
+            logger.warning("node %s is draining (%s): its workers leave at their next check", node[:8], left)
+        self.record.draining = dict(deadlines)
+
+    # ---- bringing the workers in line -------------------------------------------------
+    def reconcile(self, now: float) -> None:
+        """Bring the workers in line with the hosts: start newcomers, let leavers go."""
+        record, config = self.record, self.record.config
+        roster = record.roster
+        staying = (
+            roster.live(WorkerStatus.STARTING, WorkerStatus.READY, WorkerStatus.MEMBER)
+            + self.generations.pending_leavers()
+        )
+        decision = plan_scaling(
+            [LiveWorker(r.worker_id, r.host, r.seq) for r in staying],
+            self._usable_hosts(staying),
+            self.host_first_seen,
+            self.cooldown.cooling(now),
+            config.max_workers,
+        )
+        remove = set(decision.remove)
+        held = self._hold_over(remove)
+        for rec in staying:
+            if rec.worker_id in remove:
+                if rec.status in IN_RING:
+                    rec.status = WorkerStatus.LEAVING  # leaves gracefully with the next generation
+                else:
+                    record.let_go(rec)
+            elif rec.status is WorkerStatus.LEAVING:
+                logger.info("worker %s stays: its host is offered again before it left", rec.worker_id)
+                rec.status = WorkerStatus.MEMBER
+        add = dict(decision.add)
+        if held is not None:
+            # the held-over worker counts toward max_workers: one newcomer fewer
+            world = len(staying) - len(remove) + sum(add.values())
+            for host in reversed(list(add)):
+                while world > config.max_workers and add[host]:
+                    add[host] -= 1
+                    world -= 1
+        added = [self._spawn(host, now) for host, count in add.items() for _ in range(count)]
+        gens = self.generations
+        if added and gens.generation > 0:
+            gens.announce(gens.event(EventKind.HOSTS_ADDED, f"{len(added)} new worker(s)", now), frozenset(added))
+        self._request_autoscale()
+
+    def _usable_hosts(self, staying: list[WorkerRecord]) -> dict[str, int]:
+        """Slots to plan with: none on a draining node; on a host kept for the blip grace, only its workers'."""
+        usable = {}
+        for host, slots in self.record.hosts.items():
+            if host in self.record.draining:
+                continue
+            if host in self._missing_once:  # it may be gone for good: keep its workers, start none there
+                slots = min(slots, sum(r.host == host for r in staying))
+            usable[host] = slots
+        return usable
+
+    def _hold_over(self, remove: set[str]) -> str | None:
+        """Keep one state holder among the members `remove` would take away, if no staying member holds the state.
+
+        A member holds the trained state once it synced in the current
+        generation. When discovery withdraws every holder at once (a blip, a
+        whole pool replaced), the oldest of them stays until a generation
+        with others has synced, so the state is handed over, never dropped.
+        """
+        gens, roster = self.generations, self.record.roster
+        members = [roster[w] for w in gens.plan if roster[w].status in IN_RING]
+        removed = [r for r in members if r.worker_id in remove]
+        if not removed or any(r.worker_id not in remove and r.worker_id not in gens.syncing for r in members):
+            return None
+        keep = min(removed, key=lambda r: r.seq)
+        remove.discard(keep.worker_id)
+        if self._holding == keep.worker_id:
+            return keep.worker_id
+        self._holding = keep.worker_id
+        logger.warning(
+            "discovery withdrew every worker holding the trained state; worker %s on node %s stays until "
+            "the others received it",
+            keep.worker_id,
+            keep.host[:8],
+        )
+        return keep.worker_id
+
+    def _spawn(self, host: str, now: float) -> str:
+        rec = self.record.roster.new(host, now)
+        self.record.act(m.Spawn(rec.worker_id, host))
+        logger.info("starting worker %s on node %s", rec.worker_id, host[:8])
+        return rec.worker_id
+
+    # ---- the autoscaler ---------------------------------------------------------------
+    def _request_autoscale(self) -> None:
+        """Ask Ray's autoscaler for the slots still missing up to max_workers."""
+        max_workers = self.record.config.max_workers
+        wanted = max_workers if sum(self.record.hosts.values()) < max_workers else 0
+        if wanted != self._autoscale_requested:
+            self._autoscale_requested = wanted
+            self.record.act(m.RequestResources(wanted))
+
+    def request_again(self) -> list[m.Action]:
+        """The autoscaler share, for a restarted driver."""
+        return [m.RequestResources(self._autoscale_requested)] if self._autoscale_requested else []
+
+    def prune(self, now: float) -> None:
+        """Forget hosts neither offered nor hosting a worker on record, a hand-over done, expired cool-downs."""
+        roster = self.record.roster
+        if self._holding is not None and self._holding not in roster.workers:
+            self._holding = None
+        in_use = roster.hosts_in_use()
+        for host in [h for h in self.host_first_seen if h not in self.record.hosts and h not in in_use]:
+            del self.host_first_seen[host]
+        self.cooldown.forget(now)
