@@ -16,11 +16,16 @@ STAMP310 := $(VENV310)/.installed
 
 venv: $(STAMP)
 
+# torch's CPU build, pinned, from PyTorch's own index (torch from PyPI pulls the CUDA build and its packages).
+# TORCH_INDEX= (empty) leaves the choice to pip's configuration, e.g. a local wheel mirror on a machine with no
+# internet; pip consults that configuration with the default too, after warnings about an unreachable index.
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+
 # torch first, pinned, so pip never resolves a CUDA build; then the package and its extras
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(BIN)/pip install -q -e '.[torch,test,examples,data]'
 	touch $(STAMP)
 
@@ -56,7 +61,7 @@ $(BENCH_STAMP): $(STAMP)
 	$(BIN)/pip install -q -e '.[torch,test,examples,bench]'
 	touch $(BENCH_STAMP)
 
-# every benchmark, within 15 minutes on this project's 2-core machine; each prints a table and writes
+# every benchmark, within 15 minutes on the 2-core machine bench/RESULTS.md names; each prints a table and writes
 # bench/results/<name>.json (bench/RESULTS.md is written from them)
 bench: $(BENCH_STAMP)
 	$(BIN)/python bench/commit.py

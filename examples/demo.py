@@ -131,7 +131,7 @@ def main() -> int:
         f"{value['steps']} steps; final loss {result.metrics[-1]['loss']:.3f}"
     )
     png = result.plot_timeline(Path("demo_output") / "timeline.png")
-    print(f"timeline plot (world size and steps/s, events marked): {png.resolve()}")
+    print(f"timeline plot (world size and steps/s, events marked): {os.path.relpath(png)}")
     failed = [e for e in result.events if e.kind == "worker_failed"]
     added = [e for e in result.events if e.kind == "hosts_added"]
     if not failed or not added:
