@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
+from itertools import repeat
 from operator import attrgetter
 from typing import NamedTuple
 
@@ -51,28 +53,29 @@ def assign_ranks(workers: Sequence[LiveWorker]) -> dict[str, WorkerSlot]:
     hosts that have a worker at the same local rank, and `cross_size` is the
     number of such hosts, as in Horovod.
     """
-    by_host: dict[str, list[LiveWorker]] = {}
+    by_host: dict[str, list[str]] = {}
     for w in sorted(workers, key=_BY_AGE):
-        by_host.setdefault(w.host, []).append(w)
+        by_host.setdefault(w.host, []).append(w.worker_id)
     # dicts keep insertion order: hosts come in the order of their oldest worker
     size = len(workers)
-    cross_sizes: dict[int, int] = {}
-    for members in by_host.values():
-        for local_rank in range(len(members)):
-            cross_sizes[local_rank] = cross_sizes.get(local_rank, 0) + 1
+    widest = max(map(len, by_host.values()), default=0)
+    cross_sizes = [0] * widest  # per local rank: how many hosts have a worker there
+    for ids in by_host.values():
+        for local_rank in range(len(ids)):
+            cross_sizes[local_rank] += 1
     slots: dict[str, WorkerSlot] = {}
     rank = 0
-    cross_seen: dict[int, int] = {}
-    make = WorkerSlot._make  # positional construction: the hot loop at thousands of workers
-    for host, members in by_host.items():
-        local_size = len(members)
-        for local_rank, w in enumerate(members):
-            cross_rank = cross_seen.get(local_rank, 0)
-            cross_seen[local_rank] = cross_rank + 1
-            slots[w.worker_id] = make(
-                (w.worker_id, host, rank, size, local_rank, local_size, cross_rank, cross_sizes[local_rank])
-            )
-            rank += 1
+    cross_seen = [0] * widest
+    make = partial(tuple.__new__, WorkerSlot)  # a C call per slot, not WorkerSlot._make's Python frame
+    # one host's slots are built by zip and map, in C: this runs for every worker at every reset
+    for host, ids in by_host.items():
+        n = len(ids)
+        ranks = range(rank, rank + n)
+        rows = zip(ids, repeat(host), ranks, repeat(size), range(n), repeat(n), cross_seen, cross_sizes, strict=False)
+        slots.update(zip(ids, map(make, rows), strict=True))
+        for local_rank in range(n):
+            cross_seen[local_rank] += 1
+        rank += n
     return slots
 
 

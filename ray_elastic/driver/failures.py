@@ -125,7 +125,8 @@ class Failures:
         slot = gens.plan.get(lost.worker_id)
         if slot is None or (self.last_abandon is not None and self.last_abandon.generation >= gens.generation):
             return
-        others = tuple(w for w in gens.plan if w != lost.worker_id and roster[w].status in ALIVE)
+        ended = roster.ids(WorkerStatus.GONE, WorkerStatus.FINISHED)  # a plan's members are never starting
+        others = tuple(w for w in gens.plan if w != lost.worker_id and w not in ended)
         reason = f"worker {lost.worker_id} (rank {slot.rank}) of generation {gens.generation} {what}"
         self.last_abandon = m.Abandon(gens.generation, others, reason)
         if others:

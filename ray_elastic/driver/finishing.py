@@ -31,7 +31,7 @@ class Finishing:
     @property
     def active(self) -> bool:
         """A worker's train_fn returned: the run ends once the other members end too."""
-        return any(r.status is WorkerStatus.FINISHED for r in self.record.roster.workers.values())
+        return self.record.roster.any(WorkerStatus.FINISHED)
 
     def on_exit(self, msg: m.WorkerExited) -> None:
         """A worker's `run()` returned: finished, removed, or lost its driver (a `UserError` is for `Failures`)."""
@@ -57,7 +57,7 @@ class Finishing:
 
     def end_if_done(self) -> None:
         """Once a worker returned and no member still trains, the run is done."""
-        if self.active and not self.record.roster.live(*IN_RING):
+        if self.active and not self.record.roster.count(*IN_RING):
             self.record.done()
 
     def rank0_lost(self, rank0: WorkerRecord, reason: str) -> bool:

@@ -5,12 +5,23 @@ worker's fate change its status (scaling starts and lets go, failures
 declare dead, generations admit, finishing records an exit). A worker
 declared dead is fenced: nothing it sends counts any more, even when it
 comes back from a partition that healed.
+
+At thousands of workers the roster is on the driver's hot path: each batch
+asks who is starting, ready or gone, and the driver's snapshot pickles it
+after every batch. So the workers are also kept by status (a status change
+moves the record between buckets, and bumps `version`, which tells the core
+that something it plans from changed), and the roster pickles as columns,
+not as one object per worker.
 """
 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from collections.abc import Iterable
+from operator import attrgetter
+from typing import Any
+
+from ray_elastic.assignment import LiveWorker
 
 
 class WorkerStatus(enum.Enum):
@@ -24,35 +35,66 @@ class WorkerStatus(enum.Enum):
 
 ALIVE = frozenset({WorkerStatus.STARTING, WorkerStatus.READY, WorkerStatus.MEMBER, WorkerStatus.LEAVING})
 IN_RING = frozenset({WorkerStatus.MEMBER, WorkerStatus.LEAVING})
+_STATUSES = tuple(WorkerStatus)
+_BY_SEQ = attrgetter("seq")
 
 
-@dataclass
 class WorkerRecord:
-    worker_id: str
-    host: str
-    seq: int  # spawn order: smaller is older
-    status: WorkerStatus
-    started_at: float  # monotonic
-    answered: bool = False  # has answered a ping or said it is ready: its process is up
-    silent_since: float | None = None  # when the pings it has not answered since began (monotonic)
-    spared: bool = False  # silent but computing: spared by the liveness check
+    """One worker on record; setting `status` moves it in its roster."""
+
+    __slots__ = ("worker_id", "host", "seq", "started_at", "answered", "silent_since", "spared", "live", "_status")
+    __slots__ += ("_roster",)
+
+    def __init__(self, roster: Roster, worker_id: str, host: str, seq: int, status: WorkerStatus, started_at: float):
+        self._roster = roster
+        self.worker_id = worker_id
+        self.host = host
+        self.seq = seq  # spawn order: smaller is older
+        self.started_at = started_at  # monotonic
+        self.answered = False  # has answered a ping or said it is ready: its process is up
+        self.silent_since: float | None = None  # when the pings it has not answered since began (monotonic)
+        self.spared = False  # silent but computing: spared by the liveness check
+        self.live = LiveWorker(worker_id, host, seq)  # what the pure planners take, made once
+        self._status = status
+
+    @property
+    def status(self) -> WorkerStatus:
+        return self._status
+
+    @status.setter
+    def status(self, status: WorkerStatus) -> None:
+        if status is not self._status:
+            self._roster._move(self, self._status, status)
+            self._status = status
+
+    def __repr__(self) -> str:
+        return f"WorkerRecord({self.worker_id!r}, {self.host[:8]!r}, seq={self.seq}, {self._status.value})"
 
 
 class Roster:
-    """The workers on record, by id; a worker gone leaves the record once nothing names it (`prune`)."""
+    """The workers on record, by id and by status; one gone leaves the record once nothing names it (`prune`)."""
 
     def __init__(self) -> None:
         self.workers: dict[str, WorkerRecord] = {}
+        self._by_status: dict[WorkerStatus, dict[str, WorkerRecord]] = {s: {} for s in _STATUSES}
         # workers declared dead and still on record; one no longer on record (pruned) is just as void
         self.fenced: set[str] = set()
         self._seq = 0
+        self.version = 0  # bumped by every change the core plans from
 
     def new(self, host: str, now: float) -> WorkerRecord:
         """Record a worker about to be started on `host`; ids and seqs grow with spawn order."""
         self._seq += 1
-        rec = WorkerRecord(f"w{self._seq}", host, self._seq, WorkerStatus.STARTING, now)
+        rec = WorkerRecord(self, f"w{self._seq}", host, self._seq, WorkerStatus.STARTING, now)
         self.workers[rec.worker_id] = rec
+        self._by_status[WorkerStatus.STARTING][rec.worker_id] = rec
+        self.version += 1
         return rec
+
+    def _move(self, rec: WorkerRecord, old: WorkerStatus, new: WorkerStatus) -> None:
+        del self._by_status[old][rec.worker_id]
+        self._by_status[new][rec.worker_id] = rec
+        self.version += 1
 
     def get(self, worker_id: str) -> WorkerRecord | None:
         return self.workers.get(worker_id)
@@ -61,10 +103,26 @@ class Roster:
         return self.workers[worker_id]
 
     def live(self, *statuses: WorkerStatus) -> list[WorkerRecord]:
-        return [r for r in self.workers.values() if r.status in statuses]
+        """The workers in `statuses`, oldest first."""
+        if len(statuses) == 1:
+            found = list(self._by_status[statuses[0]].values())
+        else:
+            found = [r for s in statuses for r in self._by_status[s].values()]
+        found.sort(key=_BY_SEQ)  # nearly sorted already: linear in practice
+        return found
+
+    def count(self, *statuses: WorkerStatus) -> int:
+        return sum(len(self._by_status[s]) for s in statuses)
+
+    def any(self, status: WorkerStatus) -> bool:
+        return bool(self._by_status[status])
+
+    def ids(self, *statuses: WorkerStatus) -> set[str]:
+        """The ids of the workers in `statuses` (a set: for membership tests against a plan)."""
+        return {w for s in statuses for w in self._by_status[s]}
 
     def alive_ids(self) -> list[str]:
-        return [r.worker_id for r in self.workers.values() if r.status in ALIVE]
+        return [r.worker_id for r in self.live(*ALIVE)]
 
     def is_void(self, worker_id: str) -> bool:
         """Whether nothing `worker_id` sends counts: declared dead, or no longer on record."""
@@ -73,8 +131,44 @@ class Roster:
     def hosts_in_use(self) -> set[str]:
         return {r.host for r in self.workers.values()}
 
-    def prune(self, named: set[str]) -> None:
-        """Forget the workers that are gone and that no generation, sync or boot announcement names."""
-        for worker_id in [w for w, r in self.workers.items() if r.status is WorkerStatus.GONE and w not in named]:
-            del self.workers[worker_id]
+    def prune(self, named: Iterable[str]) -> bool:
+        """Forget the workers that are gone and that no generation, sync or boot announcement names.
+
+        Returns whether any was forgotten.
+        """
+        named = set(named)
+        gone = [w for w in self._by_status[WorkerStatus.GONE] if w not in named]
+        for worker_id in gone:
+            del self.workers[worker_id], self._by_status[WorkerStatus.GONE][worker_id]
             self.fenced.discard(worker_id)
+        return bool(gone)
+
+    # ---- the snapshot: columns, not one pickled object per worker ---------------------
+    def __getstate__(self) -> dict[str, Any]:
+        recs = list(self.workers.values())
+        return {
+            "ids": [r.worker_id for r in recs],
+            "hosts": [r.host for r in recs],
+            "seqs": [r.seq for r in recs],
+            "statuses": bytes(_STATUSES.index(r._status) for r in recs),
+            "started": [r.started_at for r in recs],
+            "answered": bytes(r.answered for r in recs),
+            "silent": {r.worker_id: r.silent_since for r in recs if r.silent_since is not None},
+            "spared": [r.worker_id for r in recs if r.spared],
+            "fenced": self.fenced,
+            "seq": self._seq,
+            "version": self.version,
+        }
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__()
+        self.fenced, self._seq, self.version = state["fenced"], state["seq"], state["version"]
+        columns = zip(state["ids"], state["hosts"], state["seqs"], state["statuses"], state["started"], strict=True)
+        for (worker_id, host, seq, status, started), answered in zip(columns, state["answered"], strict=True):
+            rec = WorkerRecord(self, worker_id, host, seq, _STATUSES[status], started)
+            rec.answered = bool(answered)
+            rec.silent_since = state["silent"].get(worker_id)
+            self.workers[worker_id] = rec
+            self._by_status[rec.status][worker_id] = rec
+        for worker_id in state["spared"]:
+            self.workers[worker_id].spared = True
