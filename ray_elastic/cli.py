@@ -211,6 +211,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="exceptions of FUNCTION to retry as that worker's failure; 0 fails at the first (0)",
     )
+    hosts.add_argument(
+        "--evict-stragglers",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="let a persistently slow worker go gracefully when the run is predicted faster without it; "
+        "--no-evict-stragglers only reports it (on)",
+    )
 
     horovodrun = run.add_argument_group(
         "horovodrun's names", "horovodrun's elastic options, each the same as the option it names"
@@ -397,6 +404,7 @@ def make_trainer(args: argparse.Namespace) -> Any:
         liveness_timeout=args.liveness_timeout,
         collective_timeout=args.collective_timeout,
         max_failures=args.max_failures,
+        evict_stragglers=args.evict_stragglers,
         checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every,
         keep_metrics=args.keep_metrics,

@@ -56,6 +56,7 @@ class RunConfig:
     datasets: tuple[str, ...] = ()  # the names of the run's Ray Datasets (the datasets go to the feed actor)
     data_cpus: int = 1  # whole CPUs the workers leave free for Ray Data's tasks (with datasets= only)
     data_starvation_timeout: float = 60.0  # a pipeline starved of CPUs this long fails the run (data_cpus=0)
+    evict_stragglers: bool = True  # let a persistently slow worker go (else only report it)
 
     @property
     def kept_cpus(self) -> int:
@@ -84,6 +85,7 @@ class RunConfig:
         datasets: tuple[str, ...] = (),
         data_cpus: int = 1,
         data_starvation_timeout: float = 60.0,
+        evict_stragglers: bool = True,
     ) -> RunConfig:
         """Check every option (`ElasticTrainer`'s signature holds their defaults, once).
 
@@ -129,6 +131,8 @@ class RunConfig:
             or not 0 <= cooldown_range[0] <= cooldown_range[1]
         ):
             raise ValueError(f"cooldown_range must be (min_s, max_s) with 0 <= min_s <= max_s, got {cooldown_range!r}")
+        if not isinstance(evict_stragglers, bool):
+            raise ValueError(f"evict_stragglers must be True or False, got {evict_stragglers!r}")
         return cls(
             min_workers=min_workers,
             max_workers=max_workers,
@@ -148,6 +152,7 @@ class RunConfig:
             datasets=tuple(datasets),
             data_cpus=data_cpus,
             data_starvation_timeout=float(data_starvation_timeout),
+            evict_stragglers=evict_stragglers,
         )
 
     def worker(self, run_id: str) -> WorkerConfig:

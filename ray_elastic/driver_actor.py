@@ -307,8 +307,13 @@ class DriverActor:
     async def request_reset(self, worker_id: str, generation: int, reason: str) -> None:
         await self._take(m.ResetRequested(worker_id, generation, reason))
 
-    async def add_metrics(self, worker_id: str, batch: list[tuple[float, dict]], seq: int | None = None) -> None:
-        """Rank 0's reports; `seq` numbers the sender's batches, so one sent again after a restart counts once."""
+    async def add_metrics(
+        self, worker_id: str, batch: list[tuple[float, dict]], seq: int | None = None, paces: list | None = None
+    ) -> None:
+        """Rank 0's reports, and any rank's pace summaries (`paces`, for the core's straggler watch).
+
+        `seq` numbers the sender's batches, so one sent again after a restart counts once.
+        """
         self._driving()
         await self._started.wait()
         if self.core.is_void(worker_id):  # declared dead (e.g. cut off, then healed): it no longer speaks for rank 0
@@ -317,8 +322,9 @@ class DriverActor:
         if seq is not None:
             if not self._metric_seqs.setdefault(worker_id, Seqs()).add(seq):
                 return  # taken and saved by this driver's predecessor
-        self.metrics.add(batch)
-        await self._take(None)
+        if batch:
+            self.metrics.add(batch)
+        await self._take(m.PacesReported(worker_id, tuple(paces)) if paces else None)
 
     async def stop(self, reason: str = "stopped by the user") -> None:
         """Ask the loop to end (e.g. the user interrupted `fit()`)."""

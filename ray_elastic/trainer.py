@@ -143,6 +143,13 @@ class ElasticTrainer:
             pipeline does not produce while the cluster has no free CPU; then
             the run fails with a `DataStarvedError` naming `data_cpus`
             (default 60).
+        evict_stragglers: let a worker go when it is persistently slower
+            than the others (1.5x their median compute per step for ~15 s)
+            and the run is predicted faster without it: it leaves
+            gracefully (no step redone), its host cools down over
+            `cooldown_range` and is offered again on probation (default
+            True). False keeps it and only reports it (a warning and a
+            `straggler_found` event). Never below `min_workers`.
         keep_metrics: how many of rank 0's newest reports `Result.metrics`
             keeps (default 100,000; None keeps all); older ones are counted
             in `Result.metrics_dropped`. The driver holds only the reports
@@ -173,6 +180,7 @@ class ElasticTrainer:
         datasets: Mapping[str, Any] | None = None,
         data_cpus: int = 1,
         data_starvation_timeout: float = 60.0,
+        evict_stragglers: bool = True,
         verbose: int = 1,
     ) -> None:
         if not callable(train_fn):
@@ -216,6 +224,7 @@ class ElasticTrainer:
             datasets=tuple(self.datasets),
             data_cpus=data_cpus,
             data_starvation_timeout=data_starvation_timeout,
+            evict_stragglers=evict_stragglers,
         )
         config = dict(config or {})
         try:

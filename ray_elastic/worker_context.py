@@ -6,7 +6,8 @@ one job each:
 
 - `Membership`: the ring, joins and resets, host-change notices;
 - `CheckpointCadence`: durable checkpoints every `checkpoint_every` commits;
-- `MetricsShipper`: rank 0's metrics, shipped in the background;
+- `MetricsShipper`: rank 0's metrics and every rank's pace summaries
+  (`runtime/pace.py`), shipped in the background;
 - `ActivityMarks`: when the worker last entered or left a collective.
 
 The run loop (`elastic.run`), `State`, the public functions and the torch
@@ -30,6 +31,7 @@ from ray_elastic.rendezvous import KVClient
 from ray_elastic.runtime.checkpoint_cadence import CheckpointCadence
 from ray_elastic.runtime.membership import Membership
 from ray_elastic.runtime.metrics_shipper import MetricsShipper, snapshot
+from ray_elastic.runtime.pace import PACE
 from ray_elastic.runtime.process import current, maybe_current, set_current
 
 __all__ = ["WorkerContext", "current", "maybe_current", "set_current"]
@@ -59,6 +61,7 @@ class WorkerContext:
         self.membership = Membership(worker_id, KVClient(kv), driver, settings)
         self.checkpoints = CheckpointCadence(worker_id, driver, settings, self.membership.kv)
         self.metrics = MetricsShipper(worker_id, driver)
+        PACE.sink = self.metrics.add_pace  # this rank's pace rides in its metrics batches (straggler watch)
         self._before_join: list[tuple[float, dict[str, Any]]] = []  # report()s made before this worker had a rank
         self.commits = 0  # commits the state holds (rank 0's after each sync): where training resumes
 

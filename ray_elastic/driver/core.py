@@ -17,7 +17,9 @@ The core composes parts, each deciding one thing over the shared
 - `Failures`: deaths, fencing, cool-down, `max_failures`, crash loops,
   every member lost;
 - `BrokenRings`: missed pings and a ring broken with everyone alive;
-- `Scaling`: the hosts, draining nodes, newcomers and leavers, the autoscaler.
+- `Scaling`: the hosts, draining nodes, newcomers and leavers, the autoscaler;
+- `PaceWatch`: the ranks' pace, a straggler let go gracefully, its host
+  cooled down and offered again (`stragglers.py` decides).
 
 They sit in that order, each built on the ones before it; what needs two
 parts at once (an unreachable run, a generation that synced after a
@@ -39,6 +41,7 @@ from ray_elastic.driver.broken_rings import BrokenRings
 from ray_elastic.driver.failures import Failures
 from ray_elastic.driver.finishing import Finishing
 from ray_elastic.driver.generations import Generations
+from ray_elastic.driver.pace_watch import PaceWatch
 from ray_elastic.driver.policies import PublishVerdict
 from ray_elastic.driver.record import RunRecord
 from ray_elastic.driver.roster import ALIVE, WorkerRecord, WorkerStatus
@@ -61,6 +64,7 @@ class DriverCore:
         self.failures = Failures(self.record, self.generations, self.finishing)
         self.rings = BrokenRings(self.record, self.generations, self.finishing, self.failures)
         self.scaling = Scaling(self.record, self.generations, self.failures.cooldown)
+        self.paces = PaceWatch(self.record, self.generations)
 
     # ---- what the shell and fit() read -----------------------------------------------
     @property
@@ -180,6 +184,7 @@ class DriverCore:
         """
         self.record.roster.prune(self.generations.named())
         self.scaling.prune(now)
+        self.paces.prune(now)
 
     def _apply(self, msg: m.Message, now: float) -> None:
         record, gens = self.record, self.generations
@@ -222,7 +227,10 @@ class DriverCore:
             self.rings.on_pings(msg, now)
         elif isinstance(msg, m.CheckpointFound):
             self.failures.on_checkpoint_found(msg, now)
+        elif isinstance(msg, m.PacesReported):
+            self.paces.on_paces(msg, now)
         elif isinstance(msg, m.Tick):
+            self.paces.release(now)
             if not gens.check_wait(now, cooling=len(self.failures.cooldown.cooling(now))):
                 self.failures.check_boot_deadlines(now)
         elif isinstance(msg, m.PublishFailed):

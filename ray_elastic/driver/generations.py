@@ -174,9 +174,13 @@ class Generations:
         return changed
 
     def _tell_leavers(self, now: float) -> None:
-        """The events of members this generation leaves out: preempted (a draining node) or withdrawn."""
+        """The events of members this generation leaves out: preempted (a draining node) or withdrawn.
+
+        A straggler let go has its own event already (`pace_watch.py`).
+        """
         record, draining = self.record, self.record.draining
-        leavers = self.pending_leavers()
+        leavers = [r for r in self.pending_leavers() if r.worker_id not in record.evicted]
+        record.evicted.clear()
         preempted = [r for r in leavers if r.host in draining]
         withdrawn = [r for r in leavers if r.host not in draining]
         for host in sorted({r.host for r in preempted}):

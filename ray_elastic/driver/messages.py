@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 
 from ray_elastic.assignment import WorkerSlot
 from ray_elastic.protocol import WorkerOutcome
+from ray_elastic.runtime.pace import PaceSummary
 
 
 # ---- messages in ---------------------------------------------------------
@@ -158,6 +159,14 @@ class KVRestarted:
 
 
 @dataclass(frozen=True)
+class PacesReported:
+    """A rank's pace summaries (compute and wait per step, per interval), shipped with its metrics."""
+
+    worker_id: str
+    paces: tuple[PaceSummary, ...]
+
+
+@dataclass(frozen=True)
 class Tick:
     """Periodic: deadlines, cool-downs ending."""
 
@@ -184,6 +193,7 @@ Message = (
     | PublishFailed
     | KVLost
     | KVRestarted
+    | PacesReported
     | Tick
     | Stop
 )

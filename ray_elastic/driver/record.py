@@ -32,6 +32,8 @@ class RunRecord:
         self.roster = Roster()
         self.hosts: dict[str, int] = {}  # discovery's view: host -> slots
         self.draining: dict[str, float] = {}  # node -> wall-clock deadline (0: none); no worker may stay or start there
+        self.benched: dict[str, float] = {}  # host -> end of its straggler cool-down; no worker may stay or start there
+        self.evicted: set[str] = set()  # stragglers let go, until the generation that leaves them out is published
         self.events = EventLog()
         self.failure: str | None = None
         self.final: DriverState | None = None

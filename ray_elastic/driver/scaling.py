@@ -99,10 +99,10 @@ class Scaling:
         self._request_autoscale()
 
     def _usable_hosts(self, staying: list[WorkerRecord]) -> dict[str, int]:
-        """Slots to plan with: none on a draining node; on a host kept for the blip grace, only its workers'."""
+        """Slots to plan with: none on a draining or benched node; on a host kept for the blip grace, its workers'."""
         usable = {}
         for host, slots in self.record.hosts.items():
-            if host in self.record.draining:
+            if host in self.record.draining or host in self.record.benched:  # benched: a straggler's, cooling down
                 continue
             if host in self._missing_once:  # it may be gone for good: keep its workers, start none there
                 slots = min(slots, sum(r.host == host for r in staying))
