@@ -67,6 +67,7 @@ class WorkerPool:
         self.payload_ref: Any = None  # train_fn's payload in the object store
 
     def spawn(self, worker_id: str, host: str) -> None:
+        """Place a group for the worker on `host` and start it there (its outcome is reported when it ends)."""
         if worker_id not in self.pgs:  # a restarted driver keeps the one its predecessor made
             # detached, as the worker: both outlive a driver that Ray restarts (the run removes them by name)
             self.pgs[worker_id] = placement_group(
@@ -76,14 +77,22 @@ class WorkerPool:
                 lifetime="detached",
                 bundle_label_selector=[{"ray.io/node-id": host}],
             )
-        self.runs[worker_id] = asyncio.create_task(self._run_worker(worker_id))
+        self.runs[worker_id] = asyncio.create_task(self._run_worker(worker_id, host))
 
-    async def _run_worker(self, worker_id: str) -> None:
+    async def _run_worker(self, worker_id: str, host: str) -> None:
         pg = self.pgs[worker_id]
+        limit = self.config.elastic_timeout
         try:
-            await asyncio.wait_for(pg.ready(), self.config.elastic_timeout)
+            await asyncio.wait_for(pg.ready(), limit)
         except asyncio.TimeoutError:
-            self.report(Died(worker_id, "its placement group was not placed in time"))
+            asked = dict(self.config.resources_per_worker)
+            self.report(
+                Died(
+                    worker_id,
+                    f"its placement group ({asked} on node {host[:8]}) was not placed within "
+                    f"elastic_timeout={limit:g} s",
+                )
+            )
             return
         res = dict(self.config.resources_per_worker)
         try:
