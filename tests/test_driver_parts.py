@@ -73,9 +73,9 @@ def test_the_roster_keeps_a_gone_worker_while_something_names_it_and_its_word_st
     a, b = p.ready({"A": 2})
     p.record.roster[a].status = WorkerStatus.GONE
     p.record.roster.fenced.add(a)
-    p.record.roster.prune(named={a})
+    p.record.roster.prune(named=lambda w: w == a)
     assert a in p.record.roster.workers and p.record.roster.is_void(a)
-    p.record.roster.prune(named=set())
+    p.record.roster.prune(named=lambda w: False)
     assert a not in p.record.roster.workers and p.record.roster.is_void(a), "pruned: its word is void all the same"
     assert not p.record.roster.is_void(b)
 

@@ -65,6 +65,10 @@ class DriverCore:
         self.rings = BrokenRings(self.record, self.generations, self.finishing, self.failures)
         self.scaling = Scaling(self.record, self.generations, self.failures.cooldown)
         self.paces = PaceWatch(self.record, self.generations)
+        self._replan = True  # a message of this batch may change the plan (besides status changes)
+        self._planned = -1  # the roster's version when the plan was last brought in line
+        self._benched: frozenset[str] = frozenset()  # the stragglers' hosts benched then
+        self._release_at: float | None = None  # when the next cooling host is offered again
 
     # ---- what the shell and fit() read -----------------------------------------------
     @property
@@ -154,17 +158,33 @@ class DriverCore:
 
     # ---- the one entry point -------------------------------------------------
     def handle(self, messages: Iterable[m.Message], now: float) -> list[m.Action]:
-        """Apply `messages` in order, re-plan once, and return the actions to carry out."""
+        """Apply `messages` in order, re-plan once if anything the plan depends on changed, return the actions.
+
+        Most batches change nothing the plan reads (a tick, a liveness round
+        where everyone answered, discovery offering the same hosts, rank 0's
+        reports): re-planning is skipped for them, since at thousands of
+        workers it costs milliseconds of the driver's loop per batch. What
+        the plan reads changes only through a worker's status (the roster
+        counts those changes), the hosts, the draining nodes, a straggler's
+        host benched or offered again, a sync, a forced re-form, or time: a
+        host's cool-down ending.
+        """
         record = self.record
         for message in messages:
             if record.final is not None:
                 break
             self._apply(message, now)
-        if record.final is None:
+        due = self._release_at is not None and now >= self._release_at
+        changed = record.roster.version != self._planned or self._benched != record.benched.keys()
+        if record.final is None and (self._replan or due or changed):
             if not self.finishing.active:
                 self.scaling.reconcile(now)
             self._maybe_publish(now)
             self._prune(now)
+            self._replan = False
+            self._planned = record.roster.version
+            self._benched = frozenset(record.benched)
+            self._release_at = self.failures.cooldown.next_release(now)
         return record.take_actions()
 
     def _maybe_publish(self, now: float) -> None:
@@ -182,7 +202,7 @@ class DriverCore:
         all the same, `is_void`); a host leaves once it is neither offered
         nor hosting a worker on record; a cool-down, once it is forgotten.
         """
-        self.record.roster.prune(self.generations.named())
+        self.record.roster.prune(self.generations.names)
         self.scaling.prune(now)
         self.paces.prune(now)
 
@@ -193,8 +213,10 @@ class DriverCore:
             # declared dead (killed as hung, or cut off and healed): its death is recorded, its word is void
             logger.info("ignored %s from worker %s, declared dead", type(msg).__name__, sender)
             return
+        if not isinstance(msg, (m.Tick, m.PingResults, m.HostsDiscovered, m.PacesReported)):
+            self._replan = True  # the others change the plan's inputs only through statuses and benched hosts
         if isinstance(msg, m.HostsDiscovered):
-            self.scaling.update_hosts(msg.hosts, now)
+            self._replan |= self.scaling.update_hosts(msg.hosts, now)
         elif isinstance(msg, m.NodesDraining):
             self.scaling.on_draining(msg.deadlines, now)
         elif isinstance(msg, m.WorkerReady):

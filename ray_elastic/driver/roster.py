@@ -17,7 +17,7 @@ not as one object per worker.
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable
+from collections.abc import Callable
 from operator import attrgetter
 from typing import Any
 
@@ -131,13 +131,12 @@ class Roster:
     def hosts_in_use(self) -> set[str]:
         return {r.host for r in self.workers.values()}
 
-    def prune(self, named: Iterable[str]) -> bool:
-        """Forget the workers that are gone and that no generation, sync or boot announcement names.
+    def prune(self, named: Callable[[str], bool]) -> bool:
+        """Forget the workers that are gone and that no generation, sync or boot announcement names (`named`).
 
-        Returns whether any was forgotten.
+        Returns whether any was forgotten. Only the gone are looked at: a few, at any size.
         """
-        named = set(named)
-        gone = [w for w in self._by_status[WorkerStatus.GONE] if w not in named]
+        gone = [w for w in self._by_status[WorkerStatus.GONE] if not named(w)]
         for worker_id in gone:
             del self.workers[worker_id], self._by_status[WorkerStatus.GONE][worker_id]
             self.fenced.discard(worker_id)

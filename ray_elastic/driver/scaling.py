@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from operator import attrgetter
 
-from ray_elastic.assignment import Cooldown, LiveWorker, plan_scaling
+from ray_elastic.assignment import Cooldown, plan_scaling
 from ray_elastic.driver import messages as m
 from ray_elastic.driver.generations import Generations
 from ray_elastic.driver.record import RunRecord
@@ -23,6 +24,8 @@ from ray_elastic.driver.roster import IN_RING, WorkerRecord, WorkerStatus
 from ray_elastic.protocol import EventKind
 
 logger = logging.getLogger(__name__)
+
+_BY_SEQ = attrgetter("seq")
 
 
 class Scaling:
@@ -38,16 +41,22 @@ class Scaling:
         self._autoscale_requested = 0
 
     # ---- what the cluster says ---------------------------------------------------------
-    def update_hosts(self, offered: Mapping[str, int], now: float) -> None:
-        """Take discovery's view; a host missing from one poll only is kept until the next (a blip is absorbed)."""
+    def update_hosts(self, offered: Mapping[str, int], now: float) -> bool:
+        """Take discovery's view; a host missing from one poll only is kept until the next (a blip is absorbed).
+
+        Returns whether the view changed (the same hosts again change nothing).
+        """
+        hosts = self.record.hosts
+        if offered == hosts and not self._missing_once:
+            return False
         for host in offered:
             self.host_first_seen.setdefault(host, now)
-        hosts = self.record.hosts
         missing = {h: n for h, n in hosts.items() if h not in offered and h not in self._missing_once}
         if missing:
             logger.info("discovery no longer offers %s; kept until the next poll confirms it", sorted(missing))
         self._missing_once = set(missing)
         self.record.hosts = {**missing, **offered}
+        return True
 
     def on_draining(self, deadlines: Mapping[str, float], now: float) -> None:
         """Ray drains these nodes (a preemption notice): their workers leave at their next check."""
@@ -62,12 +71,10 @@ class Scaling:
         """Bring the workers in line with the hosts: start newcomers, let leavers go."""
         record, config = self.record, self.record.config
         roster = record.roster
-        staying = (
-            roster.live(WorkerStatus.STARTING, WorkerStatus.READY, WorkerStatus.MEMBER)
-            + self.generations.pending_leavers()
-        )
+        leavers = self.generations.pending_leavers()
+        staying = roster.live(WorkerStatus.STARTING, WorkerStatus.READY, WorkerStatus.MEMBER) + leavers
         decision = plan_scaling(
-            [LiveWorker(r.worker_id, r.host, r.seq) for r in staying],
+            [r.live for r in staying],
             self._usable_hosts(staying),
             self.host_first_seen,
             self.cooldown.cooling(now),
@@ -75,13 +82,13 @@ class Scaling:
         )
         remove = set(decision.remove)
         held = self._hold_over(remove)
-        for rec in staying:
-            if rec.worker_id in remove:
-                if rec.status in IN_RING:
-                    rec.status = WorkerStatus.LEAVING  # leaves gracefully with the next generation
-                else:
-                    record.let_go(rec)
-            elif rec.status is WorkerStatus.LEAVING:
+        for rec in sorted((roster[w] for w in remove), key=_BY_SEQ):  # a few: not a pass over every worker
+            if rec.status in IN_RING:
+                rec.status = WorkerStatus.LEAVING  # leaves gracefully with the next generation
+            else:
+                record.let_go(rec)
+        for rec in leavers:
+            if rec.worker_id not in remove:
                 logger.info("worker %s stays: its host is offered again before it left", rec.worker_id)
                 rec.status = WorkerStatus.MEMBER
         add = dict(decision.add)
@@ -118,9 +125,11 @@ class Scaling:
         with others has synced, so the state is handed over, never dropped.
         """
         gens, roster = self.generations, self.record.roster
-        members = [roster[w] for w in gens.plan if roster[w].status in IN_RING]
-        removed = [r for r in members if r.worker_id in remove]
-        if not removed or any(r.worker_id not in remove and r.worker_id not in gens.syncing for r in members):
+        removed = [roster[w] for w in remove if w in gens.plan and roster[w].status in IN_RING]
+        if not removed:
+            return None
+        members = (roster[w] for w in gens.plan if roster[w].status in IN_RING)
+        if any(r.worker_id not in remove and r.worker_id not in gens.syncing for r in members):
             return None
         keep = min(removed, key=lambda r: r.seq)
         remove.discard(keep.worker_id)
@@ -159,7 +168,10 @@ class Scaling:
         roster = self.record.roster
         if self._holding is not None and self._holding not in roster.workers:
             self._holding = None
-        in_use = roster.hosts_in_use()
-        for host in [h for h in self.host_first_seen if h not in self.record.hosts and h not in in_use]:
-            del self.host_first_seen[host]
+        offered_no_more = [h for h in self.host_first_seen if h not in self.record.hosts]
+        if offered_no_more:  # rare: a scan of every worker's host only then
+            in_use = roster.hosts_in_use()
+            for host in offered_no_more:
+                if host not in in_use:
+                    del self.host_first_seen[host]
         self.cooldown.forget(now)
