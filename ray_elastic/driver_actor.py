@@ -75,9 +75,9 @@ class DriverActor:
         self.metrics = MetricsLog(run_id)
         self._metric_seqs: dict[str, Seqs] = {}  # per worker: the metrics batches taken
         self.ledger = CallLedger(run_id, self._run_token)
-        self.inbox = Inbox(config, self.ledger, self._host_of)
+        self.inbox = Inbox(config, self.ledger, lambda worker_id: self.core.host_of(worker_id))
         self.pool = WorkerPool(namespace, config, self._run_token, self.inbox.put)
-        self.liveness = LivenessRounds(config, self.pool, self._alive_hosts, self.inbox.put)
+        self.liveness = LivenessRounds(config, self.pool, lambda: self.core.alive_hosts(), self.inbox.put)
         self.kv: KVLink | None = None  # found by name (`_load_start`)
         self._discovery_spec: Any = None
         self._tasks: list[asyncio.Task] = []
@@ -127,17 +127,7 @@ class DriverActor:
             self._started.set()
             self.ledger.answer_all()
             self._cleanup()
-        first, unfetched = self.metrics.fetch(0)
-        return RunOutcome(
-            ok=self.core.failure is None,
-            error=self.core.failure,
-            value=self.core.return_value,
-            metrics=unfetched,
-            metrics_from=first,
-            events=[e.to_dict() for e in self.core.events],
-            resets=self.core.resets,
-            checkpoint_error=self.core.checkpoint_error,
-        )
+        return self.core.outcome(*self.metrics.fetch(0))
 
     async def _load_start(self) -> None:
         """Find the run's KV actor by name, take train_fn's payload and the discovery spec from the GCS.
@@ -205,13 +195,6 @@ class DriverActor:
             # before the actions: a restarted driver asks again what they may have lost
             await self._persist(core_changed=changed)
             await self._carry_out(actions)
-
-    def _host_of(self, worker_id: str) -> str | None:
-        rec = self.core.workers.get(worker_id)
-        return rec.host if rec is not None else None
-
-    def _alive_hosts(self) -> dict[str, str]:
-        return {w: self.core.workers[w].host for w in self.core.alive_ids()}
 
     # ---- durability --------------------------------------------------------------------
     async def _persist(self, core_changed: bool = True) -> None:

@@ -148,7 +148,7 @@ class RestartedDriver(DriverActor):
         self.metrics = MetricsLog("run1")
         self._metric_seqs = {}
         self.ledger = CallLedger("run1", self._run_token)
-        self.inbox = Inbox(self.config, self.ledger, self._host_of)
+        self.inbox = Inbox(self.config, self.ledger, self.core.host_of)
         self.pool = WorkerPool("ns", self.config, self._run_token, self.inbox.put)
         self._tasks = []
         self._started = asyncio.Event()

@@ -46,7 +46,7 @@ from ray_elastic.driver.policies import PublishVerdict
 from ray_elastic.driver.record import RunRecord
 from ray_elastic.driver.roster import ALIVE, WorkerRecord, WorkerStatus
 from ray_elastic.driver.scaling import Scaling
-from ray_elastic.protocol import DriverState, EventKind, UserError
+from ray_elastic.protocol import DriverState, EventKind, RunOutcome, UserError
 
 __all__ = ["ALIVE", "DriverCore", "WorkerRecord", "WorkerStatus"]
 
@@ -120,6 +120,27 @@ class DriverCore:
 
     def alive_ids(self) -> list[str]:
         return self.record.roster.alive_ids()
+
+    def alive_hosts(self) -> dict[str, str]:
+        """Each live worker's host, for the liveness rounds."""
+        return {r.worker_id: r.host for r in self.record.roster.live(*ALIVE)}
+
+    def host_of(self, worker_id: str) -> str | None:
+        rec = self.record.roster.get(worker_id)
+        return rec.host if rec is not None else None
+
+    def outcome(self, metrics_from: int, metrics: list) -> RunOutcome:
+        """The run's outcome for `fit()`, with the reports it has not fetched (from run-wide number `metrics_from`)."""
+        return RunOutcome(
+            ok=self.failure is None,
+            error=self.failure,
+            value=self.return_value,
+            metrics=metrics,
+            metrics_from=metrics_from,
+            events=[e.to_dict() for e in self.events],
+            resets=self.resets,
+            checkpoint_error=self.checkpoint_error,
+        )
 
     def is_void(self, worker_id: str) -> bool:
         """Whether nothing `worker_id` sends counts: declared dead, or no longer on record."""
