@@ -23,7 +23,7 @@ import pytest
 
 import ray_elastic.horovod.ray as hray
 from ray_elastic.horovod.ray import ElasticRayExecutor, RayExecutor, TestDiscovery
-from ray_elastic.horovod.ray.sessions import Callbacks, _Forwarding
+from ray_elastic.horovod.ray.sessions import Callbacks
 from ray_elastic.horovod.ray.settings import HorovodRayWarning
 from ray_elastic.horovod.ray.worker_loop import MARK
 from ray_elastic.trainer import _Reports
@@ -126,7 +126,7 @@ def test_callbacks_get_rank0_reports_once_and_never_the_command_markers():
     got = []
     calls = Callbacks()
     calls.begin([got.append])
-    forwarding = _Forwarding(_Reports(None), calls)
+    forwarding = _Reports(None, calls)  # fit(on_report=calls)'s own path
     forwarding.take(0, [(0.0, {"loss": 1.0}), (0.1, {MARK: 0})])
     forwarding.take(0, [(0.0, {"loss": 1.0}), (0.1, {MARK: 0}), (0.2, {"loss": 0.5})])  # fit() re-fetches
     assert got == [{"loss": 1.0}, {"loss": 0.5}] and calls.wait_marked(0, 0)
@@ -139,6 +139,50 @@ def test_callbacks_get_rank0_reports_once_and_never_the_command_markers():
     assert isinstance(calls.end(), KeyError)
     with pytest.raises(ValueError, match="callbacks must be callables"):
         calls.begin([3])
+
+
+def test_num_hosts_places_exactly_num_workers_per_host_on_each_node_and_skips_smaller_nodes(monkeypatch):
+    from ray_elastic.assignment import plan_scaling
+    from ray_elastic.horovod.ray import runner
+
+    cluster_slots = {"old": 4, "small": 1, "mid": 2, "young": 3}
+    monkeypatch.setattr(runner.RayClusterDiscovery, "__call__", lambda self: dict(cluster_slots))
+    executor = RayExecutor(RayExecutor.create_settings(), num_hosts=2, num_workers_per_host=2)
+    hosts = runner._ExactlyPerHost(executor.plan.per_host, executor.resources)()
+    assert hosts == {"old": 2, "mid": 2, "young": 2}  # "small" cannot hold 2; "old" offers 2 of its 4
+    first_seen = {"old": 1.0, "small": 2.0, "mid": 3.0, "young": 4.0}
+    plan = plan_scaling([], hosts, first_seen, (), executor.plan.num_workers)
+    assert plan.add == {"old": 2, "mid": 2}  # 2 nodes x 2 workers, none split 3 + 1
+
+
+def test_horovod_ray_names_with_no_counterpart_warn_or_raise_naming_themselves():
+    import queue
+
+    settings = RayExecutor.create_settings()
+    with pytest.raises(AttributeError, match="start_timeout.*timeout_s and placement_group_timeout_s"):
+        settings.start_timeout  # noqa: B018 - reading it is the point
+    settings.key, settings.ssh_port = "secret", 22
+    with pytest.warns(HorovodRayWarning, match=r"ssh_port \(.*\); key \("):
+        RayExecutor(settings, num_workers=2)
+    # horovod.ray's worker logging hook: dicts go to the queue it was given, as there
+    q = queue.Queue()
+    hray.BaseHorovodWorker().set_queue(q)
+    try:
+        hray.ray_logger.log({"loss": 1.0})
+        assert q.get_nowait() == {"loss": 1.0}
+    finally:
+        hray.ray_logger.configure(None)
+    with pytest.raises(ValueError, match="queue with put"):
+        hray.ray_logger.configure(3)
+    # elastic_v2's discoveries, with its cpus_per_worker spelling
+    from ray_elastic.horovod.ray.elastic_v2 import RayHostDiscovery as V2Discovery
+    from ray_elastic.horovod.ray.elastic_v2 import TestDiscovery as V2TestDiscovery
+
+    assert V2Discovery(use_gpu=True, cpus_per_worker=2, gpus_per_worker=1).per_worker == {"CPU": 2.0, "GPU": 1.0}
+    assert V2TestDiscovery(1, 2, 5, cpus_per_worker=3).per_worker == {"CPU": 3.0}
+    from ray_elastic.horovod.ray.runner import MiniSettings
+
+    assert isinstance(settings, MiniSettings)
 
 
 # ---- a static RayExecutor on the cluster ------------------------------------------------------------
@@ -246,6 +290,10 @@ def test_start_fails_with_timeout_when_the_cluster_cannot_place_every_worker_and
         executor.start()
     assert time.monotonic() - started < 60
     executor.shutdown()
+    executor = RayExecutor(settings, num_hosts=1, num_workers_per_host=3)  # no node holds 3
+    with pytest.raises(TimeoutError, match="num_hosts=1 with num_workers_per_host=3 needs"):
+        executor.start()
+    executor.shutdown()
     executor = RayExecutor(RayExecutor.create_settings(), num_workers=2)
     with pytest.raises(OSError, match="no such device"):
         executor.start(executable_cls=Broken)
@@ -301,3 +349,65 @@ def test_horovods_elastic_ray_example_lives_through_a_sigkill_and_test_discovery
     logged = re.search(r"^\[callback\] (\d+) steps at world sizes \[(.*)\]$", proc.stdout, re.MULTILINE)
     assert logged and int(logged.group(1)) > 0 and len(logged.group(2).split(",")) > 1, out[-3000:]
     print(f"{executor}: world sizes per epoch {sizes}; {len(results)} results")
+
+
+BASIC_SCRIPT = Path(__file__).parent / "horovod_scripts" / "basic_ray_elastic.py"
+BASIC_SAMPLES, BASIC_EPOCHS, BASIC_LR = 256, 4, 0.01
+
+
+@pytest.mark.integration
+def test_horovods_basic_ray_elastic_example_lives_through_a_sigkill_and_test_discoverys_host_changes(
+    cluster, no_leaks, tmp_path
+):
+    """examples/ray/basic_ray_elastic.py as a horovod.ray user runs it: what its progress bars and checkpoints show."""
+    import math
+
+    import torch
+
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["RAY_ADDRESS"] = cluster.address
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    checkpoints = str(tmp_path / "checkpoint-{epoch}.pth.tar")
+    argv = [
+        *("--no-cuda", "--epochs", str(BASIC_EPOCHS), "--samples", str(BASIC_SAMPLES), "--lr", str(BASIC_LR)),
+        *("--log-dir", str(tmp_path / "logs"), "--checkpoint-format", checkpoints, "--change-frequency-s", "4"),
+        *("--min-hosts", "1", "--max-hosts", "2", "--batches-per-commit", "4", "--batches-per-host-check", "1"),
+        *("--kill-at", "1,3"),
+    ]
+    proc = subprocess.run(
+        [sys.executable, str(BASIC_SCRIPT), *argv], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=400
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-6000:]
+    assert Path(checkpoints.format(epoch="killed")).exists(), "rank 1 never SIGKILLed itself"
+
+    logged = [json.loads(line) for line in (tmp_path / "logs" / "scalars.jsonl").read_text().splitlines()]
+    sizes = [info["world_size"] for info in logged]
+    steps = list(zip(sizes, sizes[1:], strict=False))
+    # the world shrank (the kill, a withdrawn host) and grew again (a host given back, the replacement)
+    assert any(b < a for a, b in steps) and any(b > a for a, b in steps), sizes
+    assert [info["epoch"] for info in logged] == sorted(info["epoch"] for info in logged)  # never went back
+    for info in logged:  # tqdm's bar length: this rank's share of the epoch, in batches of 8
+        assert info["total"] == math.ceil(math.ceil(BASIC_SAMPLES / info["world_size"]) / 8), info
+        assert math.isfinite(info["train/loss"]) and 0 <= info["train/accuracy"] <= 100, info
+    for epoch in range(BASIC_EPOCHS):  # each epoch ended with one whole pass, its bar full, at one world size
+        mine = [info for info in logged if info["epoch"] == epoch]
+        tail = len(mine) - max(
+            (i + 1 for i, info in enumerate(mine) if info["world_size"] != sizes_of(mine)[-1]), default=0
+        )
+        assert tail >= mine[-1]["total"], (epoch, sizes_of(mine))
+
+    # every worker that finished, by rank: run() returned None in each, as horovod's example does
+    results = json.loads(re.search(r"^RESULTS (.*)$", proc.stdout, re.MULTILINE).group(1))
+    assert results == [None] * sizes[-1], (results, sizes[-1])
+    # rank 0's checkpoint per epoch; the scheduler stepped once per epoch through the kill and the resets
+    for epoch in range(1, BASIC_EPOCHS + 1):
+        assert Path(checkpoints.format(epoch=epoch)).exists(), epoch
+    final = torch.load(checkpoints.format(epoch=BASIC_EPOCHS), weights_only=False)
+    assert final["scheduler"]["last_epoch"] == BASIC_EPOCHS
+    assert final["scheduler"]["base_lrs"] == [pytest.approx(BASIC_LR * sizes[-1])]
+    print(f"basic_ray_elastic: world sizes {sorted(set(sizes))}, {len(logged)} steps, {len(results)} results")
+
+
+def sizes_of(logged):
+    return [info["world_size"] for info in logged]

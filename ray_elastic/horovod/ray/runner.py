@@ -30,6 +30,7 @@ import ray
 from ray_elastic.discovery import RayClusterDiscovery
 from ray_elastic.horovod.ray import settings as s
 from ray_elastic.horovod.ray.sessions import StaticSession, run_elastic
+from ray_elastic.horovod.ray.settings import MiniSettings
 from ray_elastic.horovod.ray.worker_loop import call_with
 
 logger = logging.getLogger(__name__)
@@ -44,8 +45,12 @@ class RayExecutor:
         settings: from `RayExecutor.create_settings()`.
         num_workers: static world size.
         num_hosts: with `num_workers_per_host`, the static world size
-            `num_hosts * num_workers_per_host`; no node holds more than
-            `num_workers_per_host` of them (ranks fill nodes oldest first).
+            `num_hosts * num_workers_per_host`: exactly `num_workers_per_host`
+            workers on each of `num_hosts` nodes, as horovod.ray's
+            STRICT_SPREAD placement does (ranks are contiguous per node, nodes
+            oldest first); nodes holding fewer slots are not used, and
+            `start()` raises `TimeoutError` naming both numbers when fewer
+            than `num_hosts` nodes hold that many.
         num_workers_per_host: see `num_hosts` (default 1).
         cpus_per_worker: CPUs per worker (default 1).
         use_gpu: one GPU per worker (or `gpus_per_worker`); NCCL then carries the ring.
@@ -73,12 +78,12 @@ class RayExecutor:
         ssh_str: str | None = None,
         placement_group_timeout_s: float = 100,
         nics: set[str] | None = None,
-    ) -> s.MiniSettings:
+    ) -> MiniSettings:
         """horovod.ray's settings: the start timeouts and the ring's interface (ssh arguments warn: no ssh here)."""
         s.warn_no_counterpart(
             "RayExecutor.create_settings", {"ssh_identity_file": ssh_identity_file, "ssh_str": ssh_str}
         )
-        return s.MiniSettings(
+        return MiniSettings(
             nics=s.check_nics(nics),
             ssh_identity_file=ssh_identity_file,
             timeout_s=s.check_seconds("timeout_s", timeout_s),
@@ -135,6 +140,9 @@ class RayExecutor:
             if not hasattr(self.settings, name):
                 raise ValueError(f"settings has no {name!r}: make it with RayExecutor.create_settings()")
         s.check_nics(self.settings.nics)
+        # fields a script may set on the settings after create_settings(), or a Horovod Settings object carries
+        moot = {name: getattr(self.settings, name, None) for name in ("ssh_port", "key")}
+        s.warn_no_counterpart("RayExecutor settings", moot)
 
     def start(
         self,
@@ -162,7 +170,7 @@ class RayExecutor:
             self._started = (env, executable)
             return
         timeout = self.settings.placement_group_timeout_s + self.settings.timeout_s
-        discovery = _AtMostPerHost(self.plan.per_host, self.resources) if self.plan.per_host else None
+        discovery = _ExactlyPerHost(self.plan.per_host, self.resources) if self.plan.per_host else None
         trainer_kwargs = {
             "resources_per_worker": self.resources,
             "discovery": discovery,
@@ -171,7 +179,16 @@ class RayExecutor:
             "verbose": int(bool(self.settings.verbose)),
         }
         self._session = StaticSession(self.plan.num_workers, env, executable, trainer_kwargs)
-        self._session.wait_started(timeout)
+        try:
+            self._session.wait_started(timeout)
+        except TimeoutError as e:
+            if not self.plan.per_host:
+                raise
+            raise TimeoutError(
+                f"{e}; num_hosts={self.plan.num_workers // self.plan.per_host} with "
+                f"num_workers_per_host={self.plan.per_host} needs that many nodes with "
+                f"{self.plan.per_host} worker slots ({self.resources} each) free on every one"
+            ) from e
 
     def run(
         self,
@@ -338,14 +355,21 @@ def trainer_discovery(discovery: Any) -> Any:
 
 
 @dataclass(frozen=True)
-class _AtMostPerHost:
-    """The Ray cluster's nodes, each offering at most `per_host` slots (num_hosts * num_workers_per_host)."""
+class _ExactlyPerHost:
+    """The Ray cluster's nodes that hold `per_host` workers, each offering exactly `per_host` slots.
+
+    With `num_hosts * num_workers_per_host` workers and hosts filled oldest
+    first, every node used gets exactly `per_host` of them, as horovod.ray's
+    one STRICT_SPREAD bundle per host does; a node that holds fewer is left
+    out rather than given a partial share.
+    """
 
     per_host: int
     per_worker: dict[str, float]
 
     def __call__(self) -> dict[str, int]:
-        return {host: min(slots, self.per_host) for host, slots in RayClusterDiscovery(self.per_worker)().items()}
+        hosts = RayClusterDiscovery(self.per_worker)()
+        return {host: self.per_host for host, slots in hosts.items() if slots >= self.per_host}
 
 
 def _warn_moot(why: str, given: dict[str, Any]) -> None:

@@ -40,16 +40,29 @@ class MiniSettings:
       that carries the node's IP.
     - `verbose`: 0 hides the progress and event lines, 1 shows them.
     - `discovery`: read in elastic mode when `override_discovery=False`.
+    - `ssh_port`, `ssh_identity_file`, `key`: horovod.ray's fields, kept so a
+      script that sets them runs; the executor warns naming any that is set
+      (no ssh; the run's actors share a secret of their own).
+    - `start_timeout`: horovod's `Timeout` object; reading it raises, naming
+      `timeout_s` and `placement_group_timeout_s`, which bound the start here.
     """
 
     nics: set[str] | None = None
     verbose: int = 1
+    key: str | None = None
     ssh_port: int | None = None
     ssh_identity_file: str | None = None
     timeout_s: float = 300
     placement_group_timeout_s: float = 100
     elastic: bool = False
     discovery: Any = None
+
+    @property
+    def start_timeout(self) -> Any:
+        raise AttributeError(
+            "MiniSettings.start_timeout (horovod's Timeout object) has no counterpart in ray-elastic: "
+            "timeout_s and placement_group_timeout_s bound the start"
+        )
 
 
 @dataclass

@@ -4,8 +4,8 @@ In horovod.ray it is the Ray actor class itself; here ray-elastic's worker
 actor runs the training function, and this object lives inside it: it
 builds `executable_cls(*args, **kwargs)` once (`start_executable`) and calls
 `fn(executable)` for `execute`. Its helper methods (`node_id`, `hostname`,
-`get_gpu_ids`, `update_env_vars`, `env_vars`) work as horovod.ray's do, so a
-class written as a mixin of it keeps working.
+`get_gpu_ids`, `update_env_vars`, `env_vars`, `set_queue`) work as
+horovod.ray's do, so a class written as a mixin of it keeps working.
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ from collections.abc import Callable
 from typing import Any
 
 import ray
+
+from ray_elastic.horovod.ray import ray_logger
 
 
 class BaseHorovodWorker:
@@ -65,3 +67,7 @@ class BaseHorovodWorker:
     def execute(self, func: Callable[[Any], Any]) -> Any:
         """`func(executable)`."""
         return func(self.executable)
+
+    def set_queue(self, queue: Any) -> None:
+        """Send this process's `ray_logger.log` dicts to `queue.put()` (horovod.ray's logging hook)."""
+        ray_logger.configure(queue)
