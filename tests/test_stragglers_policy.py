@@ -120,3 +120,16 @@ def test_probation_a_second_eviction_doubles_the_cool_down():
     # a host that kept pace for max_s after its re-admission starts over
     probation.forget(now=60.0 + 301.0)
     assert probation.evicted("nodeA", now=400.0)[0] == 10.0
+
+
+def test_a_straggler_slow_inside_the_collectives_is_judged_against_the_healthy_rings_communication():
+    # a CPU-starved rank is slow in the ring too: it waits 8 ms per step, the others 9.6 ms, for steps of 10 ms
+    # where compute is 0.7 ms (a small model); the healthy ring communicated 2 ms per step
+    straggler = [(0.0018, 0.008)] * WINDOW
+    others = [(0.0007, 0.0096)] * WINDOW
+    paces = {"w0": summaries(others), "w1": summaries(others), "w2": summaries(others), "w3": summaries(straggler)}
+    kept = judge(paces)
+    assert kept.verdict is Straggler.KEPT and "not measured healthy" in kept.reason  # its own wait stands in
+    evicted = judge_stragglers(paces, generation=1, min_workers=1, healthy_comm=0.002)
+    assert evicted.verdict is Straggler.EVICT and "measured while no rank straggled" in evicted.reason
+    assert evicted.speedup == pytest.approx(0.0098 / (4 / 3 * 0.0027), rel=0.02)

@@ -41,6 +41,9 @@ class PaceWatch:
         self.probation = Probation(*record.config.cooldown_range)
         self.paces: dict[str, deque[PaceSummary]] = {}
         self._judged_at: float | None = None
+        self._waits: deque[float] = deque(maxlen=2000)  # the current generation's waits per step, every member's
+        self._waits_of = 0  # their generation
+        self.comm: dict[int, float] = {}  # world size -> the ring's communication per step, measured healthy
         self._told: set[tuple[str, int]] = set()  # (worker, generation) reported as a straggler kept
 
     def on_paces(self, msg: m.PacesReported, now: float) -> None:
@@ -50,6 +53,10 @@ class PaceWatch:
         gens, roster = self.generations, self.record.roster
         if gens.syncing or not gens.plan or msg.worker_id not in gens.plan:
             return
+        if self._waits_of != gens.generation:
+            self._waits.clear()
+            self._waits_of = gens.generation
+        self._waits.extend(p.wait_per_step for p in msg.paces if p.generation == gens.generation and p.steps)
         if self._judged_at is not None and now - self._judged_at < INTERVAL_S:
             return  # once per interval is enough, and keeps the driver's loop flat at thousands of ranks
         if any(roster[w].status is not WorkerStatus.MEMBER for w in gens.plan):
@@ -63,6 +70,7 @@ class PaceWatch:
             generation=gens.generation,
             min_workers=config.min_workers,
             evict=config.evict_stragglers,
+            healthy_comm=self._healthy_comm(len(gens.plan)),
         )
         if verdict.verdict is Straggler.EVICT:
             self._evict(verdict.worker, verdict.reason, now)
@@ -74,6 +82,21 @@ class PaceWatch:
             ev = gens.event(EventKind.STRAGGLER_FOUND, detail, now)
             ev.reset_duration = 0.0
             self.record.events.append(ev)
+
+    def _healthy_comm(self, size: int) -> float | None:
+        """The ring's communication per step at this world size, as low as it was measured (None: not yet).
+
+        A low percentile (the 10th) of every member's waits in this
+        generation: in a healthy ring the last rank to arrive waits only for
+        the collective itself, and the intervals before a slowdown keep the
+        percentile there while a straggler inflates the others. Kept per
+        world size across generations, so that a host re-admitted while
+        still slow is judged against the ring as it was without it.
+        """
+        if len(self._waits) >= 2 * size:
+            low = sorted(self._waits)[len(self._waits) // 10]
+            self.comm[size] = min(self.comm.get(size, low), low)
+        return self.comm.get(size)
 
     def _full(self, worker_id: str) -> bool:
         kept = self.paces.get(worker_id)

@@ -38,14 +38,20 @@ room for the ranks' normal differences (rank 0 reports, commits and writes
 checkpoints; data loading varies), which are far below it here. Being slower
 is not enough: the run must be predicted faster without the rank. With n
 ranks, the time to process one global batch (n ranks' batches) is the
-straggler's step, `c_s + comm`; with n-1 ranks at the others' pace it is
-`n/(n-1) * (c_o + comm)`, where `c_s` is the straggler's compute per step,
-`c_o` the others' median and `comm` the straggler's own wait (the last rank
-to arrive waits only for the network). A rank is let go only when that is
-`MIN_GAIN` (10%) faster: an eviction costs one reset and the re-admission
-another, about a second each, repaid within ten seconds at that gain. In a
-world of two, a rank 1.5x slower is kept: alone, the other would take 2x as
-long per global batch.
+straggler's step, `c_s + w_s`: its compute and its own wait (the last rank
+to arrive waits only for the collective itself). With n-1 ranks at the
+others' pace it is `n/(n-1) * (c_o + comm)`, `c_o` the others' median
+compute and `comm` the communication of a healthy ring: a rank starved of
+CPU is slow inside the collectives too (each rank reduces and forwards its
+share of a ring allreduce), so its own wait overstates what the others
+would wait without it. The driver measures `comm` while no rank straggles
+(`healthy_comm`: a low percentile of the generation's waits, from before
+the slowdown); without such a measure the straggler's own wait stands in,
+which can keep a straggler but never evicts one wrongly. A rank is let go
+only when n-1 ranks are predicted `MIN_GAIN` (10%) faster: an eviction
+costs one reset and the re-admission another, about a second each, repaid
+within ten seconds at that gain. In a world of two, a rank 1.5x slower is
+kept: alone, the other would take 2x as long per global batch.
 """
 
 from __future__ import annotations
@@ -91,13 +97,16 @@ def judge_stragglers(
     generation: int,
     min_workers: int,
     evict: bool = True,
+    healthy_comm: float | None = None,
 ) -> StragglerVerdict:
     """Whether one of the current generation's members is a straggler, and what to do with it.
 
     `paces` holds every member's summaries, oldest first (older
     generations' are ignored); `min_workers` is never gone below; `evict`
-    False keeps every straggler and only reports it. At most one rank is
-    named per call: the slowest of the persistent ones.
+    False keeps every straggler and only reports it. `healthy_comm` is the
+    ring's communication per step measured while no rank straggled (None:
+    not measured). At most one rank is named per call: the slowest of the
+    persistent ones.
     """
     windows = {w: [s for s in ss if s.generation == generation and s.steps > 0][-WINDOW:] for w, ss in paces.items()}
     if len(windows) < 2:
@@ -123,21 +132,24 @@ def judge_stragglers(
     _, worker, c_o, slow = max(candidates)
     n = len(windows)
     c_s = statistics.median(s.compute_per_step for s in windows[worker])
-    comm = pace[worker][1]
-    with_it = c_s + comm
+    w_s = pace[worker][1]
+    comm, measured_when = w_s, "its own wait: the ring was not measured healthy in this generation"
+    if healthy_comm is not None and healthy_comm < w_s:
+        comm, measured_when = healthy_comm, "measured while no rank straggled"
+    with_it = c_s + w_s
     without = n / (n - 1) * (c_o + comm)
     speedup = with_it / without
     others_wait = statistics.median(pace[o][1] for o in windows if o != worker)
     span = sum(s.end - s.start for s in windows[worker])
     measured = (
         f"{worker} computes {_ms(c_s)} per step, {c_s / c_o:.1f}x the others' median {_ms(c_o)}, in {slow} of its "
-        f"last {WINDOW} intervals ({span:.0f} s); it waits {_ms(comm)} per step in the gradient collectives, the "
+        f"last {WINDOW} intervals ({span:.0f} s); it waits {_ms(w_s)} per step in the gradient collectives, the "
         f"others {_ms(others_wait)} (for it); compute per step: "
         + ", ".join(f"{w} {_ms(pace[w][0])}" for w in sorted(pace))
     )
     predicted = (
-        f"predicted per global batch: {n} workers {_ms(with_it)} ({_ms(c_s)} + {_ms(comm)} communication), "
-        f"{n - 1} workers {_ms(without)} ({n}/{n - 1} x ({_ms(c_o)} + {_ms(comm)})): "
+        f"predicted per global batch: {n} workers {_ms(with_it)} ({_ms(c_s)} + {_ms(w_s)} waiting), "
+        f"{n - 1} workers {_ms(without)} ({n}/{n - 1} x ({_ms(c_o)} + {_ms(comm)} communication, {measured_when})): "
         f"{speedup:.2f}x as fast without it"
     )
     reason = f"{measured}; {predicted}"
