@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ray_elastic.checkpoint import load_checkpoint
 from ray_elastic.collective import (
     Average,
     CollectiveMismatchError,
@@ -132,6 +133,7 @@ __all__ = [
     "local_rank",
     "local_size",
     "rank",
+    "load_checkpoint",
     "report",
     "run",
     "set_argument_checks",

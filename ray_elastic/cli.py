@@ -257,6 +257,13 @@ def build_parser() -> argparse.ArgumentParser:
     durable.add_argument(
         "--checkpoint-every", type=int, default=10, metavar="K", help="commits between durable checkpoints (10)"
     )
+    durable.add_argument(
+        "--checkpoint-keep",
+        type=int,
+        default=2,
+        metavar="N",
+        help="how many of the newest durable checkpoints --checkpoint-dir keeps (2)",
+    )
 
     results = run.add_argument_group("results")
     results.add_argument(
@@ -407,6 +414,7 @@ def make_trainer(args: argparse.Namespace) -> Any:
         evict_stragglers=args.evict_stragglers,
         checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every,
+        checkpoint_keep=args.checkpoint_keep,
         keep_metrics=args.keep_metrics,
         verbose=args.verbose,
     )

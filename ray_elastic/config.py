@@ -30,6 +30,7 @@ class WorkerConfig:
     collective_timeout: float = 300.0  # one collective, and forming one ring
     checkpoint_dir: str | None = None  # durable checkpoints (local path or fsspec URL), written by rank 0
     checkpoint_every: int = 10  # commits between two durable checkpoints
+    checkpoint_keep: int = 2  # how many of the newest durable checkpoints checkpoint_dir keeps
     run_id: str = ""  # tags this worker's metrics
     datasets: tuple[str, ...] = ()  # the names of the run's Ray Datasets (`get_dataset_shard`)
 
@@ -52,6 +53,7 @@ class RunConfig:
     max_failures: int = 0
     checkpoint_dir: str | None = None
     checkpoint_every: int = 10
+    checkpoint_keep: int = 2
     keep_metrics: int | None = 100_000
     datasets: tuple[str, ...] = ()  # the names of the run's Ray Datasets (the datasets go to the feed actor)
     data_cpus: int = 1  # whole CPUs the workers leave free for Ray Data's tasks (with datasets= only)
@@ -82,6 +84,7 @@ class RunConfig:
         checkpoint_dir: str | os.PathLike | None,
         checkpoint_every: int,
         keep_metrics: int | None,
+        checkpoint_keep: int = 2,
         datasets: tuple[str, ...] = (),
         data_cpus: int = 1,
         data_starvation_timeout: float = 60.0,
@@ -112,6 +115,7 @@ class RunConfig:
             _check_int("reset_limit", reset_limit, 0)
         _check_int("max_failures", max_failures, 0)
         _check_int("checkpoint_every", checkpoint_every, 1)
+        _check_int("checkpoint_keep", checkpoint_keep, 1)
         _check_int("data_cpus", data_cpus, 0)  # Ray Data's tasks ask for whole CPUs (one each by default)
         if keep_metrics is not None:
             _check_int("keep_metrics", keep_metrics, 0)
@@ -148,6 +152,7 @@ class RunConfig:
             max_failures=max_failures,
             checkpoint_dir=url,
             checkpoint_every=checkpoint_every,
+            checkpoint_keep=checkpoint_keep,
             keep_metrics=keep_metrics,
             datasets=tuple(datasets),
             data_cpus=data_cpus,
@@ -163,6 +168,7 @@ class RunConfig:
             collective_timeout=self.collective_timeout,
             checkpoint_dir=self.checkpoint_dir,
             checkpoint_every=self.checkpoint_every,
+            checkpoint_keep=self.checkpoint_keep,
             run_id=run_id,
             datasets=self.datasets,
         )

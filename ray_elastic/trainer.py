@@ -67,6 +67,8 @@ class Result:
       `checkpoint_dir`) could not be written after its retries; training
       finished and `return_value` is rank 0's, but a later run resumes from
       an older checkpoint.
+    - `checkpoint_path`: where the run's last durable checkpoint is (a
+      local directory or an fsspec URL), or None; `checkpoint` opens it.
     """
 
     return_value: Any
@@ -77,6 +79,19 @@ class Result:
     run_id: str = ""
     metrics_dropped: int = 0
     checkpoint_error: str | None = None
+    checkpoint_path: str | None = None
+
+    @property
+    def checkpoint(self) -> Any:
+        """The last durable checkpoint as a `ray.train.Checkpoint` (a directory of plain files), or None.
+
+        `elastic.load_checkpoint(result.checkpoint)` gives its contents;
+        plain `torch.load` reads its `.pt` files. Needs `ray[train]` or
+        `ray[tune]` (`pip install 'ray-elastic[tune]'`).
+        """
+        from ray_elastic.checkpoint.opening import ray_checkpoint
+
+        return None if self.checkpoint_path is None else ray_checkpoint(self.checkpoint_path)
 
     def plot_timeline(self, path: str | os.PathLike) -> Path:
         """Save a PNG of world size and steps/s over time with the events marked; returns its path."""
@@ -124,10 +139,15 @@ class ElasticTrainer:
             run at the first one, with its traceback.
         checkpoint_dir: a local directory or an fsspec URL for durable
             checkpoints (None: in-memory commits only). Rank 0 writes the
-            committed state there every `checkpoint_every` commits, atomically;
-            a `fit()` that finds a checkpoint there resumes from it, and a run
-            that loses every worker at once resumes from it with fresh workers.
+            committed state there every `checkpoint_every` commits, as plain
+            files (`torch.save`d state dicts, JSON) in a directory of its own,
+            complete before it counts; a `fit()` that finds a checkpoint there
+            resumes from the latest, and a run that loses every worker at once
+            resumes from it with fresh workers. `Result.checkpoint` is the last one.
         checkpoint_every: commits between two durable checkpoints (default 10).
+        checkpoint_keep: how many of the newest checkpoints `checkpoint_dir`
+            keeps (default 2: the latest, and the one before it while the
+            latest is written); older ones are removed after each write.
         datasets: Ray Datasets by name (`{"train": ray.data.read_parquet(...)}`),
             streamed by the run's feed actor; inside `train_fn`,
             `elastic.get_dataset_shard(name)` is this rank's shard, trained
@@ -176,6 +196,7 @@ class ElasticTrainer:
         max_failures: int = 0,
         checkpoint_dir: str | os.PathLike | None = None,
         checkpoint_every: int = 10,
+        checkpoint_keep: int = 2,
         keep_metrics: int | None = 100_000,
         datasets: Mapping[str, Any] | None = None,
         data_cpus: int = 1,
@@ -220,6 +241,7 @@ class ElasticTrainer:
             max_failures=max_failures,
             checkpoint_dir=checkpoint_dir,
             checkpoint_every=checkpoint_every,
+            checkpoint_keep=checkpoint_keep,
             keep_metrics=keep_metrics,
             datasets=tuple(self.datasets),
             data_cpus=data_cpus,
@@ -303,7 +325,22 @@ class ElasticTrainer:
             run_id=run_id,
             metrics_dropped=reports.dropped,
             checkpoint_error=outcome.checkpoint_error,
+            checkpoint_path=self._latest_checkpoint(),
         )
+
+    def _latest_checkpoint(self) -> str | None:
+        """Where the run's latest durable checkpoint is (a path or URL), or None; storage errors only warn."""
+        if self.run_config.checkpoint_dir is None:
+            return None
+        store = CheckpointStore(self.run_config.checkpoint_dir)
+        try:
+            latest = within(
+                self.run_config.discovery_timeout, f"listing {store.url!r} (discovery_timeout)", store.latest
+            )
+        except Exception as e:  # noqa: BLE001 - training succeeded: a listing that fails must not lose its result
+            logger.warning("cannot find the latest checkpoint in %s: %s", store.url, e)
+            return None
+        return None if latest is None else store.url_of(latest)
 
     def _check_cluster_can_hold_a_worker(self) -> None:
         nodes = alive_ray_nodes()

@@ -1,7 +1,9 @@
 """Durable checkpoints: the store and the states without Ray, then resumption on real clusters.
 
 - `CheckpointStore` writes atomically and reads back what it wrote; a failed
-  write leaves the previous checkpoint intact.
+  write leaves the previous checkpoint intact (`test_checkpoint_files.py`:
+  the files themselves, the newest N kept, torn writes on local disk and on
+  fsspec's `memory://`).
 - `TorchState` / `ObjectState` round-trip a commit bit for bit into fresh
   objects (Adam moments and step counts included) and refuse a checkpoint of
   another model.
@@ -23,12 +25,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from soak import check_ledger, soak_train_fn
+from soak import check_ledger, digits, soak_train_fn
 from workloads import counting_train_fn
 
 import ray_elastic as elastic
 from ray_elastic import ElasticTrainer, TrainingFailedError
-from ray_elastic.checkpoint import CHECKPOINT_FILE, META_FILE, CheckpointStore, CheckpointWriter
+from ray_elastic.checkpoint import META_FILE, CheckpointStore, CheckpointWriter
+from ray_elastic.checkpoint.entries import load_entries, state_entries
 from ray_elastic.torch.sampler import ElasticSampler
 
 HERE = Path(__file__).parent
@@ -39,28 +42,32 @@ HERE = Path(__file__).parent
 
 def test_store_round_trips_and_leaves_no_temporary_file(tmp_path):
     store = CheckpointStore(str(tmp_path / "ckpt"))
-    assert store.read() is None
-    store.write({"w": [1, 2, 3]}, {"commit": 4})
-    state, meta = store.read()
-    assert state == {"w": [1, 2, 3]}
-    assert meta["commit"] == 4 and meta["written_at"] > 0
-    assert sorted(os.listdir(tmp_path / "ckpt")) == sorted([CHECKPOINT_FILE, META_FILE])
-    assert store.meta()["commit"] == 4
+    assert store.read() is None and not store.exists()
+    path = store.write({"w": [1.0, 2.0], "step": 3}, {"commit": 7})
+    entries, meta = store.read()
+    assert entries == {"w": [1.0, 2.0], "step": 3} and meta["commit"] == 7
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["checkpoint_000001"]
+    assert sorted(os.listdir(path)) == sorted(["values.json", META_FILE])
+
+
+class FailsToPickle:
+    def __reduce__(self):
+        raise OSError(28, "No space left on device")
 
 
 def test_failed_write_keeps_the_previous_checkpoint(tmp_path):
     store = CheckpointStore(str(tmp_path))
-    store.write({"good": True}, {"commit": 1})
-    with pytest.raises(Exception, match="pickle"):
-        store.write({"bad": lambda: None}, {"commit": 2})  # a lambda does not pickle
-    assert store.read()[0] == {"good": True}
-    assert sorted(os.listdir(tmp_path)) == sorted([CHECKPOINT_FILE, META_FILE])
+    store.write({"x": 1}, {"commit": 1})
+    with pytest.raises(OSError, match="No space left"):
+        store.write({"x": FailsToPickle()}, {"commit": 2})  # the write fails midway, as on a full disk
+    assert store.read()[0] == {"x": 1}
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint_000001"]
 
 
 def test_fsspec_urls_work(tmp_path):
     store = CheckpointStore(f"file://{tmp_path}/remote")
-    store.write([1.5], {"commit": 1})
-    assert CheckpointStore(str(tmp_path / "remote")).read()[0] == [1.5]
+    store.write({"w": [1.5]}, {"commit": 1})
+    assert CheckpointStore(str(tmp_path / "remote")).read()[0] == {"w": [1.5]}
 
 
 class FlakyStore(CheckpointStore):
@@ -70,11 +77,11 @@ class FlakyStore(CheckpointStore):
         super().__init__(url)
         self.failures = failures
 
-    def write(self, state, meta) -> None:
+    def write(self, entries, meta) -> str:
         if self.failures:
             self.failures -= 1
             raise OSError("503 Slow Down")
-        super().write(state, meta)
+        return super().write(entries, meta)
 
 
 def test_a_write_that_fails_once_is_retried_and_lands(tmp_path):
@@ -139,7 +146,7 @@ def test_torch_state_round_trips_a_commit_into_fresh_objects(tmp_path):
     state = elastic.torch.TorchState(model=model, optimizer=opt, sampler=sampler, epoch=2, note="x")
     committed = _flat(model, opt)
     store = CheckpointStore(str(tmp_path))
-    store.write(state.checkpoint_payload(), {"commit": 1})
+    store.write(state_entries(state), {"commit": 1})
     # training goes on after the commit: the checkpoint must still hold the commit
     opt.zero_grad()
     model(torch.randn(8, 6)).sum().backward()
@@ -149,7 +156,7 @@ def test_torch_state_round_trips_a_commit_into_fresh_objects(tmp_path):
     fresh_opt = torch.optim.Adam(fresh_model.parameters(), lr=0.5)  # no moments yet, another lr
     fresh_sampler = ElasticSampler(dataset, shuffle=True, seed=3)
     fresh = elastic.torch.TorchState(model=fresh_model, optimizer=fresh_opt, sampler=fresh_sampler, epoch=0, note="")
-    fresh.load_checkpoint(store.read()[0])
+    load_entries(fresh, store.read()[0])
     loaded = _flat(fresh_model, fresh_opt)
     assert len(loaded) == len(committed)
     assert all(torch.equal(a, b) for a, b in zip(loaded, committed, strict=True))
@@ -206,6 +213,8 @@ def test_torch_state_names_the_attribute_a_checkpoint_does_not_fit():
 def test_bad_checkpoint_options_are_refused_before_anything_starts():
     with pytest.raises(ValueError, match="checkpoint_every must be an integer >= 1"):
         ElasticTrainer(counting_train_fn, 1, 1, checkpoint_dir="/tmp/x", checkpoint_every=0)
+    with pytest.raises(ValueError, match="checkpoint_keep must be an integer >= 1, got 0"):
+        ElasticTrainer(counting_train_fn, 1, 1, checkpoint_dir="/tmp/x", checkpoint_keep=0)
     with pytest.raises(ValueError, match="fsspec cannot open it"):
         ElasticTrainer(counting_train_fn, 1, 1, checkpoint_dir="nosuchprotocol://bucket/x")
     with pytest.raises(ValueError, match="checkpoint_dir must be a path"):
@@ -259,6 +268,18 @@ def test_every_worker_lost_resumes_from_the_durable_checkpoint(cluster, no_leaks
     assert len(resumed_at) == 1 and 20 <= min(resumed_at) < 33, f"fresh workers resumed at steps {resumed_at}"
     figures = check_ledger(str(ledger), value["n"], epochs, max_world=4)
     assert figures["samples_checked"] >= epochs * value["n"]
+    # the last durable checkpoint, as users open it: a ray.train.Checkpoint of plain files, the newest 2 kept
+    from ray.train import Checkpoint
+
+    assert isinstance(result.checkpoint, Checkpoint)
+    assert [os.path.basename(p) for p in CheckpointStore(str(tmp_path / "ckpt")).checkpoints()] == sorted(
+        os.listdir(tmp_path / "ckpt")
+    )
+    assert len(os.listdir(tmp_path / "ckpt")) == 2, "checkpoint_keep=2 by default"
+    opened = elastic.load_checkpoint(result.checkpoint)
+    fresh = digits.make_model()
+    fresh.load_state_dict(torch.load(os.path.join(result.checkpoint.path, "model.pt")))
+    assert all(torch.equal(fresh.state_dict()[k], v) for k, v in opened["model"].items())
 
 
 @pytest.mark.integration

@@ -1,7 +1,9 @@
 """Which commits become durable checkpoints, and resuming from one.
 
-Rank 0 hands every `checkpoint_every`-th commit to a background
-`CheckpointWriter` (writes are retried and bounded by `collective_timeout`),
+Rank 0 hands every `checkpoint_every`-th commit, as plain entries (state
+dicts, values: `checkpoint/entries.py`), to a background `CheckpointWriter`
+(writes are retried and bounded by `collective_timeout`; the store keeps the
+newest `checkpoint_keep`),
 and a rank 0 that never synced loads the last durable checkpoint before its
 first sync (bounded by `collective_timeout` too: the other ranks wait for it
 in the sync; storage that does not answer is a `CheckpointError` naming it).
@@ -17,6 +19,7 @@ import ray
 
 from ray_elastic.assignment import WorkerSlot
 from ray_elastic.checkpoint import CheckpointStore, CheckpointWriter, within
+from ray_elastic.checkpoint.entries import load_entries, state_entries
 from ray_elastic.config import WorkerConfig
 from ray_elastic.rendezvous import KVClient
 
@@ -29,7 +32,7 @@ class CheckpointCadence:
     Args:
         worker_id: this worker's id, for the driver and the log.
         driver: the driver actor's handle (`worker_resumed` is sent to it).
-        settings: `checkpoint_dir`, `checkpoint_every` and `collective_timeout`
+        settings: `checkpoint_dir`, `checkpoint_every`, `checkpoint_keep` and `collective_timeout`
             (the bound of one checkpoint write and of the final flush).
     """
 
@@ -42,7 +45,9 @@ class CheckpointCadence:
         self._kv = kv
         self._writer: CheckpointWriter | None = None
         if settings.checkpoint_dir is not None:
-            self._writer = CheckpointWriter(CheckpointStore(settings.checkpoint_dir), fence=self._stale)
+            self._writer = CheckpointWriter(
+                CheckpointStore(settings.checkpoint_dir, keep=settings.checkpoint_keep), fence=self._stale
+            )
         self._resume_checked = False
 
     def _stale(self, meta: dict[str, Any]) -> str | None:
@@ -70,7 +75,7 @@ class CheckpointCadence:
         if slot.rank != 0 or commits % self.settings.checkpoint_every:
             return
         meta = {"commit": commits, "generation": generation, "world_size": slot.size}
-        self._writer.submit(state.checkpoint_payload(), meta, timeout=self.settings.collective_timeout)
+        self._writer.submit(state_entries(state), meta, timeout=self.settings.collective_timeout)
 
     def maybe_resume(self, state: Any, slot: WorkerSlot | None, ever_synced: bool) -> dict[str, Any] | None:
         """Before a sync: a rank 0 that never synced loads the durable checkpoint, if there is one; returns its meta.
@@ -90,8 +95,8 @@ class CheckpointCadence:
         )
         if found is None:
             return None
-        payload, meta = found
-        state.load_checkpoint(payload)
+        entries, meta = found
+        load_entries(state, entries)
         logger.info(
             "worker %s resumed from the checkpoint in %s: %s", self.worker_id, self.settings.checkpoint_dir, meta
         )

@@ -1,0 +1,31 @@
+"""Durable checkpoints: the committed state on disk or in object storage, in files users can open.
+
+`ElasticTrainer(checkpoint_dir=..., checkpoint_every=K, checkpoint_keep=N)`
+makes rank 0 write its committed state every K commits, keeping the newest
+N, so a run survives what in-memory commits cannot: every worker lost at
+once, or the whole cluster gone. A new `fit()` (or the driver, after losing
+every worker) starts fresh workers, and the one that becomes rank 0 loads
+the latest checkpoint before the first sync broadcasts it to the others.
+
+The parts: `store.py` (the directory of numbered checkpoints, each whole
+before it counts), `files.py` (one checkpoint as plain files: `.pt` for
+`torch.load`, JSON, pickles), `entries.py` and `torch_entries.py` (a state's
+commit as plain entries, state dicts for torch objects, and back),
+`writer.py` (rank 0's background writer), `opening.py` (`load_checkpoint`
+for users), `bounded.py` (storage calls with a deadline).
+"""
+
+from ray_elastic.checkpoint.bounded import CheckpointError, within
+from ray_elastic.checkpoint.opening import load_checkpoint
+from ray_elastic.checkpoint.store import META_FILE, CheckpointStore, normalize_url
+from ray_elastic.checkpoint.writer import CheckpointWriter
+
+__all__ = [
+    "META_FILE",
+    "CheckpointError",
+    "CheckpointStore",
+    "CheckpointWriter",
+    "load_checkpoint",
+    "normalize_url",
+    "within",
+]
