@@ -291,27 +291,10 @@ class TorchDistGroup(CollectiveGroup):
         if self.size == 1:
             out = t.clone() if t.dim() else t.reshape(1).clone()
         else:
-            out = self._allgather(t)
+            out = _allgather_rows(self, t)
         if isinstance(value, np.ndarray):
             return out.cpu().numpy()
         return out.to(value.device)
-
-    def _allgather(self, t: torch.Tensor) -> torch.Tensor:
-        lengths = torch.zeros(self.size, dtype=torch.int64, device=self.device)
-        lengths[self.rank] = t.shape[0] if t.dim() else 1
-        self._run("allgather", lambda: dist.all_reduce(lengths, op=dist.ReduceOp.SUM, async_op=True))
-        counts = lengths.tolist()
-        flat = t.reshape(-1) if t.dim() else t.reshape(1)
-        # elements per row from the shape, so a rank with zero rows pads like the others
-        row = math.prod(t.shape[1:]) if t.dim() else 1
-        longest = max(counts)
-        padded = torch.zeros(longest * row, dtype=t.dtype, device=self.device)
-        padded[: flat.numel()] = flat
-        parts = [torch.empty_like(padded) for _ in range(self.size)]
-        if padded.numel():
-            self._run("allgather", lambda: dist.all_gather(parts, padded, async_op=True))
-        pieces = [p[: int(n) * row] for p, n in zip(parts, counts, strict=False)]
-        return torch.cat(pieces).reshape(-1, *t.shape[1:]) if t.dim() else torch.cat(pieces)
 
     def broadcast_object(self, obj: Any, root_rank: int = 0) -> Any:
         """Root's object, pickled into a byte tensor: two broadcasts (length, then bytes), both abandonable."""
@@ -357,23 +340,7 @@ class TorchDistGroup(CollectiveGroup):
     def _cut_ring(self) -> list[Any]:
         """Cut the ring's connections and wait (at most `SETTLE_S`) for its works to end; those still pending."""
         with self._cutting:
-            return self._cut_and_settle()
-
-    def _cut_and_settle(self) -> list[Any]:
-        pending = [w for w in list(self._inflight.values()) if not w.is_completed()]
-        if self._sockets is None:
-            return pending
-        self._sockets.cut()
-        deadline = time.monotonic() + SETTLE_S
-        still = [w for w in pending if not _ends_within(w, deadline - time.monotonic())]
-        if still:
-            logger.warning(
-                "%d collective(s) of an abandoned %s ring did not end within %g s of cutting its connections",
-                len(still),
-                self.backend,
-                SETTLE_S,
-            )
-        return still
+            return _cut_and_settle(self._sockets, list(self._inflight.values()), self.backend)
 
     def close(self) -> None:
         _graveyard[:] = [(pg, works) for pg, works in _graveyard if not all(w.is_completed() for w in works)]
@@ -392,6 +359,46 @@ class TorchDistGroup(CollectiveGroup):
                 dist.destroy_process_group()
             except Exception:  # noqa: BLE001 - a broken ring may fail to tear down; it is dropped either way
                 pass
+
+
+def _allgather_rows(group: TorchDistGroup, t: torch.Tensor) -> torch.Tensor:
+    """Every rank's rows of `t`, concatenated by rank: ranks may hold different numbers of rows.
+
+    The counts are summed first, then each rank's rows are padded to the
+    longest and gathered; the padding is cut off again.
+    """
+    lengths = torch.zeros(group.size, dtype=torch.int64, device=group.device)
+    lengths[group.rank] = t.shape[0] if t.dim() else 1
+    group._run("allgather", lambda: dist.all_reduce(lengths, op=dist.ReduceOp.SUM, async_op=True))
+    counts = lengths.tolist()
+    flat = t.reshape(-1) if t.dim() else t.reshape(1)
+    # elements per row from the shape, so a rank with zero rows pads like the others
+    row = math.prod(t.shape[1:]) if t.dim() else 1
+    padded = torch.zeros(max(counts) * row, dtype=t.dtype, device=group.device)
+    padded[: flat.numel()] = flat
+    parts = [torch.empty_like(padded) for _ in range(group.size)]
+    if padded.numel():
+        group._run("allgather", lambda: dist.all_gather(parts, padded, async_op=True))
+    pieces = [p[: int(n) * row] for p, n in zip(parts, counts, strict=False)]
+    return torch.cat(pieces).reshape(-1, *t.shape[1:]) if t.dim() else torch.cat(pieces)
+
+
+def _cut_and_settle(sockets: RingSockets | None, works: list[Any], backend: str) -> list[Any]:
+    """Cut the ring's connections (where they can be), then wait up to `SETTLE_S` for `works`; those still pending."""
+    pending = [w for w in works if not w.is_completed()]
+    if sockets is None:
+        return pending
+    sockets.cut()
+    deadline = time.monotonic() + SETTLE_S
+    still = [w for w in pending if not _ends_within(w, deadline - time.monotonic())]
+    if still:
+        logger.warning(
+            "%d collective(s) of an abandoned %s ring did not end within %g s of cutting its connections",
+            len(still),
+            backend,
+            SETTLE_S,
+        )
+    return still
 
 
 def _ends_within(work: Any, timeout: float) -> bool:

@@ -72,7 +72,7 @@ from ray_elastic.collective.factory import TORCH_BACKENDS
 from ray_elastic.collective.shm import can_reduce
 from ray_elastic.exceptions import HorovodInternalError
 from ray_elastic.runtime.pace import PACE
-from ray_elastic.runtime.process import current
+from ray_elastic.runtime.process import current, maybe_current
 
 AGREE_EVERY_S = 0.1  # how often, in training time, the ranks agree on a host change (see _Cadence)
 MAX_CHECKS_PER_AGREEMENT = 1000
@@ -369,7 +369,7 @@ class _AbandonableGroup(dist.ProcessGroup):
         opts = dist.AllreduceOptions() if opts is None else opts
         what = "DDP's gradient allreduce"
         if not self._pending:  # the backward's first allreduce: this rank's compute of the step ends
-            PACE.launched(current().generation)
+            PACE.launched(_generation())
         if self._shared is not None and can_reduce(tensors, opts.reduceOp == dist.ReduceOp.SUM):
             work = self._reduce_shared(tensors)
         elif self._settle:
@@ -414,7 +414,7 @@ class _AbandonableGroup(dist.ProcessGroup):
             else:
                 self._group.wait_work("DDP's gradient allreduce", work)  # idem
         PACE.waited(time.perf_counter() - waiting)
-        PACE.reduced(current().generation)
+        PACE.reduced(_generation())
         self._settle = False  # a static graph's first backward is over: the reducer finalizes after us from now on
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
@@ -503,3 +503,9 @@ def prepare_model(model: torch.nn.Module, **ddp_kwargs: Any) -> ElasticDDP:
             "'nccl' (GPU) to ElasticTrainer, or leave backend='auto'"
         )
     return ElasticDDP(model, {"gradient_as_bucket_view": True, **ddp_kwargs})
+
+
+def _generation() -> int:
+    """The worker's generation, for the pace meter; 0 for a process group used outside a worker (tests, tools)."""
+    ctx = maybe_current()
+    return ctx.generation if ctx is not None else 0
