@@ -45,6 +45,20 @@ class _Family:
     done: asyncio.Future  # set once none is missing (or failed when the generation is superseded)
     reply: Any = None  # the values, packed once complete and shared (see `KVServer.share_reply`)
 
+    def note(self, key: str, present: bool) -> bool:
+        """Key `key` came (`present`) or went; whether that completed the family (no member missing now)."""
+        suffix = key[len(self.prefix) :]
+        if not key.startswith(self.prefix) or not suffix.isdigit():
+            return False
+        index = int(suffix)
+        if index >= self.count or suffix != str(index):  # "07" is not rank 7's key
+            return False
+        if not present:
+            self.missing.add(index)
+            return False
+        self.missing.discard(index)
+        return not self.missing
+
 
 class KVServer:
     """The KV actor's logic: an asyncio object, run by Ray as `rendezvous.KVStore` or by any event loop.
@@ -300,20 +314,8 @@ class KVServer:
     def _count_family_key(self, generation: int, key: str, present: bool) -> None:
         """Key `key` came (`present`) or went: update the incomplete families of `generation` it belongs to."""
         for family in self._families.values():  # a family or two per generation
-            suffix = key[len(family.prefix) :]
-            if family.generation != generation or family.reply is not None:
-                continue
-            if not key.startswith(family.prefix) or not suffix.isdigit():
-                continue
-            index = int(suffix)
-            if index >= family.count or suffix != str(index):  # "07" is not rank 7's key
-                continue
-            if present:
-                family.missing.discard(index)
-                if not family.missing:
-                    self._complete(family)
-            else:
-                family.missing.add(index)
+            if family.generation == generation and family.reply is None and family.note(key, present):
+                self._complete(family)
 
     async def add(self, generation: int, key: str, amount: int) -> int:
         self._calls += 1
