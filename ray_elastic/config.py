@@ -221,8 +221,8 @@ def resolve_backend(backend: str, resources: Mapping[str, float]) -> str:
             return "pygloo"
         else:
             raise ValueError(
-                "backend='auto' needs torch (pip install 'ray-elastic[torch]') or, on Python <= 3.10, "
-                "pygloo (pip install 'ray-elastic[pygloo]')"
+                "backend='auto' needs torch (pip install torch; the 'torch' extra) or, on Python <= 3.10, "
+                "pygloo (pip install pygloo==0.2.1; the 'pygloo' extra)"
             )
     if backend == "nccl" and not wants_gpu:
         raise ValueError(
@@ -230,10 +230,10 @@ def resolve_backend(backend: str, resources: Mapping[str, float]) -> str:
             f"{{'CPU': 1, 'GPU': 1}} (got {dict(resources)})"
         )
     if backend in ("gloo", "nccl") and not has_torch:
-        raise ValueError(f"backend={backend!r} needs torch (pip install 'ray-elastic[torch]')")
+        raise ValueError(f"backend={backend!r} needs torch (pip install torch; the 'torch' extra of ray-elastic)")
     if backend == "pygloo" and not has_pygloo:
         raise ValueError(
             "backend='pygloo' needs pygloo, which has wheels for Python <= 3.10 only "
-            "(pip install 'ray-elastic[pygloo]')"
+            "(pip install pygloo==0.2.1; the 'pygloo' extra of ray-elastic)"
         )
     return backend

@@ -60,7 +60,9 @@ def plot_timeline(events: Sequence[Event], metric_times: Sequence[float], path: 
         from matplotlib.figure import Figure
         from matplotlib.lines import Line2D
     except ImportError as e:
-        raise ImportError("plot_timeline needs matplotlib: pip install 'ray-elastic[plot]'") from e
+        raise ImportError(
+            "plot_timeline needs matplotlib: pip install matplotlib (the 'plot' extra of ray-elastic)"
+        ) from e
     stamps = [e.time for e in events] + list(metric_times)
     if not stamps:
         raise ValueError("nothing to plot: the result has no events and no reported metrics")

@@ -2,8 +2,8 @@
 
 Backends: torch Gloo (when torch imports), pygloo (when pygloo imports: the
 Python 3.10 lane, `make test-pygloo`) and NCCL (when a GPU is visible; see
-README "Backends" for running it). Each is built through `make_group`, the
-factory the workers use, over a real KV actor, in `Member` actors (one process
+the user guide's "Backends", and CONTRIBUTING.md for running it). Each is
+built through `make_group`, the factory the workers use, over a real KV actor, in `Member` actors (one process
 each, `num_cpus=0`) on one Ray instance: the session's cluster when another
 module started it, else a plain local `ray.init`. The members are shared by the
 module, and each test runs many operations per remote call.
@@ -65,7 +65,7 @@ BACKENDS = [
             not HAS_PYGLOO, reason="pygloo is not installed: it has wheels for Python <= 3.10 (make test-pygloo)"
         ),
     ),
-    pytest.param("nccl", marks=pytest.mark.skipif(GPUS == 0, reason="no GPU on this machine (README: Backends)")),
+    pytest.param("nccl", marks=pytest.mark.skipif(GPUS == 0, reason="no GPU on this machine (user guide: Backends)")),
 ]
 WORLD_SIZES = [1, 2, 3, 4]
 OPS = [Sum, Average, Min, Max]

@@ -32,7 +32,7 @@ def load_backend(backend: str) -> None:
         except ImportError as e:
             raise RuntimeError(
                 f"backend 'pygloo' cannot be imported in this worker ({e}); pygloo has wheels up to Python 3.10: "
-                "pip install 'ray-elastic[pygloo]'"
+                "pip install pygloo==0.2.1 (Python <= 3.10; the 'pygloo' extra of ray-elastic)"
             ) from e
     elif backend == "nccl":
         from ray_elastic.collective import nccl  # optional dependency (torch)

@@ -1,4 +1,4 @@
-"""Ray Data input, exact per epoch through every membership change (`pip install 'ray-elastic[data]'`).
+"""Ray Data input, exact per epoch through every membership change (the `data` extra: `ray[data]`).
 
 `ElasticTrainer(..., datasets={"train": ds})` streams each dataset through
 the run's feed actor (`feed.py`); inside `train_fn`,
@@ -13,7 +13,7 @@ from ray_elastic.data.shard import DataShard, get_dataset_shard
 
 __all__ = ["DataShard", "get_dataset_shard", "check_datasets"]
 
-EXTRA = "pip install 'ray-elastic[data]'"
+EXTRA = "pip install 'ray[data]==2.60.*' (the 'data' extra of ray-elastic)"
 
 
 def check_datasets(datasets: object) -> dict[str, object]:
