@@ -170,7 +170,7 @@ def run_arm(arm: str, slow_node, slow_s: float, workdir: str) -> dict:
                 result = elastic.ElasticTrainer(
                     elastic_train_fn, min_workers=2, max_workers=world, config=config, verbose=0, **options
                 ).fit()
-                outcome["events"] = result.events
+                outcome["events"] = [e.to_dict() for e in result.events]
         except BaseException as e:  # noqa: BLE001 - reported with the arm's figures
             outcome["error"] = f"{type(e).__name__}: {e}"
 
@@ -266,6 +266,7 @@ def main() -> None:
             with tempfile.TemporaryDirectory(prefix=f"straggler-{arm}-") as workdir:
                 print(f"[{arm}] running", flush=True)
                 outs[arm] = run_arm(arm, nodes[-1], args.slow_s, workdir)
+    write_results("straggler_raw", [], arms=outs)  # every arm's progress and events, before anything is read
     healthy3 = summarize("healthy3", outs["healthy3"], None)["healthy_steps_s"] if "healthy3" in outs else None
     rows = [summarize(arm, outs[arm], healthy3) for arm in arms]
     print(f"\n{'arm':<10} {'before':>8} {'slow':>8} {'after':>8} {'phase':>8} {'evict s':>8} {'0.9 s':>7} redone")

@@ -86,15 +86,19 @@ class PaceWatch:
     def _healthy_comm(self, size: int) -> float | None:
         """The ring's communication per step at this world size, as low as it was measured (None: not yet).
 
-        A low percentile (the 10th) of every member's waits in this
-        generation: in a healthy ring the last rank to arrive waits only for
-        the collective itself, and the intervals before a slowdown keep the
-        percentile there while a straggler inflates the others. Kept per
+        The lowest wait per step any member measured over an interval of
+        this generation (each an average over the interval's steps): in a
+        healthy ring the last rank to arrive waits for the collective
+        alone, and a straggler only raises the waits, so the intervals
+        before a slowdown hold the low one. (A percentile was tried first:
+        with the slowdown a few seconds into the generation, as in
+        `bench/straggler.py`, the slow intervals outnumbered the healthy ones
+        and it read 17.7 ms for a ring that steps in under 10.) Kept per
         world size across generations, so that a host re-admitted while
         still slow is judged against the ring as it was without it.
         """
-        if len(self._waits) >= 2 * size:
-            low = sorted(self._waits)[len(self._waits) // 10]
+        if len(self._waits) >= size:
+            low = min(self._waits)
             self.comm[size] = min(self.comm.get(size, low), low)
         return self.comm.get(size)
 

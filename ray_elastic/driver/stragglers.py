@@ -45,8 +45,8 @@ compute and `comm` the communication of a healthy ring: a rank starved of
 CPU is slow inside the collectives too (each rank reduces and forwards its
 share of a ring allreduce), so its own wait overstates what the others
 would wait without it. The driver measures `comm` while no rank straggles
-(`healthy_comm`: a low percentile of the generation's waits, from before
-the slowdown); without such a measure the straggler's own wait stands in,
+(`healthy_comm`: the lowest of the generation's waits, from before the
+slowdown); without such a measure the straggler's own wait stands in,
 which can keep a straggler but never evicts one wrongly. A rank is let go
 only when n-1 ranks are predicted `MIN_GAIN` (10%) faster: an eviction
 costs one reset and the re-admission another, about a second each, repaid
