@@ -190,8 +190,10 @@ class DriverActor:
                 batch.append(m.Tick())
                 last_tick = now
             actions = self.core.handle(batch, now)
-            # a tick that asked for nothing changed nothing a restarted driver needs (it prunes, it forgets)
-            changed = bool(actions) or any(not isinstance(x, m.Tick) for x in batch)
+            # a tick that asked for nothing changed nothing a restarted driver needs (it prunes, it forgets), nor
+            # do the ranks' paces (every rank, every 1.5 s): a restarted driver refills its window from the next
+            # ones, and an eviction they cause comes with actions
+            changed = bool(actions) or any(not isinstance(x, (m.Tick, m.PacesReported)) for x in batch)
             # before the actions: a restarted driver asks again what they may have lost
             await self._persist(core_changed=changed)
             await self._carry_out(actions)
