@@ -21,6 +21,11 @@ Side by side, one after the other on the same cluster:
   `evict` arm should reach without the straggler (the issue's target: 0.9 of
   it within 30 s of the slowdown).
 
+Apart (`--arms calm`, written to bench/results/straggler_calm.json): the
+issue's check for false evictions, `ElasticTrainer` with 4 workers, no slow
+node and a durable checkpoint every 10 commits, for `--calm-s` seconds
+(600), counting the straggler events.
+
 Rank 0 of each system appends `step time world` to a file every 10 steps;
 steps/s are read from it: before the slowdown (steps 20-100), while slow
 (from 2 s after the slowdown to the eviction, or to the end), and after
@@ -145,7 +150,7 @@ def _cpu_s(pids: list[int]) -> float:
     return total
 
 
-def run_arm(arm: str, slow_node, slow_s: float, workdir: str) -> dict:
+def run_arm(arm: str, slow_node, slow_s: float, workdir: str, calm_s: float = 600.0) -> dict:
     """Start the arm, slow the node at step 100, stop `slow_s` later; the progress and the events."""
     outcome: dict = {}
 
@@ -167,6 +172,8 @@ def run_arm(arm: str, slow_node, slow_s: float, workdir: str) -> dict:
 
                 world = 3 if arm == "healthy3" else 4
                 options = {"evict_stragglers": arm != "keep"}
+                if arm == "calm":
+                    options.update(checkpoint_dir=os.path.join(workdir, "checkpoints"), checkpoint_every=10)
                 result = elastic.ElasticTrainer(
                     elastic_train_fn, min_workers=2, max_workers=world, config=config, verbose=0, **options
                 ).fit()
@@ -187,7 +194,7 @@ def run_arm(arm: str, slow_node, slow_s: float, workdir: str) -> dict:
             step = rows[-1][0] if rows else 0
             if calibration is None and step >= 40:
                 calibration = (_cpu_s(pids), time.monotonic())
-            if arm != "healthy3" and slowed_at is None and step >= SLOW_AT and calibration is not None:
+            if arm not in ("healthy3", "calm") and slowed_at is None and step >= SLOW_AT and calibration is not None:
                 share = (_cpu_s(pids) - calibration[0]) / (time.monotonic() - calibration[1])
                 quota = CpuQuota()
                 for pid in pids:
@@ -195,8 +202,8 @@ def run_arm(arm: str, slow_node, slow_s: float, workdir: str) -> dict:
                 quota.set(share / 3)
                 slowed_at = time.time()
                 outcome["share_before"], outcome["quota_cpus"] = share, share / 3
-            started = rows[0][1] if arm == "healthy3" and rows else slowed_at
-            limit = HEALTHY_S if arm == "healthy3" else slow_s
+            started = rows[0][1] if arm in ("healthy3", "calm") and rows else slowed_at
+            limit = {"healthy3": HEALTHY_S, "calm": calm_s}.get(arm, slow_s)
             if started is not None and time.time() - started > limit and _stop_step(workdir) is None:
                 Path(workdir, "stop").write_text(str((step // 10 + 20) * 10))
         thread.join()
@@ -222,6 +229,15 @@ def summarize(arm: str, out: dict, healthy3: float | None) -> dict:
     row: dict = {"arm": arm, "error": out.get("error")}
     redone = sum(max(0, a[0] - b[0]) for a, b in zip(rows, rows[1:], strict=False))
     row["steps_redone"] = redone
+    if arm == "calm":
+        kinds = [e["kind"] for e in out.get("events") or []]
+        row["steps_s"] = _rate(rows, rows[0][1], rows[-1][1]) if rows else None
+        row["minutes"] = (rows[-1][1] - rows[0][1]) / 60 if rows else 0
+        row["steps"] = rows[-1][0] if rows else 0
+        row["straggler_evicted"] = kinds.count("straggler_evicted")
+        row["straggler_found"] = kinds.count("straggler_found")
+        row["events"] = kinds
+        return row
     if arm == "healthy3":
         row["healthy_steps_s"] = _rate(rows, rows[WARM // 10][1], rows[-1][1]) if rows else None
         return row
@@ -257,15 +273,24 @@ def summarize(arm: str, out: dict, healthy3: float | None) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--slow-s", type=float, default=60.0, help="how long each arm runs after the slowdown")
-    parser.add_argument("--arms", default=",".join(ARMS))
+    parser.add_argument("--arms", default=",".join(ARMS), help=f"of {ARMS + ('calm',)}")
+    parser.add_argument("--calm-s", type=float, default=600.0, help="how long the calm arm runs")
     args = parser.parse_args()
-    arms = [a for a in ARMS if a in args.arms.split(",")]
+    arms = [a for a in (*ARMS, "calm") if a in args.arms.split(",")]
+    if arms == ["calm"]:
+        with local_cluster(nodes=4, cpus=1) as (_, nodes), tempfile.TemporaryDirectory(prefix="calm-") as workdir:
+            out = run_arm("calm", nodes[-1], args.slow_s, workdir, args.calm_s)
+        row = summarize("calm", out, None)
+        print(row)
+        write_results("straggler_calm", [row], calm_s=args.calm_s, checkpoint_every=10)
+        return
+    arms = [a for a in arms if a != "calm"]
     outs: dict[str, dict] = {}
     with local_cluster(nodes=4, cpus=1) as (_, nodes):
         for arm in arms:
             with tempfile.TemporaryDirectory(prefix=f"straggler-{arm}-") as workdir:
                 print(f"[{arm}] running", flush=True)
-                outs[arm] = run_arm(arm, nodes[-1], args.slow_s, workdir)
+                outs[arm] = run_arm(arm, nodes[-1], args.slow_s, workdir, args.calm_s)
     write_results("straggler_raw", [], arms=outs)  # every arm's progress and events, before anything is read
     healthy3 = summarize("healthy3", outs["healthy3"], None)["healthy_steps_s"] if "healthy3" in outs else None
     rows = [summarize(arm, outs[arm], healthy3) for arm in arms]
