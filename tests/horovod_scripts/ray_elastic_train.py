@@ -3,7 +3,8 @@
     RAY_ADDRESS=... python tests/horovod_scripts/ray_elastic_train.py --executor elastic-ray \\
         --log LOG --kill-at 0,6 --change-frequency-s 8
 
-The shape of examples/ray/pytorch_ray_elastic.py and basic_ray_elastic.py:
+The shape of examples/ray/pytorch_ray_elastic.py (basic_ray_elastic.py has
+its own script beside this one, basic_ray_elastic.py):
 `hvd.init()` inside the training function, an `ElasticSampler` over a
 dataset of MNIST's shape (1x28x28 images, 10 classes; random, so nothing is
 downloaded), the small convolutional net, SGD wrapped in

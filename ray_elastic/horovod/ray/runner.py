@@ -48,9 +48,9 @@ class RayExecutor:
             `num_hosts * num_workers_per_host`: exactly `num_workers_per_host`
             workers on each of `num_hosts` nodes, as horovod.ray's
             STRICT_SPREAD placement does (ranks are contiguous per node, nodes
-            oldest first); nodes holding fewer slots are not used, and
-            `start()` raises `TimeoutError` naming both numbers when fewer
-            than `num_hosts` nodes hold that many.
+            oldest first); a node whose resources hold fewer is not used,
+            and `start()` raises `TimeoutError` naming both numbers when
+            fewer than `num_hosts` nodes hold that many (or have them free).
         num_workers_per_host: see `num_hosts` (default 1).
         cpus_per_worker: CPUs per worker (default 1).
         use_gpu: one GPU per worker (or `gpus_per_worker`); NCCL then carries the ring.
@@ -141,7 +141,7 @@ class RayExecutor:
                 raise ValueError(f"settings has no {name!r}: make it with RayExecutor.create_settings()")
         s.check_nics(self.settings.nics)
         # fields a script may set on the settings after create_settings(), or a Horovod Settings object carries
-        moot = {name: getattr(self.settings, name, None) for name in ("ssh_port", "key")}
+        moot = {name: getattr(self.settings, name, None) for name in ("ssh_port", "ssh_identity_file", "key")}
         s.warn_no_counterpart("RayExecutor settings", moot)
 
     def start(
@@ -186,8 +186,8 @@ class RayExecutor:
                 raise
             raise TimeoutError(
                 f"{e}; num_hosts={self.plan.num_workers // self.plan.per_host} with "
-                f"num_workers_per_host={self.plan.per_host} needs that many nodes with "
-                f"{self.plan.per_host} worker slots ({self.resources} each) free on every one"
+                f"num_workers_per_host={self.plan.per_host} needs that many nodes each holding "
+                f"{self.plan.per_host} workers of {self.resources}, free"
             ) from e
 
     def run(
