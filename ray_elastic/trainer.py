@@ -38,6 +38,7 @@ from ray_elastic.driver_actor import create_driver_actor
 from ray_elastic.events import Event
 from ray_elastic.exceptions import TrainingFailedError
 from ray_elastic.leftovers import remove_run_actors, remove_run_placement_groups, run_namespace
+from ray_elastic.logs import worker_death_dumps_hidden
 from ray_elastic.payload import pack
 from ray_elastic.protocol import RunOutcome
 from ray_elastic.rendezvous import create_kv_actor
@@ -268,6 +269,26 @@ class ElasticTrainer:
         self.discovery = discovery
         self.verbose = verbose
 
+    def as_trainable(self) -> Any:
+        """This training as a Ray Tune trainable: each trial an elastic run (needs `ray-elastic[tune]`).
+
+        `tune.Tuner(trainer.as_trainable(), param_space={...}, tune_config=...)`:
+        `param_space` values are merged into `train_fn`'s config; every
+        `report()` of rank 0 is the trial's result (include the metric Tune
+        optimizes in each); a scheduler's stop ends the trial's workers,
+        driver and KV actor; a worker lost inside a trial is recovered in
+        place. A trial reserves `min_workers` workers through Tune's resource
+        request and grows toward `max_workers` where the cluster has room
+        beyond the other trials' reservations. With `checkpoint_dir`, each
+        trial checkpoints into `<checkpoint_dir>/<experiment>/<trial id>`
+        and hands every new checkpoint to Tune (`tune.get_checkpoint()`, the
+        trial's `Result.checkpoint`; Tune's experiment resume). CPU workers
+        only, without `discovery` or `datasets`: refused here otherwise.
+        """
+        from ray_elastic.tune import as_trainable
+
+        return as_trainable(self)
+
     @property
     def backend(self) -> str:
         """The backend `backend="auto"` resolved to."""
@@ -392,7 +413,8 @@ class ElasticTrainer:
         if note:
             progress.note(note)
         try:
-            return self._poll_driver(driver, run_ref, progress, reports)
+            with worker_death_dumps_hidden():  # the event lines say which worker died; Ray's dump stays in its logs
+                return self._poll_driver(driver, run_ref, progress, reports)
         except ray.exceptions.RayActorError as e:
             # the driver holds the membership; without it the workers cannot be re-formed
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__

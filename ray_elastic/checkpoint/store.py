@@ -135,6 +135,24 @@ class CheckpointStore:
         self._prune(keep_from=number)
         return path
 
+    def adopt(self, local_dir: str) -> str:
+        """Copy the checkpoint in `local_dir` (a local directory, e.g. Tune's copy) in as the newest; its path."""
+        import pathlib
+
+        source = pathlib.Path(local_dir)
+        if not (source / META_FILE).exists():
+            raise CheckpointError(f"{local_dir!r} is not a ray-elastic checkpoint (no {META_FILE})")
+        self.fs.makedirs(self.root, exist_ok=True)
+        numbered = self._numbered()
+        path = f"{self.root}/checkpoint_{(numbered[-1][0] + 1 if numbered else 1):06d}"
+        self.fs.makedirs(path, exist_ok=True)
+        for f in sorted(source.iterdir()):
+            if f.is_file() and f.name != META_FILE:
+                with self.fs.open(f"{path}/{f.name}", "wb") as out:
+                    out.write(f.read_bytes())
+        self._put_whole(f"{path}/{META_FILE}", (source / META_FILE).read_bytes())
+        return path
+
     def _put_whole(self, path: str, data: bytes) -> None:
         """Write `data` so that a reader sees all of it or no file (a local rename; one PUT on object stores)."""
         tmp = f"{path.rsplit('/', 1)[0]}/.{uuid.uuid4().hex}.tmp"

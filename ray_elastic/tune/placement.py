@@ -1,0 +1,138 @@
+"""Where a Tune trial's workers may run: its reservation, plus what it grows into beside the others.
+
+A trial asks Tune for `min_workers` bundles of `resources_per_worker`
+(`trial_resources`): Tune starts it only once they are placed, and no other
+trial can take them. The run's own workers then ask Ray for a token amount
+(`NOMINAL`, one byte of memory, which takes nothing from the CPUs the
+bundles count), so they run on the reservation instead of asking twice.
+
+Growing toward `max_workers` needs room beyond every trial's reservation:
+`TrialSlots`, the run's discovery callable (it runs in the driver actor,
+once per `discovery_interval`), reserves one more worker's resources at a
+time in a placement group of its own, pinned to a node that shows them
+free, and offers a slot there only once the group is placed. The groups
+are named after the trial's reservation, and the trial removes them when
+its run ends (`remove_growth`): Ray ties a placement group to its job, not
+to the actor that made it. A trial keeps what it grew into until it ends.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+NOMINAL = {"memory": 1.0}  # what each worker asks of Ray itself (one byte): the bundles hold the real amount
+_PLACE_S = 2.0  # how long one growth group may take to be placed before it is given back
+
+
+def trial_resources(min_workers: int, per_worker: Mapping[str, float]) -> list[dict[str, float]]:
+    """Tune's bundles for a trial: an empty head (the trainable itself needs nothing) and one per minimum worker."""
+    return [{}] + [dict(per_worker) for _ in range(min_workers)]
+
+
+def fits(free: Mapping[str, float], per_worker: Mapping[str, float]) -> bool:
+    return all(free.get(name, 0.0) >= amount for name, amount in per_worker.items() if amount > 0)
+
+
+def node_to_grow_on(free: Mapping[str, Mapping[str, float]], per_worker: Mapping[str, float]) -> str | None:
+    """The node with room for one more worker, the one with the most free CPU first (spreads the growth); or None."""
+    roomy = [node for node, res in free.items() if fits(res, per_worker)]
+    return max(roomy, key=lambda n: (free[n].get("CPU", 0.0), n)) if roomy else None
+
+
+def growth_prefix(reservation: str) -> str:
+    """The name of every growth group of the trial whose reservation (placement group) has this hex id."""
+    return f"ray-elastic-trial-growth-{reservation[:16]}-"
+
+
+def remove_growth(reservation: str) -> None:
+    """Remove the trial's growth groups (after its run's driver is gone, so no new one comes)."""
+    import ray
+    from ray.util.placement_group import PlacementGroup, placement_group_table
+
+    for pg_id, info in placement_group_table().items():
+        if info.get("name", "").startswith(growth_prefix(reservation)) and info.get("state") != "REMOVED":
+            _remove(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(pg_id))))
+
+
+def slots(reserved: Mapping[str, int], grown: Mapping[str, int]) -> dict[str, int]:
+    """`{node: slots}`: the trial's reserved bundles on each node plus the workers' room it grew into there."""
+    return {node: reserved.get(node, 0) + grown.get(node, 0) for node in set(reserved) | set(grown)}
+
+
+class TrialSlots:
+    """The discovery callable of a trial's run: `{node_id: slots}` its workers may take.
+
+    Args:
+        reservation: the hex id of the trial's placement group (Tune's).
+        per_worker: one worker's real resources (`resources_per_worker`).
+        max_workers: it never reserves room for more workers than this.
+    """
+
+    def __init__(self, reservation: str, per_worker: Mapping[str, float], max_workers: int) -> None:
+        self.reservation = reservation
+        self.per_worker = dict(per_worker)
+        self.max_workers = max_workers
+        self._grown: list[tuple[Any, str]] = []  # (placement group, node id) placed for growth
+
+    def __call__(self) -> dict[str, int]:
+        import ray
+        from ray.util.placement_group import placement_group_table
+
+        table = placement_group_table()
+        reserved: dict[str, int] = {}
+        for node in table.get(self.reservation, {}).get("bundles_to_node_id", {}).values():
+            reserved[node] = reserved.get(node, 0) + 1
+        self._forget_lost(table)
+        total = sum(reserved.values()) + len(self._grown)
+        if reserved and total < self.max_workers:
+            self._grow(ray)
+        grown: dict[str, int] = {}
+        for _, node in self._grown:
+            grown[node] = grown.get(node, 0) + 1
+        return slots(reserved, grown)
+
+    def _forget_lost(self, table: Mapping[str, Any]) -> None:
+        """Drop growth groups Ray no longer holds placed (their node died, or they were removed)."""
+        kept = []
+        for pg, node in self._grown:
+            if table.get(pg.id.hex(), {}).get("state") == "CREATED":
+                kept.append((pg, node))
+            else:
+                _remove(pg)
+        self._grown = kept
+
+    def _grow(self, ray: Any) -> None:
+        from ray.util.placement_group import placement_group
+
+        free = ray._private.state.available_resources_per_node()  # no public call gives a node's free resources
+        node = node_to_grow_on(free, self.per_worker)
+        if node is None:
+            return
+        pg = placement_group(
+            [self.per_worker],
+            strategy="STRICT_PACK",
+            name=growth_prefix(self.reservation) + uuid.uuid4().hex[:8],
+            bundle_label_selector=[{"ray.io/node-id": node}],
+        )
+        if pg.wait(_PLACE_S):
+            self._grown.append((pg, node))
+            logger.info("trial %s grew into one more worker's room on node %s", self.reservation[:8], node[:8])
+        else:  # another trial or task took the room first
+            _remove(pg)
+
+    def __repr__(self) -> str:
+        return f"TrialSlots(reservation={self.reservation[:8]}, max_workers={self.max_workers})"
+
+
+def _remove(pg: Any) -> None:
+    from ray.util.placement_group import remove_placement_group
+
+    try:
+        remove_placement_group(pg)
+    except Exception:  # noqa: BLE001 - already gone
+        pass

@@ -1,0 +1,112 @@
+"""One Tune trial as one elastic run: config merged, reports relayed, checkpoints handed to Tune.
+
+Runs inside Tune's trial actor (`run_trial`). The trial's run is the
+user's `ElasticTrainer` with three things changed: `train_fn`'s config with
+the trial's `param_space` values merged over it, the workers placed on the
+trial's reservation and what it grows into (`placement.py`), and, with
+`checkpoint_dir`, a directory of the trial's own
+(`<checkpoint_dir>/<experiment>/<trial id>`).
+
+Every `report()` of rank 0 becomes `tune.report(...)`, in order, from the
+thread running `fit()` (`fit(on_report=...)`); a durable checkpoint written
+since the last report goes with the next one, so Tune persists it and
+`tune.get_checkpoint()` / the trial's `Result.checkpoint` are ours (a
+checkpoint written after the run's last report is not handed over: a
+report of its own would repeat a step in Tune's results). A
+restored trial (Tune's experiment resume) puts the checkpoint Tune hands
+back into its directory first, and the run resumes from it. A worker lost
+inside the trial is recovered by the run itself: Tune sees no failure and
+one stream of results. When Tune stops the trial (a scheduler's decision),
+`tune.report` raises in `fit()`'s thread, and `fit()` releases the run's
+workers, driver and KV actor on its way out; the trial then gives back what
+it grew into.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+import time
+from typing import Any
+
+from ray_elastic.checkpoint import CheckpointStore, normalize_url
+from ray_elastic.payload import pack, unpack
+from ray_elastic.tune.placement import NOMINAL, TrialSlots, remove_growth
+
+logger = logging.getLogger(__name__)
+
+_CHECKPOINT_LOOK_S = 1.0  # at most this often a report looks for a new durable checkpoint
+
+
+def run_trial(trainer: Any, config: dict[str, Any]) -> None:
+    """Train one trial with `trainer` (an `ElasticTrainer`), its config updated by `config`."""
+    import ray
+    from ray import tune
+
+    context = tune.get_context()
+    reservation = ray.util.get_current_placement_group()
+    if reservation is None:
+        raise RuntimeError("a ray-elastic trial must run under Tune with the resources as_trainable() asks for")
+    train_fn, base_config = unpack(trainer._payload)
+    trial = copy.copy(trainer)
+    trial.train_fn = train_fn
+    trial.config = {**base_config, **config}
+    trial._payload = pack((train_fn, trial.config))
+    trial.discovery = pack(
+        TrialSlots(reservation.id.hex(), trainer.run_config.resources_per_worker, trainer.run_config.max_workers)
+    )
+    store = None
+    changes: dict[str, Any] = {"resources_per_worker": dict(NOMINAL)}
+    if trainer.run_config.checkpoint_dir is not None:
+        url = normalize_url(
+            f"{trainer.run_config.checkpoint_dir}/{context.get_experiment_name()}/{context.get_trial_id()}"
+        )
+        store = CheckpointStore(url, keep=trainer.run_config.checkpoint_keep)
+        _adopt_tunes_checkpoint(store, tune.get_checkpoint())
+        changes["checkpoint_dir"] = url
+    trial.run_config = dataclasses.replace(trainer.run_config, **changes)
+    relay = _Relay(store)
+    try:
+        trial.fit(on_report=relay)
+    finally:  # fit() removed the run's driver, which made the growth groups; they are the job's until removed
+        remove_growth(reservation.id.hex())
+
+
+def _adopt_tunes_checkpoint(store: CheckpointStore, checkpoint: Any) -> None:
+    """Tune restored this trial: its checkpoint becomes the run's latest, which the run resumes from."""
+    if checkpoint is None:
+        return
+    with checkpoint.as_directory() as local:
+        path = store.adopt(local)
+    logger.info("trial resumes from Tune's checkpoint %s (copied to %s)", checkpoint.path, path)
+
+
+class _Relay:
+    """`fit(on_report=...)`'s callable: each of rank 0's reports to Tune, with a new durable checkpoint if one came."""
+
+    def __init__(self, store: CheckpointStore | None) -> None:
+        self.store = store
+        self._reported: str | None = None  # the newest checkpoint handed to Tune
+        self._looked = 0.0
+
+    def __call__(self, metrics: dict[str, Any]) -> None:
+        from ray import tune
+
+        tune.report(dict(metrics), checkpoint=self._new_checkpoint())
+
+    def _new_checkpoint(self) -> Any:
+        if self.store is None or time.monotonic() - self._looked < _CHECKPOINT_LOOK_S:
+            return None
+        from ray import tune
+
+        self._looked = time.monotonic()
+        latest = self.store.latest()
+        if latest is None or latest == self._reported:
+            return None
+        self._reported = latest
+        if self.store.is_local():
+            return tune.Checkpoint.from_directory(latest)
+        import pyarrow.fs
+
+        return tune.Checkpoint(latest, filesystem=pyarrow.fs.PyFileSystem(pyarrow.fs.FSSpecHandler(self.store.fs)))

@@ -1,0 +1,210 @@
+"""Ray Tune trials that are elastic runs, on a real cluster (a head and two 2-CPU nodes).
+
+- Pure: a trial's resource request (an empty head and `min_workers`
+  bundles) and where it grows; what `as_trainable()` refuses before Tune
+  starts anything.
+- ASHA over 4 trials of 1-2 workers: some trials stopped early, the best
+  found, its checkpoint opened, Tune's TensorBoard logger's event file read
+  back with the reported losses, nothing left behind (actors, placement
+  groups: the trials' reservations and growth included).
+- A worker SIGKILLed inside a trial that grew to 2 workers: Tune sees one
+  trial, never restarted (one trainable process), whose steps go on 1, 2, 3
+  ... without a gap or a repeat.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import struct
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import run_namespaces_alive, run_placement_groups_alive
+
+import ray_elastic as elastic
+from ray_elastic import ElasticTrainer
+from ray_elastic.tune.placement import node_to_grow_on, slots, trial_resources
+
+tune = pytest.importorskip("ray.tune")
+
+
+def quadratic_train_fn(config: dict) -> float:
+    """Gradient descent on (w - 3)^2, averaged over the ranks; rank 0 reports every step.
+
+    `kill_after`: once the world has 2 workers at a step >= it, rank 1
+    SIGKILLs itself (once: `marker`); the run ends `steps_after_kill` steps
+    after rank 0 saw it, else after `steps`.
+    """
+    state = elastic.ObjectState(step=0, w=0.0, end=config["steps"])
+
+    @elastic.run
+    def train(state: elastic.ObjectState) -> float:
+        marker = config.get("marker")
+        while state.step < state.end:
+            if marker and elastic.size() == 2 and state.step >= config["kill_after"] and not os.path.exists(marker):
+                if elastic.rank() == 1:
+                    Path(marker).write_text(str(os.getpid()))
+                    os.kill(os.getpid(), signal.SIGKILL)
+            grad = elastic.allreduce(np.array([2.0 * (state.w - 3.0)]), op=elastic.Average)[0]
+            state.w -= config["lr"] * grad
+            time.sleep(config["step_s"])  # the workload's pace: ASHA has rungs to compare
+            state.step += 1
+            if marker and os.path.exists(marker) and state.end == config["steps"]:
+                state.end = state.step + config["steps_after_kill"]
+            state.commit()
+            elastic.report({"loss": (state.w - 3.0) ** 2, "step": state.step, "world": elastic.size()})
+        return state.w
+
+    return train(state)
+
+
+# ---- pure -------------------------------------------------------------------
+
+
+def test_a_trial_asks_tune_for_its_minimum_and_grows_where_room_is_left():
+    assert trial_resources(2, {"CPU": 1.0}) == [{}, {"CPU": 1.0}, {"CPU": 1.0}]
+    pgf = tune.PlacementGroupFactory(trial_resources(2, {"CPU": 1.0}))
+    assert pgf.required_resources == {"CPU": 2.0} and pgf.head_bundle_is_empty
+    free = {"a": {"CPU": 0.5}, "b": {"CPU": 2.0, "memory": 1e9}, "c": {"CPU": 1.0}}
+    assert node_to_grow_on(free, {"CPU": 1.0}) == "b"
+    assert node_to_grow_on({"a": {"CPU": 0.5}}, {"CPU": 1.0}) is None
+    assert slots({"a": 1, "b": 1}, {"b": 1, "c": 1}) == {"a": 1, "b": 2, "c": 1}
+
+
+def test_what_a_trial_cannot_do_is_refused_before_tune_starts():
+    with pytest.raises(ValueError, match="leave discovery=None"):
+        ElasticTrainer(quadratic_train_fn, 1, 2, discovery=lambda: {"h": 1}).as_trainable()
+    with pytest.raises(ValueError, match="CPU workers for now"):
+        ElasticTrainer(quadratic_train_fn, 1, 2, resources_per_worker={"CPU": 1, "GPU": 1}).as_trainable()
+
+
+def test_a_restored_trial_resumes_from_the_checkpoint_tune_hands_back(tmp_path):
+    """Tune's experiment resume gives the trial its last checkpoint: it becomes the run's latest."""
+    from ray_elastic.checkpoint import CheckpointStore
+    from ray_elastic.tune.trial import _adopt_tunes_checkpoint
+
+    reported = CheckpointStore(str(tmp_path / "first")).write({"step": 30, "w": 2.5}, {"commit": 30})
+    persisted = tune.Checkpoint.from_directory(reported)  # what Tune kept and hands back
+    store = CheckpointStore(str(tmp_path / "trial"))
+    store.write({"step": 5, "w": 0.1}, {"commit": 5})  # an older one the trial's directory still holds
+    _adopt_tunes_checkpoint(store, persisted)
+    assert store.meta()["commit"] == 30 and store.read()[0] == {"step": 30, "w": 2.5}
+
+
+# ---- on a cluster -----------------------------------------------------------
+
+
+def _tensorboard_scalars(trial_dir: str, tag: str) -> list[float]:
+    """The values of scalar `tag` in the trial's TensorBoard event file (TFRecord framing, tensorboardX's proto)."""
+    from tensorboardX.proto import event_pb2
+
+    (path,) = Path(trial_dir).glob("events.out.tfevents.*")
+    data, values, at = path.read_bytes(), [], 0
+    while at < len(data):
+        (length,) = struct.unpack("<Q", data[at : at + 8])
+        event = event_pb2.Event.FromString(data[at + 12 : at + 12 + length])
+        at += 12 + length + 4
+        values += [v.simple_value for v in event.summary.value if v.tag == tag]
+    return values
+
+
+def _placement_groups_left() -> list[str]:
+    from ray.util.placement_group import placement_group_table
+
+    return [f"{i['name'] or pg}: {i['state']}" for pg, i in placement_group_table().items() if i["state"] != "REMOVED"]
+
+
+def _wait_for_every_placement_group_removed(timeout: float = 30) -> None:
+    """Every placement group gone: each trial's reservation (Tune's) and what its run grew into (the driver's)."""
+    deadline = time.monotonic() + timeout
+    while _placement_groups_left():
+        assert time.monotonic() < deadline, f"placement groups left after {timeout:g} s: {_placement_groups_left()}"
+        time.sleep(0.1)
+
+
+@pytest.mark.integration
+def test_asha_over_elastic_trials_stops_some_finds_the_best_and_leaves_nothing(cluster, no_leaks, tmp_path):
+    from ray.tune.logger import TBXLoggerCallback
+    from ray.tune.schedulers import ASHAScheduler
+
+    trainer = ElasticTrainer(
+        quadratic_train_fn,
+        min_workers=1,
+        max_workers=2,
+        config={"steps": 40, "step_s": 0.1},
+        checkpoint_dir=str(tmp_path / "ckpt"),
+        checkpoint_every=5,
+        verbose=0,
+    )
+    started = time.monotonic()
+    grid = tune.Tuner(
+        trainer.as_trainable(),
+        # two at a time, the better two first: the later two reach each rung behind better results, so ASHA
+        # stops them whatever the order the trials of one pair arrive in
+        param_space={"lr": tune.grid_search([0.2, 0.03, 0.01, 0.002])},
+        tune_config=tune.TuneConfig(
+            metric="loss",
+            mode="min",
+            scheduler=ASHAScheduler(max_t=40, grace_period=8, reduction_factor=2),
+            max_concurrent_trials=2,
+        ),
+        run_config=tune.RunConfig(
+            name="asha", storage_path=str(tmp_path / "tune"), callbacks=[TBXLoggerCallback()], verbose=0
+        ),
+    ).fit()
+    print(f"4 elastic trials under ASHA in {time.monotonic() - started:.1f} s")
+    assert grid.num_errors == 0, [r.error for r in grid if r.error]
+    lengths = {r.config["lr"]: len(r.metrics_dataframe) for r in grid}
+    assert lengths[0.2] >= 40 and lengths[0.002] < 40, f"ASHA did not stop the worst trial early: {lengths}"
+    best = grid.get_best_result()
+    assert best.config["lr"] == 0.2 and best.metrics["loss"] < 1e-6
+    frame = best.metrics_dataframe
+    assert list(frame["step"]) == list(range(1, len(frame) + 1))
+
+    # the best trial's checkpoints are Tune's, and hold plain values users open
+    assert best.checkpoint is not None
+    assert elastic.load_checkpoint(best.checkpoint)["w"] == pytest.approx(3.0, abs=1e-3)
+
+    # Tune's own TensorBoard logger, unchanged: the event file holds the losses rank 0 reported
+    logged = _tensorboard_scalars(best.path, "ray/tune/loss")
+    assert logged == pytest.approx(list(frame["loss"]), rel=1e-6, abs=1e-12)
+
+    # nothing left: the runs' actors and groups (no_leaks), and every trial's reservation and growth
+    _wait_for_every_placement_group_removed()
+    assert not run_namespaces_alive() and not run_placement_groups_alive()
+
+
+@pytest.mark.integration
+def test_a_worker_sigkilled_inside_a_trial_is_recovered_in_place(cluster, no_leaks, tmp_path):
+    marker = tmp_path / "killed"
+    trainer = ElasticTrainer(
+        quadratic_train_fn,
+        min_workers=1,
+        max_workers=2,
+        config={"steps": 400, "step_s": 0.05, "marker": str(marker), "kill_after": 5, "steps_after_kill": 30},
+        cooldown_range=(0.5, 1.0),
+        verbose=0,
+    )
+    grid = tune.Tuner(
+        trainer.as_trainable(),
+        param_space={"lr": 0.01},
+        tune_config=tune.TuneConfig(metric="loss", mode="min"),
+        run_config=tune.RunConfig(
+            name="sigkill", storage_path=str(tmp_path / "tune"), failure_config=tune.FailureConfig(max_failures=0)
+        ),
+    ).fit()
+    assert grid.num_errors == 0, [r.error for r in grid if r.error]
+    assert marker.exists(), "the trial never grew to 2 workers, so no worker was killed"
+    (result,) = list(grid)
+    frame = result.metrics_dataframe
+    assert list(frame["step"]) == list(range(1, len(frame) + 1)), "a step was lost or repeated"
+    assert list(frame["training_iteration"]) == list(range(1, len(frame) + 1))
+    assert frame["pid"].nunique() == 1, "the trial was restarted (a new trainable process)"
+    worlds = list(frame["world"])
+    grown = worlds.index(2)
+    assert 1 in worlds[grown:], f"the world never shrank after the kill: {worlds}"
+    assert len(frame) < 400
+    _wait_for_every_placement_group_removed()
