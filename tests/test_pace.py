@@ -14,8 +14,8 @@ from test_worker_runtime import make_context
 from ray_elastic.assignment import WorkerSlot
 from ray_elastic.collective.torch_gloo import TorchGlooGroup
 from ray_elastic.runtime import metrics_shipper
-from ray_elastic.runtime.pace import PACE, PaceMeter, PaceSummary
-from ray_elastic.torch import DistributedOptimizer
+from ray_elastic.runtime.pace import PaceMeter, PaceSummary
+from ray_elastic.torch import DistributedOptimizer, optimizer
 from ray_elastic.worker_context import set_current
 
 
@@ -90,8 +90,9 @@ def test_the_optimizer_marks_each_step_and_the_shipper_carries_the_summaries(mon
     ctx.membership.group = TorchGlooGroup(dist.HashStore(), 0, 1, 30.0)
     ctx.membership.slot = WorkerSlot("w0", "host", 0, 1, 0, 1, 0, 1)
     ctx.membership.generation = 1
-    monkeypatch.setattr(PACE, "interval_s", 0.0)
-    monkeypatch.setattr(PACE, "sink", ctx.metrics.add_pace)
+    meter = PaceMeter(interval_s=0.0)  # a fresh one: the process's meter keeps what earlier tests' steps left
+    meter.sink = ctx.metrics.add_pace
+    monkeypatch.setattr(optimizer, "PACE", meter)
     try:
         model = torch.nn.Linear(64, 1)
         opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01))

@@ -39,8 +39,9 @@ class FakeDriver:
         driver = self
 
         class Method:
-            def remote(self, *args: Any) -> None:
-                driver.calls.append((method, args))
+            def remote(self, *args: Any, **kwargs: Any) -> None:
+                # a keyword (add_metrics' paces=, runtime/pace.py) is recorded as a last argument
+                driver.calls.append((method, (*args, kwargs) if kwargs else args))
 
         return Method()
 
