@@ -81,9 +81,11 @@ bench: $(BENCH_STAMP)
 bench-link: $(BENCH_STAMP) nettools
 	$(BIN)/python bench/state_size.py --sizes 10,100 --link-gbit 10 --out state_size_link10
 
-# the long chaos soak: 30 events on a 4-node local cluster (a few minutes)
+# the long chaos soak: 30 events on a 4-node local cluster (a few minutes); then 10 minutes without a slow node,
+# a durable checkpoint every 10 commits, in which no worker may be evicted as a straggler (issue 39)
 soak: $(STAMP)
 	$(BIN)/python tests/soak.py --events 30
+	$(BIN)/python bench/straggler.py --arms calm
 
 lint: $(STAMP)
 	$(BIN)/ruff check ray_elastic tests examples bench

@@ -24,7 +24,8 @@ Side by side, one after the other on the same cluster:
 Apart (`--arms calm`, written to bench/results/straggler_calm.json): the
 issue's check for false evictions, `ElasticTrainer` with 4 workers, no slow
 node and a durable checkpoint every 10 commits, for `--calm-s` seconds
-(600), counting the straggler events.
+(600), counting the straggler events; `make soak` runs it, and an eviction
+there exits non-zero.
 
 Rank 0 of each system appends `step time world` to a file every 10 steps;
 steps/s are read from it: before the slowdown (steps 20-100), while slow
@@ -283,6 +284,8 @@ def main() -> None:
         row = summarize("calm", out, None)
         print(row)
         write_results("straggler_calm", [row], calm_s=args.calm_s, checkpoint_every=10)
+        if row["straggler_evicted"] or row["error"]:  # `make soak` runs this arm: a false eviction fails it
+            raise SystemExit(f"without a slow node: {row['straggler_evicted']} eviction(s), error {row['error']}")
         return
     arms = [a for a in arms if a != "calm"]
     outs: dict[str, dict] = {}
