@@ -57,6 +57,7 @@ from ray_elastic.driver.kv_link import KVLink
 from ray_elastic.driver.liveness import LivenessRounds
 from ray_elastic.driver.metrics_log import MetricsLog
 from ray_elastic.driver.worker_pool import WorkerPool
+from ray_elastic.logs import keep_in_session_log
 from ray_elastic.payload import unpack
 from ray_elastic.protocol import DriverStatus, RunOutcome
 
@@ -68,6 +69,7 @@ class DriverActor:
 
     def __init__(self, run_id: str, namespace: str, config: RunConfig) -> None:
         """Plain values only, which Ray keeps with the actor for its restarts (`_load_start` finds the rest)."""
+        keep_in_session_log(f"driver-{run_id}")  # its lines in Ray's logs; fit() shows the events (logs.py)
         self.run_id = run_id
         self.namespace = namespace
         self.config = config

@@ -37,6 +37,7 @@ from ray_elastic.config import WorkerConfig
 from ray_elastic.driver import snapshot
 from ray_elastic.exceptions import CollectiveMismatchError, CoordinatorDiedError, WorkerRemovedError
 from ray_elastic.leftovers import remove_run_actors, remove_run_placement_groups, run_namespace
+from ray_elastic.logs import keep_in_session_log
 from ray_elastic.payload import unpack
 from ray_elastic.protocol import CoordinatorLost, Finished, Removed, UserError, WorkerOutcome
 from ray_elastic.runtime.allocator import tune_allocator
@@ -58,6 +59,7 @@ class WorkerActor:
         driver: Any,
         settings: WorkerConfig,
     ) -> None:
+        keep_in_session_log(f"worker-{settings.run_id}-{worker_id}")  # its lines in Ray's logs (logs.py)
         tune_allocator()  # before train_fn allocates: a step's freed blocks stay in the heap (see allocator.py)
         self.worker_id = worker_id
         self.ctx = WorkerContext(worker_id, kv, driver, settings)
