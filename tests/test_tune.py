@@ -117,7 +117,7 @@ def _placement_groups_left() -> list[str]:
     return [f"{i['name'] or pg}: {i['state']}" for pg, i in placement_group_table().items() if i["state"] != "REMOVED"]
 
 
-def _wait_for_every_placement_group_removed(timeout: float = 30) -> None:
+def _wait_for_every_placement_group_removed(timeout: float = 60) -> None:
     """Every placement group gone: each trial's reservation (Tune's) and what its run grew into (the driver's)."""
     deadline = time.monotonic() + timeout
     while _placement_groups_left():

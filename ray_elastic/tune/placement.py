@@ -10,10 +10,12 @@ Growing toward `max_workers` needs room beyond every trial's reservation:
 `TrialSlots`, the run's discovery callable (it runs in the driver actor,
 once per `discovery_interval`), reserves one more worker's resources at a
 time in a placement group of its own, pinned to a node that shows them
-free, and offers a slot there only once the group is placed. The groups
-are named after the trial's reservation, and the trial removes them when
-its run ends (`remove_growth`): Ray ties a placement group to its job, not
-to the actor that made it. A trial keeps what it grew into until it ends.
+free, and offers a slot there only once the group is placed. Ray ties a
+placement group to its job, not to the actor that made it, so the groups
+are named in the run's namespace: whatever removes the run's own groups
+removes them too (`fit()`'s clean-up, or the workers when the trial's
+process was killed), and the trial removes any left when its run ends
+(`remove_growth`). A trial keeps what it grew into until it ends.
 """
 
 from __future__ import annotations
@@ -44,9 +46,9 @@ def node_to_grow_on(free: Mapping[str, Mapping[str, float]], per_worker: Mapping
     return max(roomy, key=lambda n: (free[n].get("CPU", 0.0), n)) if roomy else None
 
 
-def growth_prefix(reservation: str) -> str:
-    """The name of every growth group of the trial whose reservation (placement group) has this hex id."""
-    return f"ray-elastic-trial-growth-{reservation[:16]}-"
+def growth_tag(reservation: str) -> str:
+    """In the name of every growth group of the trial whose reservation (placement group) has this hex id."""
+    return f"-growth-{reservation[:16]}-"
 
 
 def remove_growth(reservation: str) -> None:
@@ -55,7 +57,7 @@ def remove_growth(reservation: str) -> None:
     from ray.util.placement_group import PlacementGroup, placement_group_table
 
     for pg_id, info in placement_group_table().items():
-        if info.get("name", "").startswith(growth_prefix(reservation)) and info.get("state") != "REMOVED":
+        if growth_tag(reservation) in info.get("name", "") and info.get("state") != "REMOVED":
             _remove(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(pg_id))))
 
 
@@ -78,6 +80,7 @@ class TrialSlots:
         self.per_worker = dict(per_worker)
         self.max_workers = max_workers
         self._grown: list[tuple[Any, str]] = []  # (placement group, node id) placed for growth
+        self._namespace: str | None = None  # the run's, found once from inside its driver actor
 
     def __call__(self) -> dict[str, int]:
         import ray
@@ -89,7 +92,7 @@ class TrialSlots:
             reserved[node] = reserved.get(node, 0) + 1
         self._forget_lost(table)
         total = sum(reserved.values()) + len(self._grown)
-        if reserved and total < self.max_workers:
+        if reserved and total < self.max_workers and self._run_namespace(ray) is not None:
             self._grow(ray)
         grown: dict[str, int] = {}
         for _, node in self._grown:
@@ -106,6 +109,21 @@ class TrialSlots:
                 _remove(pg)
         self._grown = kept
 
+    def _run_namespace(self, ray: Any) -> str | None:
+        """The namespace of the run whose driver actor calls this (the driver is named `driver` in it)."""
+        if self._namespace is None:
+            me = ray.get_runtime_context().get_actor_id()
+            for named in ray.util.list_named_actors(all_namespaces=True):
+                if named["name"] != "driver" or not named["namespace"].startswith("ray_elastic_"):
+                    continue
+                try:
+                    if ray.get_actor("driver", namespace=named["namespace"])._actor_id.hex() == me:
+                        self._namespace = named["namespace"]
+                        break
+                except ValueError:  # that run ended in between
+                    continue
+        return self._namespace
+
     def _grow(self, ray: Any) -> None:
         from ray.util.placement_group import placement_group
 
@@ -116,7 +134,7 @@ class TrialSlots:
         pg = placement_group(
             [self.per_worker],
             strategy="STRICT_PACK",
-            name=growth_prefix(self.reservation) + uuid.uuid4().hex[:8],
+            name=f"{self._namespace}{growth_tag(self.reservation)}{uuid.uuid4().hex[:8]}",
             bundle_label_selector=[{"ray.io/node-id": node}],
         )
         if pg.wait(_PLACE_S):

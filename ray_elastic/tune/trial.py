@@ -69,7 +69,7 @@ def run_trial(trainer: Any, config: dict[str, Any]) -> None:
     relay = _Relay(store)
     try:
         trial.fit(on_report=relay)
-    finally:  # fit() removed the run's driver, which made the growth groups; they are the job's until removed
+    finally:  # fit() removed the run's groups; a growth group placed while its driver was killed is removed here
         remove_growth(reservation.id.hex())
 
 
