@@ -24,9 +24,11 @@ it grew into.
 
 from __future__ import annotations
 
+import atexit
 import copy
 import dataclasses
 import logging
+import threading
 import time
 from typing import Any
 
@@ -37,6 +39,7 @@ from ray_elastic.tune.placement import NOMINAL, TrialSlots, remove_growth
 logger = logging.getLogger(__name__)
 
 _CHECKPOINT_LOOK_S = 1.0  # at most this often a report looks for a new durable checkpoint
+_RELEASE_S = 40.0  # the longest a stopped trial's process waits at exit for its run's clean-up (fit()'s is 35 s)
 
 
 def run_trial(trainer: Any, config: dict[str, Any]) -> None:
@@ -67,10 +70,23 @@ def run_trial(trainer: Any, config: dict[str, Any]) -> None:
         changes["checkpoint_dir"] = url
     trial.run_config = dataclasses.replace(trainer.run_config, **changes)
     relay = _Relay(store)
+    released = threading.Event()
+
+    def wait_for_release() -> None:
+        # Tune ends a stopped trial's process right after telling it to stop, while fit()'s clean-up runs in
+        # this (daemon) thread: the process waits for it at exit, or the run's groups outlive the trial
+        if not released.wait(_RELEASE_S):
+            logger.warning("the trial's run was not released within %g s; some of it may be left", _RELEASE_S)
+
+    atexit.register(wait_for_release)
     try:
         trial.fit(on_report=relay)
     finally:  # fit() removed the run's groups; a growth group placed while its driver was killed is removed here
-        remove_growth(reservation.id.hex())
+        try:
+            remove_growth(reservation.id.hex())
+        finally:
+            released.set()
+            atexit.unregister(wait_for_release)
 
 
 def _adopt_tunes_checkpoint(store: CheckpointStore, checkpoint: Any) -> None:
