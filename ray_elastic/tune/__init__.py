@@ -34,7 +34,9 @@ def as_trainable(trainer: Any) -> Any:
         )
     import copy
 
-    from ray_elastic.tune.trial import run_trial
+    from ray.tune.trainable.function_trainable import wrap_function
+
+    from ray_elastic.tune.trial import run_trial, wait_for_release
 
     shipped = copy.copy(trainer)
     shipped.train_fn = None  # it travels inside the trainer's payload, pickled by value where workers need it
@@ -42,8 +44,17 @@ def as_trainable(trainer: Any) -> Any:
     def elastic_trial(config: dict[str, Any]) -> None:
         run_trial(shipped, config)
 
+    class ElasticTrial(wrap_function(elastic_trial)):
+        """Tune's function trainable, whose `stop()` returns only once the trial's run is released."""
+
+        def cleanup(self) -> None:
+            try:
+                super().cleanup()
+            finally:
+                wait_for_release()
+
     return tune.with_resources(
-        elastic_trial, tune.PlacementGroupFactory(trial_resources(cfg.min_workers, cfg.resources_per_worker))
+        ElasticTrial, tune.PlacementGroupFactory(trial_resources(cfg.min_workers, cfg.resources_per_worker))
     )
 
 

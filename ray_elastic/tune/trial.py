@@ -19,12 +19,12 @@ inside the trial is recovered by the run itself: Tune sees no failure and
 one stream of results. When Tune stops the trial (a scheduler's decision),
 `tune.report` raises in `fit()`'s thread, and `fit()` releases the run's
 workers, driver and KV actor on its way out; the trial then gives back what
-it grew into.
+it grew into, and the trainable's `stop()` waits for all that
+(`wait_for_release`) before Tune ends the process.
 """
 
 from __future__ import annotations
 
-import atexit
 import copy
 import dataclasses
 import logging
@@ -39,7 +39,20 @@ from ray_elastic.tune.placement import NOMINAL, TrialSlots, remove_growth
 logger = logging.getLogger(__name__)
 
 _CHECKPOINT_LOOK_S = 1.0  # at most this often a report looks for a new durable checkpoint
-_RELEASE_S = 40.0  # the longest a stopped trial's process waits at exit for its run's clean-up (fit()'s is 35 s)
+_RELEASE_S = 40.0  # the longest a stopped trial's stop() waits for its run's clean-up (fit()'s is at most 35 s)
+_released = threading.Event()  # set while no trial's run is being trained or cleaned up in this process
+_released.set()
+
+
+def wait_for_release() -> None:
+    """Wait (up to `_RELEASE_S`) until this process's trial released its run: the trainable's `stop()` calls it.
+
+    Tune kills a stopped trial's process as soon as `stop()` returns, while
+    `fit()`'s clean-up runs in Tune's training thread: cut short, it would
+    leave the run's workers or placement groups behind.
+    """
+    if not _released.wait(_RELEASE_S):
+        logger.warning("the trial's run was not released within %g s; some of it may be left", _RELEASE_S)
 
 
 def run_trial(trainer: Any, config: dict[str, Any]) -> None:
@@ -70,23 +83,14 @@ def run_trial(trainer: Any, config: dict[str, Any]) -> None:
         changes["checkpoint_dir"] = url
     trial.run_config = dataclasses.replace(trainer.run_config, **changes)
     relay = _Relay(store)
-    released = threading.Event()
-
-    def wait_for_release() -> None:
-        # Tune ends a stopped trial's process right after telling it to stop, while fit()'s clean-up runs in
-        # this (daemon) thread: the process waits for it at exit, or the run's groups outlive the trial
-        if not released.wait(_RELEASE_S):
-            logger.warning("the trial's run was not released within %g s; some of it may be left", _RELEASE_S)
-
-    atexit.register(wait_for_release)
+    _released.clear()
     try:
         trial.fit(on_report=relay)
     finally:  # fit() removed the run's groups; a growth group placed while its driver was killed is removed here
         try:
             remove_growth(reservation.id.hex())
         finally:
-            released.set()
-            atexit.unregister(wait_for_release)
+            _released.set()
 
 
 def _adopt_tunes_checkpoint(store: CheckpointStore, checkpoint: Any) -> None:
