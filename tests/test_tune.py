@@ -7,6 +7,8 @@
   found, its checkpoint opened, Tune's TensorBoard logger's event file read
   back with the reported losses, nothing left behind (actors, placement
   groups: the trials' reservations and growth included).
+- Tune's resume of an experiment (`Tuner.restore(..., resume_errored=True)`):
+  the trial failed midway goes on from the checkpoint Tune holds, not from step 1.
 - A worker SIGKILLed inside a trial that grew to 2 workers: Tune sees one
   trial, never restarted (one trainable process), whose steps go on 1, 2, 3
   ... without a gap or a repeat.
@@ -36,9 +38,11 @@ def quadratic_train_fn(config: dict) -> float:
 
     `kill_after`: once the world has 2 workers at a step >= it, rank 1
     SIGKILLs itself (once: `marker`); the run ends `steps_after_kill` steps
-    after rank 0 saw it, else after `steps`.
+    after rank 0 saw it, else after `steps`. `fail_at`: the run fails there
+    once (`fail_marker`), as an interrupted experiment.
     """
     state = elastic.ObjectState(step=0, w=0.0, end=config["steps"])
+    fail = config.get("fail_marker")
 
     @elastic.run
     def train(state: elastic.ObjectState) -> float:
@@ -48,6 +52,9 @@ def quadratic_train_fn(config: dict) -> float:
                 if elastic.rank() == 1:
                     Path(marker).write_text(str(os.getpid()))
                     os.kill(os.getpid(), signal.SIGKILL)
+            if fail and state.step == config["fail_at"] and not os.path.exists(fail):
+                Path(fail).write_text("")
+                raise RuntimeError("the experiment is interrupted here, once")
             grad = elastic.allreduce(np.array([2.0 * (state.w - 3.0)]), op=elastic.Average)[0]
             state.w -= config["lr"] * grad
             time.sleep(config["step_s"])  # the workload's pace: ASHA has rungs to compare
@@ -207,4 +214,39 @@ def test_a_worker_sigkilled_inside_a_trial_is_recovered_in_place(cluster, no_lea
     grown = worlds.index(2)
     assert 1 in worlds[grown:], f"the world never shrank after the kill: {worlds}"
     assert len(frame) < 400
+    _wait_for_every_placement_group_removed()
+
+
+@pytest.mark.integration
+def test_tunes_resume_of_an_experiment_resumes_the_trial_from_its_checkpoint(cluster, no_leaks, tmp_path):
+    """A trial failed midway; Tuner.restore restarts it from the last checkpoint Tune holds, not from step 1."""
+    trainer = ElasticTrainer(
+        quadratic_train_fn,
+        min_workers=1,
+        max_workers=1,
+        config={"steps": 45, "step_s": 0.1, "fail_at": 30, "fail_marker": str(tmp_path / "failed")},
+        checkpoint_dir=str(tmp_path / "ckpt"),
+        checkpoint_every=5,
+        verbose=0,
+    )
+    storage = str(tmp_path / "tune")
+    run_config = tune.RunConfig(name="resume", storage_path=storage, verbose=0)
+    first = tune.Tuner(
+        trainer.as_trainable(),
+        param_space={"lr": 0.01},
+        tune_config=tune.TuneConfig(metric="loss", mode="min"),
+        run_config=run_config,
+    ).fit()
+    assert first.num_errors == 1 and "interrupted here" in str(first[0].error)
+    held = first[0].checkpoint
+    assert held is not None, "the failed trial handed Tune no checkpoint"
+    held_step = elastic.load_checkpoint(held)["step"]
+    assert 10 <= held_step <= 30
+
+    restored = tune.Tuner.restore(f"{storage}/resume", trainer.as_trainable(), resume_errored=True).fit()
+    assert restored.num_errors == 0, [r.error for r in restored if r.error]
+    frame = restored[0].metrics_dataframe
+    assert frame["step"].iloc[-1] == 45
+    second = frame[frame["pid"] == frame["pid"].iloc[-1]]  # the rows of the restored trial's own process
+    assert second["step"].iloc[0] == held_step + 1, f"the restored trial began at step {second['step'].iloc[0]}"
     _wait_for_every_placement_group_removed()
