@@ -107,11 +107,11 @@ class LongRunHost:
 
     def measure(self, reports: int, bounded: bool) -> dict:
         from ray_elastic.driver.metrics_log import MetricsLog
-        from ray_elastic.trainer import _Reports
+        from ray_elastic.following import Reports
 
         base = rss_mb()
         log = MetricsLog("bench-long-run")
-        caller = _Reports(keep=100_000 if bounded else None)
+        caller = Reports(keep=100_000 if bounded else None)
         held: list = []  # the unbounded way: every report kept by the driver and by the caller
         batch_size, fetch_every = 25, 2_000  # rank 0 ships ~4 batches/s; fit() polls twice a second
         for start in range(0, reports, batch_size):

@@ -14,10 +14,8 @@ import logging
 import os
 import pickle
 import threading
-import time
 import types
 import uuid
-from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,29 +24,23 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from ray_elastic import autoscale
 from ray_elastic.auth import RunToken
 from ray_elastic.checkpoint import CheckpointError, CheckpointStore, within
 from ray_elastic.config import RunConfig
 from ray_elastic.data import check_datasets
 from ray_elastic.data.feed import create_feed_actor
 from ray_elastic.discovery import alive_ray_nodes, check_discovery_spec, keep_cpus_free, slots_for_resources
-from ray_elastic.driver import snapshot
 from ray_elastic.driver_actor import create_driver_actor
 from ray_elastic.events import Event
 from ray_elastic.exceptions import TrainingFailedError
-from ray_elastic.leftovers import remove_run_actors, remove_run_placement_groups, run_namespace
-from ray_elastic.logs import worker_death_dumps_hidden
+from ray_elastic.following import Reports, cleanup, coordinator_node, follow
+from ray_elastic.leftovers import run_namespace
 from ray_elastic.payload import pack
 from ray_elastic.protocol import RunOutcome
 from ray_elastic.rendezvous import create_kv_actor
 
 logger = logging.getLogger(__name__)
 
-_POLL_S = 0.5
-_STATUS_TIMEOUT_S = 30.0  # a driver that does not answer a status query for this long is retried
-_STOP_TIMEOUT_S = 5.0  # delivering the stop request to the driver of an interrupted fit()
-_CLEANUP_TIMEOUT_S = 30.0  # listing and removing the run's actors and placement groups in Ray's GCS
 _INIT_LOCK = threading.Lock()
 
 
@@ -317,9 +309,9 @@ class ElasticTrainer:
         namespace = run_namespace(run_id)
         kv = driver = None
         outcome: RunOutcome | None = None
-        reports = _Reports(self.run_config.keep_metrics, on_report)
+        reports = Reports(self.run_config.keep_metrics, on_report)
         try:
-            here = NodeAffinitySchedulingStrategy(_coordinator_node(), soft=False)
+            here = NodeAffinitySchedulingStrategy(coordinator_node(), soft=False)
             token = RunToken()  # the run's actors answer only calls carrying it (see auth.py)
             kv = create_kv_actor(run_id, namespace, token, here)
             # held until the run ends: Ray removes an actor, named or not, once no handle to it is left
@@ -330,10 +322,11 @@ class ElasticTrainer:
                 else None
             )
             driver = create_driver_actor(run_id, namespace, token, self._payload, self.discovery, self.run_config, here)
-            outcome = self._follow(driver, driver.run.remote(), reports, data_line)
+            limit = self.run_config.elastic_timeout
+            outcome = follow(driver, driver.run.remote(), reports, data_line, self.verbose, limit)
             del feed  # the run is over: its feed may go (the clean-up removes it in any case)
         finally:
-            _cleanup(driver, kv, run_id, namespace, graceful=outcome is not None)
+            cleanup(driver, kv, run_id, namespace, graceful=outcome is not None)
         value = None if outcome.value is None else pickle.loads(outcome.value)
         if not outcome.ok:
             raise TrainingFailedError(outcome.error or "training failed", value)
@@ -346,22 +339,8 @@ class ElasticTrainer:
             run_id=run_id,
             metrics_dropped=reports.dropped,
             checkpoint_error=outcome.checkpoint_error,
-            checkpoint_path=self._latest_checkpoint(),
+            checkpoint_path=_latest_checkpoint(self.run_config),
         )
-
-    def _latest_checkpoint(self) -> str | None:
-        """Where the run's latest durable checkpoint is (a path or URL), or None; storage errors only warn."""
-        if self.run_config.checkpoint_dir is None:
-            return None
-        store = CheckpointStore(self.run_config.checkpoint_dir)
-        try:
-            latest = within(
-                self.run_config.discovery_timeout, f"listing {store.url!r} (discovery_timeout)", store.latest
-            )
-        except Exception as e:  # noqa: BLE001 - training succeeded: a listing that fails must not lose its result
-            logger.warning("cannot find the latest checkpoint in %s: %s", store.url, e)
-            return None
-        return None if latest is None else store.url_of(latest)
 
     def _check_cluster_can_hold_a_worker(self) -> None:
         nodes = alive_ray_nodes()
@@ -402,85 +381,18 @@ class ElasticTrainer:
                 meta.get("world_size"),
             )
 
-    def _follow(self, driver: Any, run_ref: Any, reports: _Reports, note: str | None) -> RunOutcome:
-        """Wait for the driver, collecting its reports and showing progress and event lines until it ends.
 
-        `note`: a line about the run shown before the first progress (what it keeps for its datasets).
-        """
-        from ray_elastic.progress import Progress
-
-        progress = Progress(enabled=self.verbose > 0)
-        if note:
-            progress.note(note)
-        try:
-            with worker_death_dumps_hidden():  # the event lines say which worker died; Ray's dump stays in its logs
-                return self._poll_driver(driver, run_ref, progress, reports)
-        except ray.exceptions.RayActorError as e:
-            # the driver holds the membership; without it the workers cannot be re-formed
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            return RunOutcome(ok=False, error=f"the run's driver actor died ({first}); the run cannot continue")
-        except KeyboardInterrupt:
-            logger.warning("interrupted: stopping the run and releasing its workers")
-            raise
-        finally:
-            progress.close()
-
-    def _poll_driver(self, driver: Any, run_ref: Any, progress: Any, reports: _Reports) -> RunOutcome:
-        """The run's outcome; a driver alive but answering nothing for `elastic_timeout` fails it (said each time)."""
-        limit = self.run_config.elastic_timeout
-        answered = time.monotonic()  # when the driver last answered a status query
-        events_seen = 0  # the driver sends only the events after these (and those whose reset goes on)
-        while True:
-            ready, _ = ray.wait([run_ref], timeout=_POLL_S)
-            if ready:
-                outcome: RunOutcome = ray.get(run_ref)
-                progress.update(
-                    {
-                        "state": "done" if outcome.ok else "failed",
-                        "events": outcome.events,
-                        "resets": outcome.resets,
-                        "metrics": reports.take(outcome.metrics_from, outcome.metrics),
-                    }
-                )
-                return outcome
-            try:
-                status = ray.get(driver.status.remote(reports.seen, events_seen), timeout=_STATUS_TIMEOUT_S)
-            except ray.exceptions.GetTimeoutError:
-                silent = time.monotonic() - answered
-                if silent > limit:
-                    return RunOutcome(
-                        ok=False,
-                        error=f"the run's driver actor answered no status query for {silent:.0f} s "
-                        f"(elastic_timeout={limit:g} s): it is stuck, and no failure of the run can be handled",
-                    )
-                logger.warning("the run's driver actor has answered no status query for %.0f s", silent)
-                continue
-            answered = time.monotonic()
-            events_seen = status.events_from + len(status.events)
-            progress.update({**vars(status), "metrics": reports.take(status.metrics_from, status.metrics)})
-
-
-class _Reports:
-    """Rank 0's reports as `fit()` fetches them: the newest `keep` kept, the others counted."""
-
-    def __init__(self, keep: int | None, on_report: Callable[[dict[str, Any]], None] | None = None) -> None:
-        self.kept: deque[tuple[float, dict[str, Any]]] = deque(maxlen=keep)
-        self.seen = 0  # run-wide index of the next report to fetch
-        self._on_report = on_report
-
-    def take(self, first: int, batch: list[tuple[float, dict[str, Any]]]) -> list[tuple[float, dict[str, Any]]]:
-        """Keep the reports of `batch` (starting at run-wide index `first`) not seen yet; return them."""
-        new = batch[max(0, self.seen - first) :]
-        self.kept.extend(new)
-        self.seen = max(self.seen, first + len(batch))
-        if self._on_report is not None:
-            for _, metrics in new:
-                self._on_report(metrics)
-        return new
-
-    @property
-    def dropped(self) -> int:
-        return self.seen - len(self.kept)
+def _latest_checkpoint(cfg: RunConfig) -> str | None:
+    """Where the run's latest durable checkpoint is (a path or URL), or None; storage errors only warn."""
+    if cfg.checkpoint_dir is None:
+        return None
+    store = CheckpointStore(cfg.checkpoint_dir)
+    try:
+        latest = within(cfg.discovery_timeout, f"listing {store.url!r} (discovery_timeout)", store.latest)
+    except Exception as e:  # noqa: BLE001 - training succeeded: a listing that fails must not lose its result
+        logger.warning("cannot find the latest checkpoint in %s: %s", store.url, e)
+        return None
+    return None if latest is None else store.url_of(latest)
 
 
 def _data_cpus_line(cfg: RunConfig) -> str:
@@ -502,71 +414,6 @@ def _data_cpus_line(cfg: RunConfig) -> str:
     if kept < cfg.min_workers:
         line += f"; fewer than min_workers={cfg.min_workers}: the run waits up to elastic_timeout for more nodes"
     return line
-
-
-def _coordinator_node() -> str:
-    """Where the driver and KV actors run: the head node, which stays while workers come and go."""
-    for node in ray.nodes():
-        if node.get("Alive") and "node:__internal_head__" in node.get("Resources", {}):
-            return node["NodeID"]
-    return ray.get_runtime_context().get_node_id()
-
-
-def _cleanup(driver: Any, kv: Any, run_id: str, namespace: str, graceful: bool) -> None:
-    """Leave no actor, no placement group and no autoscaler share of this run behind.
-
-    The work runs in a thread of its own and this waits for it, bounded by
-    `_STOP_TIMEOUT_S + _CLEANUP_TIMEOUT_S`, through further Ctrl-Cs: an
-    impatient second Ctrl-C must not leave placement groups that block the
-    next `fit()`.
-    """
-
-    finished = threading.Event()
-
-    def work() -> None:
-        try:
-            release()
-        finally:
-            finished.set()
-
-    def release() -> None:
-        if driver is not None:
-            if not graceful:
-                try:
-                    # the driver kills its workers and removes their placement groups
-                    ray.get(driver.stop.remote("fit() was interrupted"), timeout=_STOP_TIMEOUT_S)
-                except Exception:  # noqa: BLE001 - a dead driver is cleaned up below
-                    pass
-            ray.kill(driver.handle, no_restart=True)
-        if kv is not None:
-            ray.kill(kv.handle, no_restart=True)
-        remove_run_actors(namespace)
-        remove_run_placement_groups(namespace)
-        autoscale.withdraw(run_id)
-        snapshot.delete(run_id)
-
-    cleaner = threading.Thread(target=work, name="ray-elastic-cleanup", daemon=True)
-    cleaner.start()
-    deadline = time.monotonic() + _STOP_TIMEOUT_S + _CLEANUP_TIMEOUT_S
-    interrupted = False
-    # an Event, not join(): a join interrupted by Ctrl-C leaves is_alive() False on Python 3.10-3.11
-    while not finished.is_set() and time.monotonic() < deadline:
-        try:
-            finished.wait(max(0.0, deadline - time.monotonic()))
-        except KeyboardInterrupt:
-            interrupted = True
-            logger.warning(
-                "still releasing the run's workers and placement groups (at most %.0f s)", _CLEANUP_TIMEOUT_S
-            )
-    if not finished.is_set():
-        # the GCS answers these; a GCS that hangs must not hang fit()'s caller
-        logger.error(
-            "could not remove the actors and placement groups of namespace %s within %g s; some may be left behind",
-            namespace,
-            _STOP_TIMEOUT_S + _CLEANUP_TIMEOUT_S,
-        )
-    if interrupted:
-        raise KeyboardInterrupt
 
 
 def _plain_function(fn: Callable[..., Any]) -> types.FunctionType | None:

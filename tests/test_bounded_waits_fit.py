@@ -40,8 +40,7 @@ class _Progress:
 
 
 def test_fit_gives_up_on_a_driver_that_answers_nothing_for_elastic_timeout_naming_it(monkeypatch, caplog):
-    from ray_elastic import ElasticTrainer
-    from ray_elastic.trainer import _Reports
+    from ray_elastic.following import Reports, poll_driver
 
     began = time.monotonic()
 
@@ -56,8 +55,7 @@ def test_fit_gives_up_on_a_driver_that_answers_nothing_for_elastic_timeout_namin
 
     monkeypatch.setattr(ray, "wait", lambda refs, timeout=None: ([], refs))
     monkeypatch.setattr(ray, "get", status_times_out)
-    trainer = ElasticTrainer(lambda config: None, min_workers=1, max_workers=1, elastic_timeout=0.3)
-    outcome = trainer._poll_driver(Driver(), "the run's reference", _Progress(), _Reports(None))
+    outcome = poll_driver(Driver(), "the run's reference", _Progress(), Reports(None), elastic_timeout=0.3)
     assert not outcome.ok
     assert "driver actor answered no status query" in outcome.error and "elastic_timeout=0.3 s" in outcome.error
     assert "has answered no status query" in caplog.text  # said while it waited, not only at the end

@@ -23,11 +23,11 @@ from pathlib import Path
 import pytest
 
 import ray_elastic.horovod.ray as hray
+from ray_elastic.following import Reports
 from ray_elastic.horovod.ray import ElasticRayExecutor, RayExecutor, TestDiscovery
 from ray_elastic.horovod.ray.sessions import Callbacks
 from ray_elastic.horovod.ray.settings import HorovodRayWarning
 from ray_elastic.horovod.ray.worker_loop import MARK
-from ray_elastic.trainer import _Reports
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -127,7 +127,7 @@ def test_callbacks_get_rank0_reports_once_and_never_the_command_markers():
     got = []
     calls = Callbacks()
     calls.begin([got.append])
-    forwarding = _Reports(None, calls)  # fit(on_report=calls)'s own path
+    forwarding = Reports(None, calls)  # fit(on_report=calls)'s own path
     forwarding.take(0, [(0.0, {"loss": 1.0}), (0.1, {MARK: 0})])
     forwarding.take(0, [(0.0, {"loss": 1.0}), (0.1, {MARK: 0}), (0.2, {"loss": 0.5})])  # fit() re-fetches
     assert got == [{"loss": 1.0}, {"loss": 0.5}] and calls.wait_marked(0, 0)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ray_elastic.driver.metrics_log import MetricsLog
-from ray_elastic.trainer import _Reports
+from ray_elastic.following import Reports
 
 
 def reports(start: int, n: int) -> list[tuple[float, dict]]:
@@ -31,7 +31,7 @@ def test_a_caller_that_stops_fetching_bounds_the_driver_at_its_capacity():
 
 
 def test_fit_keeps_the_newest_reports_counts_the_rest_and_never_takes_one_twice():
-    kept = _Reports(keep=4)
+    kept = Reports(keep=4)
     assert [m["step"] for _, m in kept.take(0, reports(0, 3))] == [0, 1, 2]
     # the final outcome repeats what a last status already handed over: taken once
     assert [m["step"] for _, m in kept.take(1, reports(1, 6))] == [3, 4, 5, 6]
@@ -42,6 +42,6 @@ def test_fit_keeps_the_newest_reports_counts_the_rest_and_never_takes_one_twice(
 
 
 def test_keep_none_keeps_everything():
-    kept = _Reports(keep=None)
+    kept = Reports(keep=None)
     kept.take(0, reports(0, 1000))
     assert len(kept.kept) == 1000 and kept.dropped == 0
