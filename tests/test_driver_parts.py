@@ -7,7 +7,8 @@ the parts below it, so a part's behaviour is visible without the others'.
 
 from __future__ import annotations
 
-from ray_elastic.config import RunConfig
+from test_driver_core import config
+
 from ray_elastic.driver import messages as m
 from ray_elastic.driver.broken_rings import BrokenRings
 from ray_elastic.driver.failures import Failures
@@ -21,17 +22,8 @@ from ray_elastic.protocol import DriverState, EventKind, Finished
 
 
 def record(**overrides) -> RunRecord:
-    values = {
-        "min_workers": 2,
-        "max_workers": 4,
-        "resources_per_worker": {"CPU": 1.0},
-        "elastic_timeout": 60.0,
-        "cooldown_range": (10.0, 300.0),
-        "liveness_timeout": 5.0,
-        "collective_timeout": 20.0,
-    }
-    values.update(overrides)
-    return RunRecord(RunConfig(**values), wall_offset=1000.0, started_at=0.0)
+    """The options the whole-core scripts use (`test_driver_core.config`), on a bare record."""
+    return RunRecord(config(**overrides), wall_offset=1000.0, started_at=0.0)
 
 
 class Parts:
