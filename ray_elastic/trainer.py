@@ -366,6 +366,7 @@ class ElasticTrainer:
 
         def probe() -> dict[str, Any] | None:
             store.check_writable()
+            store.refuse_old_format()
             return store.meta()
 
         try:

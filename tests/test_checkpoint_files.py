@@ -205,3 +205,13 @@ def test_object_state_checkpoints_are_json(tmp_path):
     fresh = elastic.ObjectState(step=0, w=[], name="")
     load_entries(fresh, load_checkpoint(path))
     assert (fresh.step, fresh.w, fresh.name) == (3, [1.0, 2.0], "run")
+
+
+def test_a_checkpoint_dir_of_the_old_single_pickle_format_is_refused_before_anything_starts(tmp_path):
+    """A run must not silently start over from step 0 over a checkpoint this release cannot read."""
+    (tmp_path / "ray_elastic_checkpoint.pkl").write_bytes(b"a format-1 checkpoint")
+    trainer = elastic.ElasticTrainer(lambda config: None, min_workers=1, max_workers=1, checkpoint_dir=str(tmp_path))
+    with pytest.raises(ValueError, match=r"ray_elastic_checkpoint\.pkl.*silently start over"):
+        trainer._check_checkpoint_dir()
+    CheckpointStore(str(tmp_path)).write({"epoch": 3}, {"commit": 1, "world_size": 1})
+    trainer._check_checkpoint_dir()  # a checkpoint of this release beside it: resumed from that one

@@ -33,6 +33,7 @@ from ray_elastic.checkpoint.bounded import CheckpointError
 
 META_FILE = "ray_elastic.json"
 FORMAT = 2
+OLD_FILE = "ray_elastic_checkpoint.pkl"  # format 1: one pickle of the handlers' snapshots, no longer read
 _NAME = re.compile(r"^checkpoint_(\d+)$")
 
 
@@ -76,6 +77,15 @@ class CheckpointStore:
             self.fs.rm(probe)
         except Exception as e:  # noqa: BLE001 - any storage error means the same thing to the user
             raise CheckpointError(f"checkpoint_dir={self.url!r} is not writable: {type(e).__name__}: {e}") from e
+
+    def refuse_old_format(self) -> None:
+        """Refuse a directory whose only checkpoint is in format 1: a run would silently start over."""
+        if self.fs.exists(f"{self.root}/{OLD_FILE}") and not self.checkpoints():
+            raise CheckpointError(
+                f"checkpoint_dir={self.url!r} holds a checkpoint in the format of earlier ray-elastic releases "
+                f"({OLD_FILE}), which this release does not read: resuming from it would silently start over. "
+                "Finish that run with the release that wrote it, or move the file away to start afresh"
+            )
 
     def _numbered(self) -> list[tuple[int, str]]:
         """Every checkpoint directory, torn ones included, as (number, path), oldest first."""
