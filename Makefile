@@ -17,9 +17,12 @@ STAMP310 := $(VENV310)/.installed
 venv: $(STAMP)
 
 # torch's CPU build, pinned, from PyTorch's own index (torch from PyPI pulls the CUDA build and its packages).
-# TORCH_INDEX= (empty) leaves the choice to pip's configuration, e.g. a local wheel mirror on a machine with no
-# internet; pip consults that configuration with the default too, after warnings about an unreachable index.
-TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+# That index is used when it answers within 5 s; otherwise (a machine with no internet) the choice is left to
+# pip's configuration, e.g. a local wheel mirror, instead of minutes of retries against an unreachable index.
+# TORCH_INDEX=URL picks an index; TORCH_INDEX= (empty) always leaves it to pip's configuration.
+PYTORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
+TORCH_INDEX ?= $(shell $(PY) -c "import urllib.request as u; u.urlopen('$(PYTORCH_CPU_INDEX)/', timeout=5)" \
+	>/dev/null 2>&1 && echo $(PYTORCH_CPU_INDEX))
 
 # torch first, pinned, so pip never resolves a CUDA build; then the package and its extras
 $(STAMP): pyproject.toml
