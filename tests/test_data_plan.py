@@ -153,6 +153,6 @@ def test_datasets_without_ray_data_installed_name_the_extra(monkeypatch):
     from ray_elastic.data import check_datasets
 
     monkeypatch.setitem(sys.modules, "ray.data", None)  # as in an install without the extra
-    with pytest.raises(ImportError, match=r"pip install 'ray-elastic\[data\]'"):
+    with pytest.raises(ImportError, match=r"pip install 'ray\[data\]==2.60.\*' \(the 'data' extra of ray-elastic\)"):
         check_datasets({"train": object()})
     assert check_datasets(None) == {}, "no datasets: Ray Data is not needed"
