@@ -9,7 +9,7 @@ half each time. Every trial checkpoints into its own directory, handed to
 Tune, so the best trial's checkpoint is plain files: `model.pt` loads into
 a fresh model with plain `torch.load`.
 
-    pip install 'ray-elastic[tune,examples]'
+    pip install -e '.[tune,examples]'   # in a ray-elastic checkout
     python examples/tune_digits.py        # a local cluster: a head and two 2-CPU nodes
 """
 

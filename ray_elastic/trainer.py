@@ -80,7 +80,7 @@ class Result:
 
         `elastic.load_checkpoint(result.checkpoint)` gives its contents;
         plain `torch.load` reads its `.pt` files. Needs `ray[train]` or
-        `ray[tune]` (`pip install 'ray-elastic[tune]'`).
+        `ray[tune]` (the `tune` extra).
         """
         from ray_elastic.checkpoint.opening import ray_checkpoint
 
@@ -146,7 +146,7 @@ class ElasticTrainer:
             `elastic.get_dataset_shard(name)` is this rank's shard, trained
             exactly once per epoch through every reset when it is in the
             committed state (`docs/user-guide.md`). Needs
-            `pip install 'ray-elastic[data]'`.
+            `ray[data]` (the `data` extra).
         data_cpus: with `datasets=`, how many whole CPUs of the cluster the
             workers leave free for Ray Data's read and map tasks (default 1:
             what one task asks for by default; raise it for a pipeline whose
@@ -262,7 +262,7 @@ class ElasticTrainer:
         self.verbose = verbose
 
     def as_trainable(self) -> Any:
-        """This training as a Ray Tune trainable: each trial an elastic run (needs `ray-elastic[tune]`).
+        """This training as a Ray Tune trainable: each trial an elastic run (needs `ray[tune]`, the `tune` extra).
 
         `tune.Tuner(trainer.as_trainable(), param_space={...}, tune_config=...)`:
         `param_space` values are merged into `train_fn`'s config; every

@@ -40,7 +40,7 @@ def ray_checkpoint(url: str) -> Any:
     except ImportError as e:
         raise ImportError(
             f"Result.checkpoint is a ray.train.Checkpoint, which needs ray[train] or ray[tune] "
-            f"(pip install 'ray-elastic[tune]'); the checkpoint itself is at {url} ({e})"
+            f"(pip install 'ray[tune]==2.60.*', the 'tune' extra); the checkpoint itself is at {url} ({e})"
         ) from e
     store = CheckpointStore(url)
     if store.is_local():

@@ -3,7 +3,7 @@
 `as_trainable(trainer)` checks what a trial cannot do before Tune starts
 anything, and returns a function trainable with its resource request: the
 trial's reservation of `min_workers` workers (`placement.py`). The trial
-itself is `trial.py`. Needs `ray[tune]` (`pip install 'ray-elastic[tune]'`).
+itself is `trial.py`. Needs `ray[tune]` (the `tune` extra: `pip install -e '.[tune]'` in a checkout).
 """
 
 from __future__ import annotations
@@ -18,7 +18,9 @@ def as_trainable(trainer: Any) -> Any:
     try:
         from ray import tune
     except ImportError as e:
-        raise ImportError(f"as_trainable() needs Ray Tune: pip install 'ray-elastic[tune]' ({e})") from e
+        raise ImportError(
+            f"as_trainable() needs Ray Tune: pip install 'ray[tune]==2.60.*' (the 'tune' extra) ({e})"
+        ) from e
     cfg = trainer.run_config
     if trainer.discovery is not None:
         raise ValueError(
