@@ -26,6 +26,7 @@ class WorkerConfig:
     """What every worker needs of the run's options."""
 
     backend: str = "gloo"
+    backend_requested: str = "auto"  # what the user passed: "auto" may fall back from NCCL, "nccl" may not
     rendezvous_timeout: float = 600.0  # waiting for a generation (covers elastic_timeout)
     collective_timeout: float = 300.0  # one collective, and forming one ring
     checkpoint_dir: str | None = None  # durable checkpoints (local path or fsspec URL), written by rank 0
@@ -43,6 +44,7 @@ class RunConfig:
     max_workers: int
     resources_per_worker: Mapping[str, float]
     backend: str = "gloo"
+    backend_requested: str = "auto"  # the user's `backend` before `resolve_backend`
     elastic_timeout: float = 600.0
     reset_limit: int | None = None
     cooldown_range: tuple[float, float] = (10.0, 300.0)
@@ -142,6 +144,7 @@ class RunConfig:
             max_workers=max_workers,
             resources_per_worker=resources,
             backend=resolve_backend(backend, resources),
+            backend_requested=backend,
             elastic_timeout=float(elastic_timeout),
             reset_limit=reset_limit,
             cooldown_range=(float(cooldown_range[0]), float(cooldown_range[1])),
@@ -164,6 +167,7 @@ class RunConfig:
         """The worker's view: a worker waits for a generation as long as the driver may wait for workers."""
         return WorkerConfig(
             backend=self.backend,
+            backend_requested=self.backend_requested,
             rendezvous_timeout=self.elastic_timeout + self.collective_timeout,
             collective_timeout=self.collective_timeout,
             checkpoint_dir=self.checkpoint_dir,

@@ -51,7 +51,7 @@ def run(func: Callable[..., R]) -> Callable[..., R]:
                 return func(state, *args, **kwargs)
             except HorovodInternalError as e:
                 logger.info("rank %s: collective failed (%s); restoring the last commit", ctx.slot.rank, e)
-                ctx.tell_failure()  # the driver plans the next generation while this rank restores
+                ctx.tell_failure(str(e))  # the driver plans the next generation while this rank restores
                 state.restore()
                 failed, skip_sync = True, False
             except HostsUpdatedInterrupt as e:
@@ -65,7 +65,7 @@ def run(func: Callable[..., R]) -> Callable[..., R]:
                 if broken is None:
                     raise
                 logger.info("rank %s: the ring broke (%s); restoring the last commit", ctx.slot.rank, broken)
-                ctx.tell_failure()
+                ctx.tell_failure(broken)
                 state.restore()
                 failed, skip_sync = True, False
             ctx.reset(failed=failed)

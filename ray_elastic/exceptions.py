@@ -42,6 +42,15 @@ class CollectiveMismatchError(ValueError):
     """
 
 
+class DeviceConflictError(ValueError):
+    """The workers' devices cannot run the backend asked for: two ranks on one GPU under `backend="nccl"`.
+
+    Raised on every rank before the ring forms, naming the workers, the GPU
+    and the rule (NCCL allows one rank per GPU). Placement does not change
+    between retries, so `@elastic.run` does not retry it: the run fails.
+    """
+
+
 class RendezvousTimeoutError(TimeoutError):
     """A bounded wait ran out; the message names what was waited for."""
 

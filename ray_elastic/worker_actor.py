@@ -35,7 +35,12 @@ from ray_elastic import autoscale
 from ray_elastic.auth import with_token_check
 from ray_elastic.config import WorkerConfig
 from ray_elastic.driver import snapshot
-from ray_elastic.exceptions import CollectiveMismatchError, CoordinatorDiedError, WorkerRemovedError
+from ray_elastic.exceptions import (
+    CollectiveMismatchError,
+    CoordinatorDiedError,
+    DeviceConflictError,
+    WorkerRemovedError,
+)
 from ray_elastic.leftovers import remove_run_actors, remove_run_placement_groups, run_namespace
 from ray_elastic.logs import keep_in_session_log
 from ray_elastic.payload import unpack
@@ -123,7 +128,7 @@ class WorkerActor:
             return Removed()
         except CoordinatorDiedError as e:
             return CoordinatorLost(describe_exception(e))
-        except CollectiveMismatchError as e:  # the same code meets the same mismatch again: never retried
+        except (CollectiveMismatchError, DeviceConflictError) as e:  # running again meets it again: never retried
             return UserError(describe_exception(e), _format_traceback(e), retryable=False)
         except BaseException as e:  # noqa: BLE001 - every user failure is reported, with its traceback
             return UserError(describe_exception(e), _format_traceback(e))

@@ -97,9 +97,9 @@ class WorkerContext:
         """Leave the current ring and join the next generation."""
         self.membership.reset(failed)
 
-    def tell_failure(self) -> None:
-        """Tell the driver now that this ring failed; `reset(failed=True)` then does not tell it again."""
-        self.membership.tell_failure()
+    def tell_failure(self, reason: str = "collective failed") -> None:
+        """Tell the driver now that this ring failed, and why; `reset(failed=True)` then does not tell it again."""
+        self.membership.tell_failure(reason)
 
     def notify(self, generation: int) -> None:
         self.membership.notify(generation)

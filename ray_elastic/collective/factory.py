@@ -7,12 +7,19 @@ at module level: a numpy-only worker never loads torch.
 
 from __future__ import annotations
 
+import logging
+
 import ray
 
-from ray_elastic.collective import address
+from ray_elastic.collective import address, devices
 from ray_elastic.collective.base import CollectiveGroup
 from ray_elastic.exceptions import HorovodInternalError, RendezvousTimeoutError
 from ray_elastic.rendezvous import KVClient
+
+logger = logging.getLogger(__name__)
+
+_SEAT_PREFIX = "gpu_seat/"  # a rank's (worker, node, GPU ids), read by every rank of the generation
+_said: set[str] = set()  # backend plans already logged by this process
 
 # the backends whose rings are torch.distributed process groups (what torch helpers may rely on)
 TORCH_BACKENDS = ("gloo", "nccl")
@@ -43,13 +50,27 @@ def load_backend(backend: str) -> None:
 
 
 def make_group(
-    backend: str, kv: KVClient, generation: int, rank: int, size: int, timeout: float, local_rank: int = 0
+    backend: str,
+    kv: KVClient,
+    generation: int,
+    rank: int,
+    size: int,
+    timeout: float,
+    local_rank: int = 0,
+    requested: str = "auto",
+    worker_id: str = "",
 ) -> CollectiveGroup:
     """Build the ring for `generation` with the chosen backend (`local_rank` picks an NCCL worker's GPU).
 
-    Gloo rings (torch's and pygloo) listen on the Ray node's IP (see `address`);
-    one that does not form says where each rank listened.
+    Before an NCCL ring of several ranks forms, the ranks compare the GPUs
+    Ray gave them (`devices.plan_backend`): ranks sharing a GPU run torch
+    Gloo instead when `requested` is "auto", and raise `DeviceConflictError`
+    when it is "nccl". Gloo rings (torch's and pygloo) listen on the Ray
+    node's IP (see `address`); one that does not form says where each rank
+    listened.
     """
+    if backend == "nccl" and size > 1:
+        backend = _plan_gpu_ring(kv, generation, rank, size, timeout, requested, worker_id)
     if backend == "nccl":
         # optional dependency (torch)
         from ray_elastic.collective.nccl import TorchNcclGroup
@@ -77,6 +98,21 @@ def make_group(
     except (HorovodInternalError, RendezvousTimeoutError) as e:
         hint = address.ring_failure_hint(binding, rank, _advertised(kv, generation, size))
         raise type(e)(f"{e}; {hint}") from e
+
+
+def _plan_gpu_ring(
+    kv: KVClient, generation: int, rank: int, size: int, timeout: float, requested: str, worker_id: str
+) -> str:
+    """The backend of an NCCL run's ring for `generation`, from every rank's GPUs (one KV call per rank)."""
+    seat = devices.GpuSeat(
+        worker_id or f"rank {rank}", ray.get_runtime_context().get_node_id(), tuple(devices.ray_gpu_ids())
+    )
+    posted = kv.wait_family(generation, _SEAT_PREFIX, size, timeout, put=(f"{_SEAT_PREFIX}{rank}", seat.encode()))
+    plan = devices.plan_backend("nccl", requested, {r: devices.GpuSeat.decode(raw) for r, raw in enumerate(posted)})
+    if plan.reason and plan.reason not in _said:
+        _said.add(plan.reason)  # once per process: every generation of this placement plans the same
+        logger.log(logging.WARNING if rank == 0 else logging.INFO, "generation %d: %s", generation, plan.reason)
+    return plan.backend
 
 
 def _advertised(kv: KVClient, generation: int, size: int) -> dict[int, str]:

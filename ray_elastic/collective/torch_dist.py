@@ -268,7 +268,8 @@ class TorchDistGroup(CollectiveGroup):
         t, _ = self._stage(value)
         what = f"send to rank {dst}"
         work = self.start(what, lambda: dist.isend(t, dst))
-        return CollectiveWork(what, lambda: self._wait_message(what, work))
+        # `t` may be a staging copy only this closure holds: it must live until the send ended
+        return CollectiveWork(what, lambda: self._wait_message(what, work, t))
 
     def recv_async(self, value: T, src: int) -> CollectiveWork:
         t, write_back = self._stage(value)
@@ -276,7 +277,7 @@ class TorchDistGroup(CollectiveGroup):
         work = self.start(what, lambda: dist.irecv(t, src))
         return CollectiveWork(what, lambda: self._wait_message(what, work), write_back)
 
-    def _wait_message(self, what: str, work: Any) -> None:
+    def _wait_message(self, what: str, work: Any, buffer: torch.Tensor | None = None) -> None:
         """Wait for a send or receive: torch gives no future for those, so no early release on abandon.
 
         A peer that died closes the link (an error within milliseconds); a

@@ -1,7 +1,13 @@
 """The torch.distributed Gloo backend, the default on CPU.
 
 A `TorchDistGroup` running Gloo: values stay where they are (numpy arrays
-and CPU tensors are reduced in place, without a copy). Gloo reduces with a
+and CPU tensors are reduced in place, without a copy). A tensor on any other
+device (a GPU) goes through host memory: copied into a host buffer (pinned
+where the device allows, so the copies run at full speed), sent, received or
+reduced there, and copied back into the caller's tensor. Gloo's send and
+receive take host memory only (a CUDA pointer fails with "writev ... Bad
+address"), and reducing host copies is what Gloo does on CPU, so results
+are bitwise those of a CPU run. Gloo reduces with a
 bitwise or, so `bitwise_or_` is one allreduce instead of a gather.
 `shared_ring()` is the generation's shared-memory allreduce when all its
 ranks run on one machine (`ray_elastic.collective.shm`), built on first use.
@@ -19,9 +25,28 @@ import torch.distributed as dist
 
 from ray_elastic.collective.ring_sockets import RingSockets
 from ray_elastic.collective.shm import SharedRing
-from ray_elastic.collective.torch_dist import TorchDistGroup
+from ray_elastic.collective.torch_dist import TorchDistGroup, as_tensor
 
 _UNBUILT = object()
+
+
+def host_buffer(like: torch.Tensor) -> torch.Tensor:
+    """An empty host tensor shaped as `like`: pinned when `like` is on a GPU (torch caches pinned blocks)."""
+    if like.is_cuda:
+        try:
+            return torch.empty(like.shape, dtype=like.dtype, pin_memory=True)
+        except RuntimeError:  # pinned memory exhausted or locked down: pageable still works, slower
+            pass
+    return torch.empty(like.shape, dtype=like.dtype)
+
+
+def stage_on_host(t: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None] | None]:
+    """`t` as a host tensor Gloo can use, and how to copy a result back into `t` (None: `t` is on the host)."""
+    if t.device.type == "cpu":
+        return t, None
+    host = host_buffer(t)
+    host.copy_(t)  # blocking: Gloo reads the buffer from its own thread as soon as the work starts
+    return host, lambda: t.copy_(host)
 
 
 class TorchGlooGroup(TorchDistGroup):
@@ -31,6 +56,9 @@ class TorchGlooGroup(TorchDistGroup):
     backend = "gloo"
     abortable = True
     _shared: SharedRing | None | object = _UNBUILT
+
+    def _stage(self, value: object) -> tuple[torch.Tensor, Callable[[], None] | None]:
+        return stage_on_host(as_tensor(value))
 
     def _create(self, create: Callable[[], None]) -> None:
         """Create the process group and note its connections, which `abandon()` cuts (see `ring_sockets`)."""

@@ -4,9 +4,11 @@ A member that misses its pings is judged on its CPU time
 (`policies.judge_missed_ping`): one computing in a long call that holds the
 GIL is spared up to `collective_timeout`, a silent one is killed as hung. A
 rank whose ring breaks while no death explains it makes the driver ask
-every member what it is doing (`QueryActivity`); the answers tell a rank
-stuck in user code (killed) from a timeout to re-form once (`REFORM`) or a
-timeout that repeats with nothing changed (the run fails):
+every member what it is doing (`QueryActivity`); the answers, with the
+errors the ranks told (`ResetRequested`), tell a rank stuck in user code
+(killed) from a failure to re-form once (`REFORM`) or one that repeats with
+nothing changed (the run fails, quoting the error and the rank that raised
+it; a deadlock only when the collectives timed out):
 `policies.judge_ring_failure`.
 """
 
@@ -18,7 +20,7 @@ from ray_elastic.driver import messages as m
 from ray_elastic.driver.failures import Failures
 from ray_elastic.driver.finishing import Finishing
 from ray_elastic.driver.generations import Generations
-from ray_elastic.driver.policies import Ring, judge_missed_ping, judge_ring_failure
+from ray_elastic.driver.policies import Ring, RingError, judge_missed_ping, judge_ring_failure
 from ray_elastic.driver.record import RunRecord
 from ray_elastic.driver.roster import ALIVE
 from ray_elastic.protocol import EventKind
@@ -37,14 +39,20 @@ class BrokenRings:
         self._last_timeout_reset: float | None = None  # when a ring last broke with everyone alive
         self._querying: int | None = None  # the generation whose members' activity is being asked
         self._query: m.QueryActivity | None = None  # that question, asked again by a restarted driver
+        # what each rank raised when its ring broke, for the current and the previous broken generation
+        self._errors: dict[int, dict[str, RingError]] = {}
 
     def membership_changed(self) -> None:
         """A generation absorbed a real change: a later timeout is a new story, not a repeat."""
         self._last_timeout_reset = None
+        self._errors = {}
 
     def query_again(self) -> list[m.Action]:
         """The activity question, if one was out (for a restarted driver)."""
         return [self._query] if self._querying is not None and self._query is not None else []
+
+    def _told(self, generation: int) -> list[RingError]:
+        return sorted(self._errors.get(generation, {}).values())
 
     def on_pings(self, msg: m.PingResults, now: float) -> None:
         """Kill the members that stopped answering, unless their CPU time shows them computing (`judge_missed_ping`)."""
@@ -82,6 +90,12 @@ class BrokenRings:
         gens, roster = self.generations, self.record.roster
         if msg.generation != gens.generation:
             return  # a word about a ring already re-formed
+        slot = gens.plan.get(msg.worker_id)
+        if slot is not None:
+            told = self._errors.setdefault(msg.generation, {})
+            told.setdefault(msg.worker_id, RingError(slot.rank, msg.worker_id, msg.reason))
+            for old in [g for g in self._errors if g < msg.generation - 1]:
+                del self._errors[old]
         if self.finishing.active:
             self.finishing.fail_uneven(msg.worker_id, msg.reason)
             return
@@ -110,6 +124,8 @@ class BrokenRings:
             liveness_timeout=config.liveness_timeout,
             last_timeout_reset=self._last_timeout_reset,
             now=now,
+            errors=self._told(msg.generation),
+            previous_errors=self._told(msg.generation - 1),
         )
         if verdict.verdict is Ring.KILL:
             logger.warning("ring of generation %d broke: %s; killing them", msg.generation, verdict.reason)

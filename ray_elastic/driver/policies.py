@@ -6,8 +6,9 @@
 - `decide_user_error`: whether an exception raised by `train_fn` is retried
   as that worker's failure (`max_failures`) or ends the run.
 - `judge_ring_failure`: a ring broke while no death explains it; from the
-  members' activity, tell a hung member, a member stuck in user code (a
-  deadlock), a repeated mismatch, and a one-off timeout apart.
+  members' activity and the errors the ranks raised, tell a hung member, a
+  member stuck in user code (a deadlock), a repeated mismatch (timeouts), an
+  error that repeats (quoted, with its rank), and a one-off failure apart.
 - `judge_missed_ping`: whether a member that did not answer a ping is
   hung (kill it) or busy in a long call that holds the GIL (spare it, up to
   `collective_timeout`), from its threads' CPU time.
@@ -19,7 +20,8 @@ failure, raises: one string, so the three always agree.
 from __future__ import annotations
 
 import enum
-from collections.abc import Collection, Mapping
+import re
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from ray_elastic.driver.messages import ACTIVITY_ERROR, ACTIVITY_TIMEOUT, CpuSample
@@ -27,7 +29,7 @@ from ray_elastic.driver.messages import ACTIVITY_ERROR, ACTIVITY_TIMEOUT, CpuSam
 
 class PublishVerdict(enum.Enum):
     UNCHANGED = "unchanged"  # the members are the current generation: nothing to do
-    ALL_LOST = "all_lost"  # no member of the current generation is alive: only a durable checkpoint helps
+    ALL_LOST = "all_lost"  # no worker alive holds the trained state: only a durable checkpoint helps
     WAIT_FOR_BOOT = "wait_for_boot"  # newcomers still start: admit them together once they are ready
     BELOW_MIN = "below_min"  # fewer than min_workers ready: wait for more
     NOW = "now"  # publish the next generation
@@ -42,6 +44,7 @@ def decide_publish(
     starting: int,
     min_workers: int,
     force: bool = False,
+    holds: Callable[[str], bool] = lambda worker_id: False,
 ) -> tuple[PublishVerdict, str]:
     """Whether to publish a new generation.
 
@@ -49,12 +52,19 @@ def decide_publish(
     would form the next one (members still alive and ready newcomers),
     `alive` every worker whose process may still run, `leaving` the members
     discovery withdrew, `starting` the number of newcomers still booting;
-    `force` re-forms the ring even with the same members (it broke).
+    `force` re-forms the ring even with the same members (it broke);
+    `holds(w)` whether member `w` finished a sync, so holds the trained state.
+    A next generation whose members hold none of it would hand a newcomer's
+    untrained state to everyone: that is `ALL_LOST`, never `NOW`.
     """
     if not force and set(ready) == set(current):
         return PublishVerdict.UNCHANGED, "the membership is unchanged"
     if current and not any(w in alive for w in current):
         return PublishVerdict.ALL_LOST, f"all {len(current)} workers of the current generation were lost"
+    # both scans stop at the first holder alive: rank 0, nearly always
+    if any(map(holds, current)) and not any(w in alive for w in current if holds(w)):
+        held = ", ".join(w for w in current if holds(w))
+        return PublishVerdict.ALL_LOST, f"every worker holding the trained state was lost ({held})"
     lost = any(w not in alive for w in current)
     if starting and not (lost or force or any(w in leaving for w in current)):
         return PublishVerdict.WAIT_FOR_BOOT, f"{starting} newcomer(s) still booting; they are admitted together"
@@ -91,6 +101,42 @@ class RingVerdict(NamedTuple):
     kill: tuple[str, ...] = ()
 
 
+class RingError(NamedTuple):
+    """What one rank told the driver when its ring broke: the error its collective raised."""
+
+    rank: int
+    worker_id: str
+    error: str
+
+
+_TIMEOUT = re.compile(r"timed out|timeout|did not finish within", re.IGNORECASE)
+# a peer's failure seen from this side: the consequence, not the cause, when both repeat
+_ECHO = re.compile(r"connection (reset|closed)|closed by peer|abandoned|^collective failed$", re.IGNORECASE)
+
+
+def is_timeout(error: str) -> bool:
+    """Whether a ring error says a collective ran out of time (rather than failed at once)."""
+    return bool(_TIMEOUT.search(error))
+
+
+def _shape(error: str) -> str:
+    """An error's text without its numbers (addresses, ports, pointers, pids): the same failure reads the same."""
+    return re.sub(r"0x[0-9a-f]+|\d+", "#", " ".join(error.lower().split()))
+
+
+def repeated_error(previous: Sequence[RingError], current: Sequence[RingError]) -> RingError | None:
+    """The current generation's error that the previous generation raised too (a cause before its echoes)."""
+    before = {_shape(e.error) for e in previous}
+    again = [e for e in current if _shape(e.error) in before]
+    again.sort(key=lambda e: (bool(_ECHO.search(e.error)), e.rank))
+    return again[0] if again else None
+
+
+def _quoted(e: RingError) -> str:
+    text = " ".join(e.error.split())
+    return f"rank {e.rank} ({e.worker_id}) raised: {text[:600]!r}"
+
+
 def judge_ring_failure(
     activity: Mapping[str, Mapping[str, Any] | str],
     *,
@@ -98,6 +144,8 @@ def judge_ring_failure(
     liveness_timeout: float,
     last_timeout_reset: float | None,
     now: float,
+    errors: Sequence[RingError] = (),
+    previous_errors: Sequence[RingError] = (),
 ) -> RingVerdict:
     """Decide what a broken ring with every member alive means.
 
@@ -105,8 +153,13 @@ def judge_ring_failure(
     A member that answers but has not touched a collective for half the
     collective timeout while the others timed out is stuck in user code
     (a deadlock): kill it. Otherwise re-form the ring, unless it already
-    broke the same way within three collective timeouts: the ranks'
-    collectives do not match, and re-forming would loop forever.
+    broke within three collective timeouts: re-forming would loop forever,
+    so the run fails, saying why from `errors` (what the ranks raised in
+    this generation; `previous_errors` in the one before). Collectives that
+    timed out with every rank inside one are a mismatch (a deadlock in
+    train_fn); an error that repeats is quoted with the rank that raised
+    it (a GPU or a transport refusing the ring fails within milliseconds,
+    every generation: no timeout, no deadlock).
     """
     hung = tuple(w for w, a in activity.items() if a == ACTIVITY_TIMEOUT)
     if hung:
@@ -126,10 +179,24 @@ def judge_ring_failure(
             stuck,
         )
     if last_timeout_reset is not None and now - last_timeout_reset < 3 * collective_timeout:
+        if not errors or any(is_timeout(e.error) for e in errors):
+            return RingVerdict(
+                Ring.FAIL,
+                "the ring timed out twice in a row with every worker alive and inside a collective: the ranks' "
+                "collectives do not match, most likely a deadlock in train_fn",
+            )
+        again = repeated_error(previous_errors, errors)
+        if again is not None:
+            return RingVerdict(
+                Ring.FAIL,
+                f"the ring failed with the same error in two generations in a row, every worker alive: "
+                f"{_quoted(again)}; re-forming it would fail the same way",
+            )
+        first = sorted(errors, key=lambda e: (bool(_ECHO.search(e.error)), e.rank))[0]
         return RingVerdict(
             Ring.FAIL,
-            "the ring timed out twice in a row with every worker alive and inside a collective: the ranks' "
-            "collectives do not match, most likely a deadlock in train_fn",
+            f"the ring failed in two generations in a row with every worker alive, no collective timed out: "
+            f"{_quoted(first)}",
         )
     return RingVerdict(Ring.REFORM, "every member is alive and inside a collective: the ring is re-formed")
 

@@ -151,6 +151,8 @@ class Membership:
                     slot.size,
                     self.settings.collective_timeout,
                     local_rank=slot.local_rank,
+                    requested=self.settings.backend_requested,
+                    worker_id=self.worker_id,
                 )
             except (HorovodInternalError, GenerationSupersededError, RendezvousTimeoutError) as e:
                 # a peer died while the ring formed: the driver publishes a newer generation
@@ -169,7 +171,7 @@ class Membership:
                 self.group.abandon(self._abandoned[1])
             return
 
-    def tell_failure(self) -> None:
+    def tell_failure(self, reason: str = "collective failed") -> None:
         """Tell the driver (once per generation, not awaited) that this generation's ring failed here, and leave it.
 
         The run loop calls it as soon as it catches the failure, before the
@@ -178,7 +180,8 @@ class Membership:
         """
         if self._failure_told != self.generation:
             self._failure_told = self.generation
-            self.driver.request_reset.remote(self.worker_id, self.generation, "collective failed")
+            # the error itself: the driver quotes it if the same failure repeats in the next generation
+            self.driver.request_reset.remote(self.worker_id, self.generation, reason[:2000])
         if self.group is not None:
             # the state is restored next: no work of this ring may write into its tensors any more (invariant 7);
             # if the driver's abandon is cutting the ring on another thread, this waits for it to finish
