@@ -35,6 +35,7 @@ from ray_elastic.exceptions import (
     HorovodInternalError,
     HostsUpdatedInterrupt,
     RendezvousTimeoutError,
+    StateRegressionError,
     TrainingFailedError,
 )
 from ray_elastic.runtime.process import current, maybe_current
@@ -118,6 +119,7 @@ __all__ = [
     "RendezvousTimeoutError",
     "Result",
     "State",
+    "StateRegressionError",
     "Sum",
     "TrainingFailedError",
     "allgather",

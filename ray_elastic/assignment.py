@@ -1,9 +1,11 @@
 """Pure decisions about who trains where: no Ray, unit-tested in milliseconds.
 
 - `assign_ranks` gives each live worker its rank, local rank and cross rank
-  for one generation. Hosts are ordered oldest first (by their oldest live
-  worker), so rank 0 is always the longest-lived survivor, which holds the
-  freshest state that `sync()` broadcasts.
+  for one generation. Workers that hold the trained state (they finished a
+  sync) come first, oldest first, then newcomers, oldest first; hosts are
+  ordered by their first worker in that order. So rank 0, whose commit
+  `sync()` hands to every rank, always holds the newest commit among the
+  members: a newcomer that never synced is never rank 0 over a holder.
 - `plan_scaling` compares the live workers with what discovery offers and
   decides which workers leave and how many newcomers start on which host,
   capped at `max_workers`.
@@ -26,11 +28,13 @@ from typing import NamedTuple
 # NamedTuples, not frozen dataclasses: the driver builds one per worker per decision, and at
 # 8000 workers a frozen dataclass's __init__ alone costs tens of milliseconds
 class LiveWorker(NamedTuple):
-    """A worker that exists now: its id, its host and its spawn order (unique: the driver counts spawns)."""
+    """A worker that exists now: its id, its host, its spawn order (unique: the driver counts spawns),
+    and whether it holds the trained state (it finished a sync)."""
 
     worker_id: str
     host: str
     seq: int  # spawn order: smaller is older
+    holds: bool = False
 
 
 class WorkerSlot(NamedTuple):
@@ -47,14 +51,16 @@ class WorkerSlot(NamedTuple):
 
 
 def assign_ranks(workers: Sequence[LiveWorker]) -> dict[str, WorkerSlot]:
-    """Ranks for `workers`: hosts oldest first, workers oldest first per host.
+    """Ranks for `workers`: holders of the trained state before newcomers, each oldest first.
 
-    Ranks are contiguous per host. `cross_rank` is the host's index among the
+    Hosts come in the order of their first worker in that order, so rank 0
+    is the oldest holder (the oldest worker when none holds). Ranks are
+    contiguous per host. `cross_rank` is the host's index among the
     hosts that have a worker at the same local rank, and `cross_size` is the
     number of such hosts, as in Horovod.
     """
     by_host: dict[str, list[str]] = {}
-    for w in sorted(workers, key=_BY_AGE):
+    for w in sorted(workers, key=_holders_first):
         by_host.setdefault(w.host, []).append(w.worker_id)
     # dicts keep insertion order: hosts come in the order of their oldest worker
     size = len(workers)
@@ -80,6 +86,10 @@ def assign_ranks(workers: Sequence[LiveWorker]) -> dict[str, WorkerSlot]:
 
 
 _BY_AGE = attrgetter("seq")  # oldest first; seq is unique, so no tie-break is needed
+
+
+def _holders_first(w: LiveWorker) -> tuple[bool, int]:
+    return not w.holds, w.seq
 
 
 @dataclass(frozen=True)

@@ -45,8 +45,8 @@ def run(func: Callable[..., R]) -> Callable[..., R]:
             try:
                 if not skip_sync:
                     ctx.maybe_resume(state)
+                    ctx.adopt_commits(state.commit_id)  # before the sync overwrites anything
                     state.sync()
-                    ctx.adopt_commits()
                     ctx.mark_synced()
                 return func(state, *args, **kwargs)
             except HorovodInternalError as e:

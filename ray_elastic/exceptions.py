@@ -51,6 +51,17 @@ class DeviceConflictError(ValueError):
     """
 
 
+class StateRegressionError(RuntimeError):
+    """A sync would have made this rank adopt a commit older than the one it holds.
+
+    Rank 0 of every generation holds the newest commit among its members;
+    a rank 0 behind another rank's history would overwrite trained state
+    with older state. Raised on that rank before anything is overwritten,
+    and never retried: the run fails with this message rather than go on
+    silently from older state.
+    """
+
+
 class RendezvousTimeoutError(TimeoutError):
     """A bounded wait ran out; the message names what was waited for."""
 

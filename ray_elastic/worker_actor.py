@@ -39,6 +39,7 @@ from ray_elastic.exceptions import (
     CollectiveMismatchError,
     CoordinatorDiedError,
     DeviceConflictError,
+    StateRegressionError,
     WorkerRemovedError,
 )
 from ray_elastic.leftovers import remove_run_actors, remove_run_placement_groups, run_namespace
@@ -128,7 +129,8 @@ class WorkerActor:
             return Removed()
         except CoordinatorDiedError as e:
             return CoordinatorLost(describe_exception(e))
-        except (CollectiveMismatchError, DeviceConflictError) as e:  # running again meets it again: never retried
+        # running again meets the same mistake again: never retried
+        except (CollectiveMismatchError, DeviceConflictError, StateRegressionError) as e:
             return UserError(describe_exception(e), _format_traceback(e), retryable=False)
         except BaseException as e:  # noqa: BLE001 - every user failure is reported, with its traceback
             return UserError(describe_exception(e), _format_traceback(e))

@@ -27,12 +27,14 @@ from ray_elastic.assignment import WorkerSlot
 from ray_elastic.collective.activity import MARKS
 from ray_elastic.collective.base import CollectiveGroup
 from ray_elastic.config import WorkerConfig
+from ray_elastic.exceptions import StateRegressionError
 from ray_elastic.rendezvous import KVClient
 from ray_elastic.runtime.checkpoint_cadence import CheckpointCadence
 from ray_elastic.runtime.membership import Membership
 from ray_elastic.runtime.metrics_shipper import MetricsShipper, snapshot
 from ray_elastic.runtime.pace import PACE
 from ray_elastic.runtime.process import current, maybe_current, set_current
+from ray_elastic.state.sync_plan import CommitId, judge_adoption
 
 __all__ = ["WorkerContext", "current", "maybe_current", "set_current"]
 
@@ -150,9 +152,22 @@ class WorkerContext:
         if meta is not None:
             self.commits = int(meta.get("commit", 0))
 
-    def adopt_commits(self) -> None:
-        """After a sync, every rank holds rank 0's state: it counts rank 0's commits too."""
-        self.commits = int(self.group.broadcast_object(self.commits, root_rank=0))
+    def adopt_commits(self, held: CommitId) -> None:
+        """Before a sync: every rank takes rank 0's commit count, after checking it is not going back.
+
+        Rank 0's commit may be older than `held` (this rank's) only within
+        one history (the same lineage: a step torn by a failure is rolled
+        back to the commit every rank reached). From another history, rank 0
+        must have seen at least as many commits, or the sync would overwrite
+        trained state with older state: `StateRegressionError`, loudly.
+        """
+        lineage, commits = self.group.broadcast_object((held.lineage, self.commits), root_rank=0)
+        verdict = judge_adoption(held.lineage, self.commits, lineage, int(commits))
+        if verdict is not None:
+            raise StateRegressionError(
+                f"rank {self.slot.rank} of generation {self.generation} (worker {self.worker_id}): {verdict}"
+            )
+        self.commits = int(commits)
 
     def flush_checkpoint(self) -> str | None:
         """None if the last durable checkpoint was written, else why not."""

@@ -72,6 +72,22 @@ def test_assign_ranks_survivor_of_a_failure_becomes_rank_0():
     assert {s.size for s in after.values()} == {3}
 
 
+@given(live_workers(), st.data())
+def test_assign_ranks_puts_a_holder_of_the_trained_state_at_rank_0_before_any_older_newcomer(workers, data):
+    """A never-synced newcomer as rank 0 would overwrite every rank's trained state with its own."""
+    holding = data.draw(st.sets(st.sampled_from([w.worker_id for w in workers])) if workers else st.just(set()))
+    workers = [w._replace(holds=w.worker_id in holding) for w in workers]
+    slots = assign_ranks(workers)
+    by_rank = sorted(slots.values(), key=lambda s: s.rank)
+    if holding:
+        oldest_holder = min((w for w in workers if w.holds), key=lambda w: w.seq)
+        assert by_rank[0].worker_id == oldest_holder.worker_id
+    for host in {w.host for w in workers}:  # on each host: holders, then newcomers, each oldest first
+        on_host = [w for w in workers if w.host == host]
+        expected = sorted(on_host, key=lambda w: (not w.holds, w.seq))
+        assert [s.worker_id for s in by_rank if s.host == host] == [w.worker_id for w in expected]
+
+
 def test_assign_ranks_of_no_workers_is_empty():
     assert assign_ranks([]) == {}
 

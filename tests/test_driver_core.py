@@ -439,7 +439,9 @@ def test_losing_every_member_without_a_checkpoint_fails_clearly():
     s.start({"A": 1, "B": 1})
     s.send(m.WorkerDied("w1", "x", node_alive=True), m.WorkerDied("w2", "x", node_alive=True))
     assert s.core.state is DriverState.FAILED
-    assert s.core.failure.startswith("all 2 workers of generation 1 failed; no survivor holds the training state")
+    assert s.core.failure.startswith(
+        "all 2 workers of generation 1 were lost (w1, w2); no survivor holds the training state"
+    )
     assert "configure checkpoint_dir" in s.core.failure
 
 
@@ -845,3 +847,57 @@ def test_status_sends_only_the_events_fit_has_not_seen_and_those_still_resetting
     s.sync(s.of(m.Publish)[0])
     first, events = s.core.events.since(seen)
     assert first == seen and events == [], "nothing new: nothing sent"
+
+
+# ---- rank 0 holds the newest commit ----------------------------------------------------
+
+
+def holders_lost_script(w4_synced: bool, **overrides) -> tuple[Script, str, str]:
+    """w1, w2 train; w3 and w4 boot; w2 dies and w4 (ready first) joins; w1 dies. Returns (s, w3, w4).
+
+    With `w4_synced` w4 finished its sync before w1 died, so it holds the trained state.
+    """
+    s = Script(min_workers=2, max_workers=4, **overrides)
+    s.start({"A": 1, "B": 1})
+    s.send(m.HostsDiscovered({"A": 1, "B": 1, "C": 1, "D": 1}))
+    w3, w4 = (a.worker_id for a in s.of(m.Spawn))
+    s.send(m.WorkerReady(w4))
+    s.send(m.WorkerDied("w2", "SIGKILL", node_alive=True))
+    [gen2] = s.of(m.Publish)
+    assert list(gen2.plan) == ["w1", w4], "the death admits the ready newcomer; w3 still boots"
+    s.send(*[m.WorkerSynced(w, gen2.generation, s.now + 1000.0) for w in gen2.plan if w4_synced or w != w4])
+    s.send(m.WorkerDied("w1", "SIGKILL", node_alive=True))
+    return s, w3, w4
+
+
+def test_a_newcomer_that_never_synced_is_never_rank0_over_a_worker_holding_the_state():
+    """Ranks by spawn age made the older, never-synced w3 rank 0: its untrained model overwrote w4's state."""
+    s, w3, w4 = holders_lost_script(w4_synced=True)
+    assert s.of(m.Publish) == [] and s.core.state is DriverState.WAITING  # w4 alone is below min_workers
+    s.send(m.WorkerReady(w3))
+    [gen3] = s.of(m.Publish)
+    assert gen3.plan[w4].rank == 0 and gen3.plan[w3].rank == 1, "the holder of the trained state is rank 0"
+    assert EventKind.RESTARTED not in [kind for kind, _ in s.kinds()]
+
+
+def test_every_holder_lost_with_only_newcomers_left_resumes_from_the_checkpoint_and_says_so():
+    """w4 joined but its sync never finished when w1 died: nobody alive holds the state."""
+    s, w3, w4 = holders_lost_script(w4_synced=False, checkpoint_dir="file:///tmp/ckpt")
+    assert s.of(m.LookForCheckpoint) == [m.LookForCheckpoint()]
+    s.send(m.CheckpointFound(True))
+    s.send(m.WorkerReady(w3))  # A and B still cool down: w3 and w4 form the next generation
+    [gen3] = s.of(m.Publish)
+    assert set(gen3.plan) == {w3, w4}
+    [restarted] = [e for e in s.core.events if e.kind is EventKind.RESTARTED]
+    assert restarted.generation == gen3.generation
+    assert restarted.detail.startswith("every worker holding the trained state was lost (w1); "), restarted.detail
+    assert "resume from the durable checkpoint in file:///tmp/ckpt" in restarted.detail
+
+
+def test_every_holder_lost_without_a_checkpoint_fails_naming_them():
+    s, _, _ = holders_lost_script(w4_synced=False)
+    assert s.core.state is DriverState.FAILED
+    assert s.core.failure.startswith(
+        "every worker holding the trained state was lost (w1); no survivor holds the training state"
+    ), s.core.failure
+    assert "configure checkpoint_dir" in s.core.failure and "worker w1 (rank 0): SIGKILL" in s.core.failure

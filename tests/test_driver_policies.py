@@ -43,6 +43,14 @@ def test_publish_verdicts_and_their_reasons():
         PublishVerdict.ALL_LOST,
         "all 2 workers of the current generation were lost",
     )
+    # members alive, but the only ones holding the trained state are gone: a newcomer's state must not win
+    holders = {"w1", "w2"}
+    assert publish(current=["w1", "w2", "w4"], ready=["w3", "w4"], alive=["w3", "w4"], holds=holders.__contains__) == (
+        PublishVerdict.ALL_LOST,
+        "every worker holding the trained state was lost (w1, w2)",
+    )
+    verdict, _ = publish(current=["w1", "w2", "w4"], ready=["w2", "w4"], alive=["w2", "w4"], holds=holders.__contains__)
+    assert verdict is PublishVerdict.NOW, "one holder alive is enough: it becomes rank 0"
 
 
 def test_user_errors_are_retried_only_within_max_failures():

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from ray_elastic.state.sync_plan import CommitId, fresh_commit_id, order_transfers, plan_sync, schedule_chunks
+from ray_elastic.state.sync_plan import (
+    CommitId,
+    fresh_commit_id,
+    judge_adoption,
+    order_transfers,
+    plan_sync,
+    schedule_chunks,
+)
 
 
 def test_equal_commits_have_equal_fingerprints_and_the_next_commit_differs():
@@ -123,3 +130,16 @@ def test_a_transfer_keeps_at_most_window_times_chunk_bytes_in_flight_whatever_th
     assert received == 24 * tensor_mb * 2**20 and ring.outstanding == 0
     assert ring.most <= 4 * 4 * 2**20, "more than window * chunk_bytes in flight"
     assert ring.most == 4 * 4 * 2**20, "the window is filled: as many chunks in flight as fit in it"
+
+
+def test_a_rank_never_adopts_an_older_commit_from_another_history():
+    """A rank 0 from another history (a never-synced newcomer, an old checkpoint) must not undo training."""
+    assert judge_adoption("mine", 120, "fresh", 0) == (
+        "rank 0 holds commit 0, older than commit 120 held here; adopting it would undo 120 commit(s) of training"
+    )
+    assert judge_adoption("mine", 120, "checkpoint", 100) is not None
+    assert judge_adoption("mine", 0, "fresh", 0) is None, "a newcomer that holds nothing takes anything"
+    assert judge_adoption("mine", 100, "checkpoint", 100) is None
+    assert judge_adoption("mine", 100, "theirs", 130) is None, "a newer commit from rank 0 is what a sync is for"
+    # one history: a step torn by a failure (this rank saved, rank 0 did not) rolls back to the commit all reached
+    assert judge_adoption("shared", 41, "shared", 40) is None

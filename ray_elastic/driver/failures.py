@@ -166,7 +166,6 @@ class Failures:
     def on_checkpoint_found(self, msg: m.CheckpointFound, now: float) -> None:
         self._checkpoint_lookup = False
         gens, where = self.generations, self.record.config.checkpoint_dir
-        lost = len(gens.plan)
         if msg.error is not None:
             self._fail_all_lost(
                 f"the durable checkpoint in {where} could not be looked for within "
@@ -176,10 +175,7 @@ class Failures:
         if not msg.exists:
             self._fail_all_lost("no durable checkpoint was written yet")
             return
-        detail = (
-            f"all {lost} workers of generation {gens.generation} were lost; fresh workers resume "
-            f"from the durable checkpoint in {where}"
-        )
+        detail = f"{_lost(gens)}; the workers left resume from the durable checkpoint in {where}"
         gens.later(gens.event(EventKind.RESTARTED, detail, now))
         gens.restart_from_checkpoint(now)
 
@@ -187,8 +183,8 @@ class Failures:
         gens = self.generations
         causes = "".join(f"\n  {cause}" for cause in self._causes)
         self.record.fail(
-            f"all {len(gens.plan)} workers of generation {gens.generation} failed; no survivor holds the training "
-            f"state, so the run cannot continue ({why}){': ' + causes if causes else ''}"
+            f"{_lost(gens)}; no survivor holds the training state, so the run cannot continue "
+            f"({why}){': ' + causes if causes else ''}"
         )
 
     def on_resumed(self, msg: m.WorkerResumed, now: float) -> None:
@@ -216,3 +212,11 @@ class Failures:
     def look_again(self) -> list[m.Action]:
         """The checkpoint lookup, if one was out."""
         return [m.LookForCheckpoint()] if self._checkpoint_lookup else []
+
+
+def _lost(gens: Generations) -> str:
+    """Who was lost, for the event or the failure: the holders of the trained state, by name."""
+    lost = gens.lost_holders()
+    if len(lost) == len(gens.plan):
+        return f"all {len(lost)} workers of generation {gens.generation} were lost ({', '.join(lost)})"
+    return f"every worker holding the trained state was lost ({', '.join(lost)})"

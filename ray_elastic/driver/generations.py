@@ -1,7 +1,8 @@
 """Membership and generations: who is in the ring, and when the next one is planned and published.
 
-A generation is one ring: its members and their ranks (`assignment.assign_ranks`,
-oldest first, so rank 0 holds the freshest state). It is published once per
+A generation is one ring: its members and their ranks (`assignment.assign_ranks`:
+the workers that finished a sync before newcomers, each oldest first, so rank 0
+holds the newest commit among the members). It is published once per
 batch of messages, at the end, when the members changed and the new world
 may form (`policies.decide_publish`): deaths that arrive together join one
 reset. Events waiting for the generation that absorbs them (a death, hosts
@@ -93,6 +94,12 @@ class Generations:
         if self.waiting_since is None:
             self.waiting_since = now
 
+    def lost_holders(self) -> list[str]:
+        """The members that held the trained state and are gone (all members, if none had synced yet)."""
+        roster = self.record.roster
+        gone = [w for w in self.plan if roster[w].status not in ALIVE]
+        return [w for w in gone if roster[w].holds_state] or gone
+
     def restart_from_checkpoint(self, now: float) -> None:
         """Every member was lost: fresh workers form the next generation from the durable checkpoint."""
         self.plan = {}
@@ -132,6 +139,7 @@ class Generations:
             starting=roster.count(WorkerStatus.STARTING),
             min_workers=self.record.config.min_workers,
             force=force,
+            holds=lambda w: roster[w].holds_state,
         )
         if verdict is PublishVerdict.UNCHANGED:
             if self.waiting_since is not None and self.plan:
@@ -231,6 +239,7 @@ class Generations:
         if msg.generation != self.generation or msg.worker_id not in self.syncing:
             return False, None
         self.syncing.discard(msg.worker_id)
+        self.record.roster[msg.worker_id].took_state()
         if msg.commits is not None:
             self._synced_commits = max(self._synced_commits or 0, msg.commits)
         if self.syncing:

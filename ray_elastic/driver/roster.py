@@ -67,6 +67,16 @@ class WorkerRecord:
             self._roster._move(self, self._status, status)
             self._status = status
 
+    @property
+    def holds_state(self) -> bool:
+        """Whether it finished a sync, so it holds the trained state (the newest commit, with its generation)."""
+        return self.live.holds
+
+    def took_state(self) -> None:
+        """It finished a sync: from now on it ranks before every newcomer (`assignment.assign_ranks`)."""
+        if not self.live.holds:
+            self.live = self.live._replace(holds=True)
+
     def __repr__(self) -> str:
         return f"WorkerRecord({self.worker_id!r}, {self.host[:8]!r}, seq={self.seq}, {self._status.value})"
 
@@ -154,6 +164,7 @@ class Roster:
             "answered": bytes(r.answered for r in recs),
             "silent": {r.worker_id: r.silent_since for r in recs if r.silent_since is not None},
             "spared": [r.worker_id for r in recs if r.spared],
+            "holds": bytes(r.live.holds for r in recs),
             "fenced": self.fenced,
             "seq": self._seq,
             "version": self.version,
@@ -163,9 +174,12 @@ class Roster:
         self.__init__()
         self.fenced, self._seq, self.version = state["fenced"], state["seq"], state["version"]
         columns = zip(state["ids"], state["hosts"], state["seqs"], state["statuses"], state["started"], strict=True)
-        for (worker_id, host, seq, status, started), answered in zip(columns, state["answered"], strict=True):
+        flags = zip(state["answered"], state["holds"], strict=True)
+        for (worker_id, host, seq, status, started), (answered, holds) in zip(columns, flags, strict=True):
             rec = WorkerRecord(self, worker_id, host, seq, _STATUSES[status], started)
             rec.answered = bool(answered)
+            if holds:
+                rec.took_state()
             rec.silent_since = state["silent"].get(worker_id)
             self.workers[worker_id] = rec
             self._by_status[rec.status][worker_id] = rec

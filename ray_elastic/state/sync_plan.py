@@ -47,6 +47,22 @@ def fresh_commit_id() -> CommitId:
     return CommitId(uuid.uuid4().hex)
 
 
+def judge_adoption(held_lineage: str, held_commits: int, root_lineage: str, root_commits: int) -> str | None:
+    """None if a rank holding `held_commits` commits of `held_lineage` may adopt rank 0's; else why not.
+
+    Within one lineage rank 0's commit is one every rank passed through (a
+    torn step rolls back to it). From another lineage it is older exactly
+    when it has seen fewer of the run's commits: adopting it would undo
+    training, which is never done silently.
+    """
+    if held_lineage == root_lineage or root_commits >= held_commits:
+        return None
+    return (
+        f"rank 0 holds commit {root_commits}, older than commit {held_commits} held here; "
+        f"adopting it would undo {held_commits - root_commits} commit(s) of training"
+    )
+
+
 @dataclass(frozen=True)
 class SyncPlan:
     """Rank 0's commit is the one every rank resumes from; the holders already have it."""
