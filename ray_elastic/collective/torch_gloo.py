@@ -30,6 +30,11 @@ from ray_elastic.collective.torch_dist import TorchDistGroup, as_tensor
 _UNBUILT = object()
 
 
+def on_host(t: torch.Tensor) -> bool:
+    """Whether Gloo can use `t`'s memory as it is (a CPU tensor)."""
+    return t.device.type == "cpu"
+
+
 def host_buffer(like: torch.Tensor) -> torch.Tensor:
     """An empty host tensor shaped as `like`: pinned when `like` is on a GPU (torch caches pinned blocks)."""
     if like.is_cuda:
@@ -42,7 +47,7 @@ def host_buffer(like: torch.Tensor) -> torch.Tensor:
 
 def stage_on_host(t: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None] | None]:
     """`t` as a host tensor Gloo can use, and how to copy a result back into `t` (None: `t` is on the host)."""
-    if t.device.type == "cpu":
+    if on_host(t):
         return t, None
     host = host_buffer(t)
     host.copy_(t)  # blocking: Gloo reads the buffer from its own thread as soon as the work starts
