@@ -6,11 +6,13 @@ An entry is one attribute of the committed state in plain form (a model's
 - `<name>.pt`: an entry holding tensors, or a torch object's `state_dict()`
   (a scheduler's, a `GradScaler`'s: `Entries.torch_names`), written with
   `torch.save`, made of tensors, numbers, strings, lists, tuples and dicts
-  only, so that plain `torch.load(path)` (whose default is
-  `weights_only=True`) reads it;
+  only (checked by exact type; numpy scalars saved as Python numbers), so
+  that plain `torch.load(path)` (whose default is `weights_only=True`)
+  reads it; an entry that holds anything else is pickled instead;
 - `values.json`: every entry that JSON keeps exactly (counters, strings,
   lists of numbers), together in one file;
-- `<name>.pkl`: anything else (a numpy array, a user's class), pickled.
+- `<name>.pkl`: anything else (a numpy array, a user's class), pickled,
+  and unpickled only when the reader allows it (unpickling runs code).
 
 Torch is imported only for entries that hold tensors, so a checkpoint of an
 `ObjectState` is written and read where torch is not installed.
@@ -53,16 +55,58 @@ def _holds_tensor(value: Any) -> bool:
     return False
 
 
-def _weights_only_safe(value: Any) -> bool:
-    """Whether `torch.load(weights_only=True)` reads `value` back: tensors, builtins and their containers."""
+class _Unsafe(Exception):
+    """A value `torch.load(weights_only=True)` cannot read back: its entry is pickled instead."""
+
+
+_NUMPY_TO_PLAIN = ("bool_", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+                   "float16", "float32", "float64", "complex64", "complex128")
+
+
+def _weights_only_form(value: Any) -> Any:
+    """`value` as `torch.load(weights_only=True)` reads it back, or `_Unsafe`.
+
+    Checked by exact type: a subclass of a safe type (an `IntEnum`, a
+    namedtuple, a `defaultdict`, an `OrderedDict` subclass, `np.float64`)
+    is pickled under its own class name, which torch's safe unpickler
+    refuses. Numpy scalars become the Python number of the same value (an
+    LR from `np.logspace` stays in `optimizer.pt`); anything else that is
+    not plain raises, and the entry goes to the pickled ones.
+    """
+    kind = type(value)
+    if kind in _PLAIN or kind in (bytes, bytearray, complex):
+        return value
     torch = _torch()
-    if isinstance(value, _PLAIN) or (torch is not None and isinstance(value, (torch.Tensor, torch.dtype))):
-        return True
-    if isinstance(value, (dict, OrderedDict)):
-        return all(isinstance(k, (str, int)) and _weights_only_safe(v) for k, v in value.items())
-    if isinstance(value, (list, tuple)):
-        return all(_weights_only_safe(v) for v in value)
-    return False
+    if torch is not None:
+        if kind in (torch.Tensor, torch.nn.Parameter):
+            if value.__dict__:  # attributes set on a tensor are pickled with it
+                raise _Unsafe
+            return value
+        if kind in (torch.dtype, torch.Size, torch.device):
+            return value
+    if kind.__module__ == "numpy" and kind.__name__ in _NUMPY_TO_PLAIN:
+        return value.item()
+    if kind in (dict, OrderedDict):
+        return kind((_key(k), _weights_only_form(v)) for k, v in value.items())
+    if kind in (list, tuple):
+        return kind(_weights_only_form(v) for v in value)
+    if kind is set:
+        return {_weights_only_form(v) for v in value}
+    raise _Unsafe
+
+
+def _key(key: Any) -> Any:
+    if type(key) not in (str, int):
+        raise _Unsafe
+    return key
+
+
+def _weights_only(value: Any) -> tuple[bool, Any]:
+    """`(True, the form to save)` if a `.pt` of `value` loads with `weights_only=True`, else `(False, None)`."""
+    try:
+        return True, _weights_only_form(value)
+    except _Unsafe:
+        return False, None
 
 
 def _json_exact(value: Any) -> bool:
@@ -83,36 +127,76 @@ def _same(a: Any, b: Any) -> bool:
     return a == b
 
 
+def _plan(name: str, value: Any, torch_object: bool = False) -> tuple[str, Any]:
+    """The file an entry goes to (see the module docstring), and the form written there."""
+    if (torch_object or _holds_tensor(value)) and _torch() is not None:
+        safe, form = _weights_only(value)
+        if safe:
+            return f"{name}.pt", form
+    if _json_exact(value):
+        return VALUES_FILE, value
+    return f"{name}.pkl", value
+
+
 def file_for(name: str, value: Any, torch_object: bool = False) -> str:
     """The file an entry goes to (see the module docstring)."""
-    if (torch_object or _holds_tensor(value)) and _torch() is not None and _weights_only_safe(value):
-        return f"{name}.pt"
-    if _json_exact(value):
-        return VALUES_FILE
-    return f"{name}.pkl"
+    return _plan(name, value, torch_object)[0]
+
+
+def check_file_names(files: Any) -> None:
+    """A `ValueError` unless `files` (a manifest's entry -> file) names only files this module writes.
+
+    A manifest comes from storage that others may write to: a file name
+    with a separator or `..` would make a reader open (and, for `.pkl`,
+    unpickle) a file outside the checkpoint's own directory.
+    """
+    if not isinstance(files, dict):
+        raise ValueError("its 'files' is not a mapping of entry names to file names")
+    for name, f in files.items():
+        if not isinstance(name, str) or not isinstance(f, str):
+            raise ValueError(f"it maps {name!r} to {f!r}: entry and file names are strings")
+        if f not in (VALUES_FILE, f"{name}.pt", f"{name}.pkl") or any(c in f for c in "/\\\0"):
+            raise ValueError(
+                f"it names the file {f!r} for the entry {name!r}: a checkpoint's files are plain names inside "
+                f"its own directory ({name}.pt, {name}.pkl or {VALUES_FILE})"
+            )
+
+
+def pickled(files: dict[str, str]) -> list[str]:
+    """The entries a manifest's `files` stores as pickles, sorted."""
+    return sorted(name for name, f in files.items() if f.endswith(".pkl"))
 
 
 def write_entries(fs: Any, directory: str, entries: dict[str, Any]) -> dict[str, str]:
     """Write `entries` into `directory` (an fsspec filesystem's path); returns each entry's file name."""
     torch_names = getattr(entries, "torch_names", frozenset())
-    files = {name: file_for(name, value, name in torch_names) for name, value in entries.items()}
-    values = {name: entries[name] for name, f in files.items() if f == VALUES_FILE}
-    for name, f in files.items():
+    plans = {name: _plan(name, value, name in torch_names) for name, value in entries.items()}
+    files = {name: f for name, (f, _) in plans.items()}
+    check_file_names(files)  # an entry named with a separator would land outside the directory
+    values = {name: form for name, (f, form) in plans.items() if f == VALUES_FILE}
+    for f, form in plans.values():
         if f == VALUES_FILE:
             continue
         with fs.open(f"{directory}/{f}", "wb") as out:
             if f.endswith(".pt"):
-                _torch().save(entries[name], out)
+                _torch().save(form, out)
             else:
-                pickle.dump(entries[name], out, protocol=pickle.HIGHEST_PROTOCOL)
+                pickle.dump(form, out, protocol=pickle.HIGHEST_PROTOCOL)
     if values:
         with fs.open(f"{directory}/{VALUES_FILE}", "wb") as out:
             out.write(json.dumps(values, indent=1).encode())
     return files
 
 
-def read_entries(fs: Any, directory: str, files: dict[str, str]) -> dict[str, Any]:
-    """The entries `write_entries` wrote into `directory`, by the file names it returned."""
+def read_entries(fs: Any, directory: str, files: dict[str, str], allow_pickle: bool = False) -> dict[str, Any]:
+    """The entries `write_entries` wrote into `directory`, by the file names it returned.
+
+    `.pkl` entries are unpickled only with `allow_pickle` (unpickling runs
+    code the file names); `.pt` files are read with `weights_only=True`.
+    The caller checks `files` first (`check_file_names`).
+    """
+    if not allow_pickle and pickled(files):
+        raise PermissionError(f"the entries {pickled(files)} are pickles and allow_pickle is False")
     entries: dict[str, Any] = {}
     values = None
     for name, f in files.items():

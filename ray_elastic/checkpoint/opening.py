@@ -9,17 +9,24 @@ from ray_elastic.checkpoint.bounded import CheckpointError
 from ray_elastic.checkpoint.store import META_FILE, CheckpointStore, normalize_url
 
 
-def load_checkpoint(source: Any) -> dict[str, Any]:
+def load_checkpoint(source: Any, allow_pickle: bool = False) -> dict[str, Any]:
     """The attributes of a checkpoint's state, by name: torch state dicts and plain values.
 
     `source`: `Result.checkpoint` (a `ray.train.Checkpoint`, a Tune trial's
     too), the path or fsspec URL of one checkpoint directory, or a whole
     `checkpoint_dir` (its latest checkpoint is read). A model's entry is its
     `state_dict()`: `model.load_state_dict(load_checkpoint(c)["model"])`.
+
+    Opening a checkpoint runs no code from it: `.pt` files are read with
+    `torch.load(weights_only=True)`, `values.json` as JSON, and a checkpoint
+    holding pickled entries (`.pkl`: numpy arrays, your own classes) is
+    refused with a `CheckpointError` naming them, unless `allow_pickle=True`
+    says you trust whoever could write it. Its manifest may name only files
+    inside its own directory.
     """
     if hasattr(source, "as_directory") and hasattr(source, "path"):  # a ray.train.Checkpoint, local or remote
         with source.as_directory() as local:
-            return load_checkpoint(local)
+            return load_checkpoint(local, allow_pickle=allow_pickle)
     if not isinstance(source, (str, os.PathLike)):
         raise TypeError(f"load_checkpoint takes a path, a URL or a ray.train.Checkpoint, not {type(source).__name__}")
     store = CheckpointStore(normalize_url(source))
@@ -29,7 +36,7 @@ def load_checkpoint(source: Any) -> dict[str, Any]:
         path = store.latest()
         if path is None:
             raise CheckpointError(f"no complete ray-elastic checkpoint in {os.fspath(source)!r}")
-    entries, _ = store.read(path)
+    entries, _ = store.read(path, allow_pickle=allow_pickle)
     return entries
 
 

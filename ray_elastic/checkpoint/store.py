@@ -2,39 +2,65 @@
 
 `checkpoint_dir` (a local path or an fsspec URL: `file://`, `s3://`, `gs://`
 ... with the matching fsspec package installed) holds one directory per
-checkpoint, numbered in the order they were written:
+checkpoint, named after what it holds and who wrote it:
 
     checkpoint_dir/
-      checkpoint_000007/
+      checkpoint_r0001-g000003-c000000120-9f3a2b1c/
         model.pt  optimizer.pt  sampler.pt  values.json  ray_elastic.json
-      checkpoint_000008/
+      checkpoint_r0001-g000004-c000000130-51d07e88/
         ...
+
+(`r`: the run, counted in the order runs wrote here; `g`: the generation;
+`c`: the commit; then a random token, so two writers never share a
+directory even where creating one is no claim on it, as on object stores.)
 
 `ray_elastic.json` (commit number, generation, world size, time, library
 version, and which file holds which attribute) is written last, in one
 piece: a checkpoint without it is torn (a crash or a storage error in the
-middle of its write) and is never read, so the previous one stays the
-latest. That needs no rename of a directory, which object stores do not
-have: on them a single PUT of the small file is what makes a checkpoint
-whole. Each write removes the torn ones and all but the newest `keep`.
+middle of its write, or a write still going on) and is never read. That
+needs no rename of a directory, which object stores do not have: on them a
+single PUT of the small file is what makes a checkpoint whole.
+
+The newest checkpoint is the one whose manifest names the newest (run,
+generation, commit), never the one written last: a rank 0 cut off from the
+run may land a write after its successor's. Runs are counted because a new
+`fit()` that resumed from a checkpoint counts its generations from 1 again.
+Each write removes all but the newest `keep` complete checkpoints and the
+torn ones older than the newest complete one; a torn one newer than that is
+another writer's write in progress and stays, and so does a checkpoint
+pinned while it is being copied (Tune's hand-over, `pinned`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import re
 import time
 import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from ray_elastic.checkpoint import files as plain_files
 from ray_elastic.checkpoint.bounded import CheckpointError
 
+logger = logging.getLogger(__name__)
+
 META_FILE = "ray_elastic.json"
 FORMAT = 2
 OLD_FILE = "ray_elastic_checkpoint.pkl"  # format 1: one pickle of the handlers' snapshots, no longer read
-_NAME = re.compile(r"^checkpoint_(\d+)$")
+# earlier releases numbered the directories (checkpoint_000042); they are still read, ordered by their manifest
+_NAME = re.compile(r"^checkpoint_(?:\d+|r(\d+)-g(\d+)-c(\d+)-[0-9a-f]+)$")
+_PIN = re.compile(r"^\.pin-(\d+)-[0-9a-f]+-(checkpoint_[0-9a-z-]+)$")
+
+Key = tuple[int, int, int]  # (run, generation, commit): the order of checkpoints, newest last
+
+
+class FencedWrite(CheckpointError):
+    """The writer's generation is no longer current: the checkpoint must not be written."""
 
 
 def normalize_url(url: str | os.PathLike) -> str:
@@ -51,6 +77,31 @@ def library_version() -> str:
         return version("ray-elastic")
     except PackageNotFoundError:  # run from a source tree that was never installed
         return "unknown"
+
+
+def order_key(meta: dict[str, Any]) -> Key:
+    """Where a checkpoint of this manifest stands: (run, generation, commit); absent fields count as 0."""
+    return (int(meta.get("run_seq", 0)), int(meta.get("generation", 0)), int(meta.get("commit", 0)))
+
+
+@dataclass(frozen=True)
+class _Found:
+    """One checkpoint directory as listed: its manifest, if it is complete."""
+
+    path: str
+    name: str
+    meta: dict[str, Any] | None
+
+    @property
+    def key(self) -> tuple[Key, float, str]:
+        assert self.meta is not None
+        return order_key(self.meta), float(self.meta.get("written_at", 0.0)), self.name
+
+    @property
+    def name_key(self) -> Key | None:
+        """The order its name claims (a torn directory has no manifest); None for the old numbered names."""
+        match = _NAME.match(self.name)
+        return None if match is None or match.group(1) is None else tuple(int(g) for g in match.groups())
 
 
 class CheckpointStore:
@@ -87,62 +138,89 @@ class CheckpointStore:
                 "Finish that run with the release that wrote it, or move the file away to start afresh"
             )
 
-    def _numbered(self) -> list[tuple[int, str]]:
-        """Every checkpoint directory, torn ones included, as (number, path), oldest first."""
+    # ---- listing --------------------------------------------------------------
+    def _names(self) -> list[str]:
         try:
-            names = self.fs.ls(self.root, detail=False)
+            return [p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(self.root, detail=False)]
         except FileNotFoundError:
             return []
-        found = []
-        for path in names:
-            match = _NAME.match(path.rstrip("/").rsplit("/", 1)[-1])
-            if match:
-                found.append((int(match.group(1)), path.rstrip("/")))
-        return sorted(found)
 
-    def _complete(self, path: str) -> bool:
-        return bool(self.fs.exists(f"{path}/{META_FILE}"))
+    def _found(self, names: list[str] | None = None) -> list[_Found]:
+        """Every checkpoint directory, torn ones included (`meta` None)."""
+        names = self._names() if names is None else names
+        return [_Found(f"{self.root}/{n}", n, self._manifest(f"{self.root}/{n}")) for n in names if _NAME.match(n)]
+
+    def _manifest(self, path: str) -> dict[str, Any] | None:
+        """The manifest of the checkpoint at `path`, or None while it has none (torn, or being written)."""
+        try:
+            with self.fs.open(f"{path}/{META_FILE}", "rb") as f:
+                meta = json.loads(f.read())
+            order_key(meta)
+        except FileNotFoundError:
+            return None
+        except Exception as e:  # noqa: BLE001 - not a manifest this library wrote: never the latest
+            logger.warning("ignoring the checkpoint %s: its %s cannot be read (%s: %s)", path, META_FILE,
+                           type(e).__name__, e)
+            return None
+        return meta if isinstance(meta, dict) else None
+
+    def _complete(self, found: list[_Found] | None = None) -> list[_Found]:
+        """The complete checkpoints, oldest first by their manifests' (run, generation, commit)."""
+        return sorted((f for f in (self._found() if found is None else found) if f.meta is not None),
+                      key=lambda f: f.key)
 
     def checkpoints(self) -> list[str]:
         """The complete checkpoints' paths, oldest first."""
-        return [path for _, path in self._numbered() if self._complete(path)]
+        return [f.path for f in self._complete()]
 
     def latest(self) -> str | None:
         """The newest complete checkpoint's path (in the store's filesystem), or None."""
-        for _, path in reversed(self._numbered()):
-            if self._complete(path):
-                return path
-        return None
+        complete = self._complete()
+        return complete[-1].path if complete else None
 
     def exists(self) -> bool:
         return self.latest() is not None
 
-    def write(self, entries: dict[str, Any], meta: dict[str, Any]) -> str:
-        """Write `entries` (name -> plain value) as the newest checkpoint, with `meta`; returns its path.
+    # ---- writing --------------------------------------------------------------
+    def _run_seq(self, complete: list[_Found], run: Any) -> int:
+        """The number of the run `run` among the runs that wrote here: its own if it wrote before, else the next."""
+        for f in reversed(complete):
+            if f.meta is not None and f.meta.get("run") == run:
+                return int(f.meta.get("run_seq", 0))
+        return max((int(f.meta.get("run_seq", 0)) for f in complete if f.meta is not None), default=-1) + 1
+
+    def _new_path(self, key: Key) -> str:
+        run_seq, generation, commit = key
+        return f"{self.root}/checkpoint_r{run_seq:04d}-g{generation:06d}-c{commit:09d}-{uuid.uuid4().hex[:8]}"
+
+    def write(
+        self, entries: dict[str, Any], meta: dict[str, Any], fence: Callable[[], str | None] | None = None
+    ) -> str:
+        """Write `entries` (name -> plain value) as a checkpoint, with `meta`; returns its path.
 
         The files first, `ray_elastic.json` last: until it exists the
-        checkpoint does not count. A write that fails leaves no directory
-        behind if it can, and the previous checkpoint is the latest either way.
+        checkpoint does not count. `fence()` is asked just before that, and
+        a reason it gives (the writer's generation was superseded) raises
+        `FencedWrite` instead. A write that fails leaves no directory behind
+        if it can, and the previous checkpoint is the latest either way.
+        `meta["run"]` (the run's id) places it among other runs' checkpoints.
         """
         self.fs.makedirs(self.root, exist_ok=True)
-        numbered = self._numbered()
-        number = numbered[-1][0] + 1 if numbered else 1
-        path = f"{self.root}/checkpoint_{number:06d}"
+        run_seq = self._run_seq(self._complete(), meta.get("run"))
+        record = {"format": FORMAT, **meta, "run_seq": run_seq}
+        path = self._new_path(order_key(record))
         try:
             self.fs.makedirs(path, exist_ok=True)
-            names = plain_files.write_entries(self.fs, path, entries)
-            record = {
-                "format": FORMAT,
-                **meta,
-                "written_at": time.time(),
-                "ray_elastic_version": library_version(),
-                "files": names,
-            }
+            record["files"] = plain_files.write_entries(self.fs, path, entries)
+            record.update(written_at=time.time(), ray_elastic_version=library_version())
+            reason = fence() if fence is not None else None
+            if reason is not None:
+                raise FencedWrite(reason)
             self._put_whole(f"{path}/{META_FILE}", json.dumps(record, indent=1, default=str).encode())
         except BaseException:
             self._remove(path)
             raise
-        self._prune(keep_from=number)
+        self._prune()
         return path
 
     def adopt(self, local_dir: str) -> str:
@@ -152,15 +230,18 @@ class CheckpointStore:
         source = pathlib.Path(local_dir)
         if not (source / META_FILE).exists():
             raise CheckpointError(f"{local_dir!r} is not a ray-elastic checkpoint (no {META_FILE})")
+        record = self._checked(local_dir, json.loads((source / META_FILE).read_bytes()))
         self.fs.makedirs(self.root, exist_ok=True)
-        numbered = self._numbered()
-        path = f"{self.root}/checkpoint_{(numbered[-1][0] + 1 if numbered else 1):06d}"
+        complete = self._complete()
+        # newer than any checkpoint here, whichever run wrote it: the run resumes from this one
+        record["run_seq"] = max((order_key(f.meta)[0] for f in complete if f.meta is not None), default=-1) + 1
+        record["run"] = f"adopted-{uuid.uuid4().hex[:8]}"
+        path = self._new_path(order_key(record))
         self.fs.makedirs(path, exist_ok=True)
-        for f in sorted(source.iterdir()):
-            if f.is_file() and f.name != META_FILE:
-                with self.fs.open(f"{path}/{f.name}", "wb") as out:
-                    out.write(f.read_bytes())
-        self._put_whole(f"{path}/{META_FILE}", (source / META_FILE).read_bytes())
+        for name in sorted(set(record["files"].values())):
+            with self.fs.open(f"{path}/{name}", "wb") as out:
+                out.write((source / name).read_bytes())
+        self._put_whole(f"{path}/{META_FILE}", json.dumps(record, indent=1, default=str).encode())
         return path
 
     def _put_whole(self, path: str, data: bytes) -> None:
@@ -176,29 +257,87 @@ class CheckpointStore:
         except Exception:  # noqa: BLE001 - storage that failed the write may fail this too: the write's error wins
             pass
 
-    def _prune(self, keep_from: int) -> None:
-        """Remove torn checkpoints older than `keep_from` and all but the newest `keep` complete ones."""
-        complete = []
-        for number, path in reversed(self._numbered()):
-            if number > keep_from:
-                continue
-            if self._complete(path):
-                complete.append(path)
-                if len(complete) <= self.keep:
-                    continue
-            self._remove(path)
+    def _prune(self) -> None:
+        """Remove all but the newest `keep` complete checkpoints, and the torn ones older than the newest.
 
-    def read(self, path: str | None = None) -> tuple[dict[str, Any], dict[str, Any]] | None:
-        """`(entries, meta)` of the checkpoint at `path` (default: the latest), or None if there is none."""
+        A torn directory whose name claims a newer (run, generation,
+        commit) than the newest complete one is another writer's write in
+        progress: it stays. A pinned checkpoint stays while its pin lasts.
+        """
+        names = self._names()
+        found = self._found(names)
+        complete = self._complete(found)
+        if not complete:
+            return
+        pinned = self._pinned(names)
+        newest = order_key(complete[-1].meta or {})
+        doomed = complete[: max(len(complete) - self.keep, 0)]
+        doomed += [f for f in found if f.meta is None and (f.name_key is None or f.name_key < newest)]
+        for f in doomed:
+            if f.name not in pinned:
+                self._remove(f.path)
+
+    # ---- pins -----------------------------------------------------------------
+    def _pinned(self, names: list[str]) -> set[str]:
+        now = time.time()
+        return {m.group(2) for m in map(_PIN.match, names) if m is not None and int(m.group(1)) > now}
+
+    @contextlib.contextmanager
+    def pinned(self, path: str, seconds: float) -> Iterator[None]:
+        """Keep the checkpoint at `path` from being pruned, by any writer, for the block (at most `seconds`).
+
+        The pin is a file beside the checkpoints naming it and when it
+        lapses, so a process killed inside the block pins nothing for long.
+        """
+        name = path.rstrip("/").rsplit("/", 1)[-1]
+        pin = f"{self.root}/.pin-{int(time.time() + seconds) + 1}-{uuid.uuid4().hex[:8]}-{name}"
+        with self.fs.open(pin, "wb") as f:
+            f.write(b"")
+        try:
+            yield
+        finally:
+            self._remove(pin)
+
+    def is_complete(self, path: str) -> bool:
+        return self._manifest(path) is not None
+
+    # ---- reading --------------------------------------------------------------
+    def read(self, path: str | None = None, allow_pickle: bool = False) -> tuple[dict[str, Any], dict[str, Any]] | None:
+        """`(entries, meta)` of the checkpoint at `path` (default: the latest), or None if there is none.
+
+        `.pkl` entries are unpickled only with `allow_pickle` (unpickling runs
+        code): only for a directory the caller trusts as its own.
+        """
         path = path or self.latest()
         if path is None:
             return None
         meta = self._meta_of(path)
+        names = plain_files.pickled(meta["files"])
+        if names and not allow_pickle:
+            raise CheckpointError(
+                f"the checkpoint {self.url_of(path)!r} holds the entries {names} as pickles, and unpickling runs "
+                "whatever code the file names: pass allow_pickle=True only if you trust who could write it"
+            )
+        if names:
+            self._confine(path, [meta["files"][n] for n in names])
         try:
-            entries = plain_files.read_entries(self.fs, path, meta["files"])
+            entries = plain_files.read_entries(self.fs, path, meta["files"], allow_pickle=allow_pickle)
         except Exception as e:  # noqa: BLE001
             raise CheckpointError(f"cannot read the checkpoint {path!r}: {type(e).__name__}: {e}") from e
         return entries, meta
+
+    def _confine(self, path: str, names: list[str]) -> None:
+        """On a local disk, refuse a file that resolves outside this store's directory (a symbolic link)."""
+        if not self.is_local():
+            return  # object stores have no links: a plain name is inside
+        inside = os.path.realpath(self.root)
+        for name in names:
+            real = os.path.realpath(f"{path}/{name}")
+            if os.path.commonpath([real, inside]) != inside:
+                raise CheckpointError(
+                    f"{path}/{name} resolves to {real}, outside {self.root}: a checkpoint's pickles are read "
+                    "only from inside the checkpoint directory given"
+                )
 
     def _meta_of(self, path: str) -> dict[str, Any]:
         try:
@@ -206,8 +345,17 @@ class CheckpointStore:
                 meta = json.loads(f.read())
         except Exception as e:  # noqa: BLE001
             raise CheckpointError(f"cannot read {path}/{META_FILE}: {type(e).__name__}: {e}") from e
+        return self._checked(path, meta)
+
+    @staticmethod
+    def _checked(path: str, meta: Any) -> dict[str, Any]:
+        """`meta` if it is a manifest of this format naming only files inside its directory; else CheckpointError."""
         if not isinstance(meta, dict) or meta.get("format") != FORMAT or not isinstance(meta.get("files"), dict):
             raise CheckpointError(f"{path!r} is not a ray-elastic checkpoint of format {FORMAT}")
+        try:
+            plain_files.check_file_names(meta["files"])
+        except ValueError as e:
+            raise CheckpointError(f"refusing the checkpoint {path!r}: its {META_FILE} is unsafe to follow: {e}") from e
         return meta
 
     def meta(self) -> dict[str, Any] | None:

@@ -5,6 +5,9 @@ still in flight when the next one is due makes that one wait, and the last
 write is flushed before a worker returns. A failed write is retried with
 back-off and then skipped with a warning: a storage blip never fails
 training, and the end of the run says whether its last checkpoint is durable.
+The fence (is the writer's generation still current?) is asked before every
+attempt and again just before the manifest that makes a checkpoint count,
+so a rank 0 superseded while it backed off or wrote its files writes none.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ray_elastic.checkpoint.store import CheckpointStore
+from ray_elastic.checkpoint.store import CheckpointStore, FencedWrite
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +40,7 @@ class CheckpointWriter:
         backoff_s: float = 1.0,
         fence: Callable[[dict[str, Any]], str | None] | None = None,
     ) -> None:
-        """`fence(meta)`: why this snapshot must not be written at all (its generation is stale), or None."""
+        """`fence(meta)`: why this snapshot must not be written (a stale generation), or None; asked before each try."""
         self.store = store
         self.fence = fence
         self.attempts = attempts
@@ -61,17 +64,22 @@ class CheckpointWriter:
         )
         self._thread.start()
 
+    def _fenced(self, meta: dict[str, Any]) -> str | None:
+        return self.fence(meta) if self.fence is not None else None
+
     def _write(self, entries: dict[str, Any], meta: dict[str, Any]) -> None:
         started = time.perf_counter()
-        fenced = self.fence(meta) if self.fence is not None else None
-        if fenced is not None:
-            self.last_error = f"the checkpoint {meta} was not written: {fenced}"
-            logger.warning("%s", self.last_error)
-            return
         delay = self.backoff_s
         for attempt in range(1, self.attempts + 1):
             try:
-                self.store.write(entries, meta)
+                fenced = self._fenced(meta)
+                if fenced is not None:
+                    raise FencedWrite(fenced)
+                self.store.write(entries, meta, fence=lambda: self._fenced(meta))
+            except FencedWrite as e:
+                self.last_error = f"the checkpoint {meta} was not written: {e}"
+                logger.warning("%s", self.last_error)
+                return
             except Exception as e:  # noqa: BLE001 - any storage error: retried, then reported
                 error = f"{type(e).__name__}: {e}"
                 if attempt < self.attempts:

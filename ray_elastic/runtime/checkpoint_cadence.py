@@ -13,6 +13,7 @@ Without `checkpoint_dir` every method does nothing.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import ray
@@ -74,7 +75,13 @@ class CheckpointCadence:
             return
         if slot.rank != 0 or commits % self.settings.checkpoint_every:
             return
-        meta = {"commit": commits, "generation": generation, "world_size": slot.size}
+        meta = {
+            "commit": commits,
+            "generation": generation,
+            "world_size": slot.size,
+            "run": self.settings.run_id,  # orders it after the checkpoints of the run it resumed from
+            "committed_at": time.time(),  # matches it to the reports made after it (Tune's hand-over)
+        }
         self._writer.submit(state_entries(state), meta, timeout=self.settings.collective_timeout)
 
     def maybe_resume(self, state: Any, slot: WorkerSlot | None, ever_synced: bool) -> dict[str, Any] | None:
@@ -91,7 +98,8 @@ class CheckpointCadence:
         found = within(
             self.settings.collective_timeout,
             f"reading the durable checkpoint in {self.settings.checkpoint_dir} (collective_timeout)",
-            self._writer.store.read,
+            # the run's own checkpoint_dir, which the user named, is trusted with pickles; no other place is read
+            lambda: self._writer.store.read(allow_pickle=True),
         )
         if found is None:
             return None
