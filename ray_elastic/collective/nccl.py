@@ -1,9 +1,10 @@
 """The NCCL backend, for workers with GPUs (`resources_per_worker={"GPU": 1}`).
 
 A `TorchDistGroup` running NCCL on this worker's GPU, rebuilt on every reset
-like the Gloo one. The GPU is picked by local rank among the GPUs the process
-sees (Ray gives each GPU worker its own, so usually `cuda:0`), and made the
-current device so that torch's object collectives use it too.
+like the Gloo one. The GPU is the one Ray gave the worker (`ray.get_gpu_ids()`
+found among the GPUs the process sees: usually `cuda:0`, see
+`devices.device_index`), and made the current device so that torch's object
+collectives use it too.
 
 CUDA tensors are reduced where they are. numpy arrays and CPU tensors are
 accepted and staged through the GPU: copied there, reduced, copied back into
@@ -27,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ray_elastic.collective import devices
 from ray_elastic.collective.torch_dist import TorchDistGroup, as_tensor
 
 
@@ -44,11 +46,13 @@ def load() -> None:
 
 
 def device_for(local_rank: int) -> torch.device:
-    """The GPU of the worker with this local rank, among the GPUs this process sees."""
+    """The GPU Ray gave this worker, among the GPUs this process sees (by local rank where Ray gave none)."""
     count = torch.cuda.device_count()
     if count == 0:
         raise RuntimeError("backend 'nccl' needs a GPU, but this worker sees none")
-    return torch.device("cuda", local_rank % count)
+    return torch.device(
+        "cuda", devices.device_index(devices.ray_gpu_ids(), devices.visible_devices(), local_rank, count)
+    )
 
 
 class TorchNcclGroup(TorchDistGroup):

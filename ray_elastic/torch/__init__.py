@@ -1,4 +1,4 @@
-"""PyTorch support: `TorchState`, `ElasticSampler`, `DistributedOptimizer`, `prepare_model` (DDP).
+"""PyTorch support: `TorchState`, `ElasticSampler`, `DistributedOptimizer`, `prepare_model` (DDP), `get_device`.
 
 import ray_elastic as elastic
 opt = elastic.torch.DistributedOptimizer(opt, named_parameters=model.named_parameters())
@@ -8,7 +8,8 @@ state = elastic.torch.TorchState(model=model, optimizer=opt, sampler=sampler, sc
 
 or, with torch's DistributedDataParallel, a plain optimizer and a plain DataLoader (Ray Train's names):
 
-model = elastic.torch.prepare_model(model)
+device = elastic.torch.get_device()        # the worker's GPU when Ray gave it one, else the CPU
+model = elastic.torch.prepare_model(model)  # moved to get_device(), then wrapped
 loader = elastic.torch.prepare_data_loader(DataLoader(dataset, batch_size=64, shuffle=True))
 state = elastic.torch.TorchState(model=model, optimizer=opt, loader=loader, epoch=0)
 """
@@ -18,6 +19,7 @@ from ray_elastic.checkpoint import torch_entries as _checkpoint_form  # noqa: F4
 from ray_elastic.torch.broadcast import broadcast_parameters
 from ray_elastic.torch.data_loader import ElasticDataLoader, prepare_data_loader
 from ray_elastic.torch.ddp import ElasticDDP, prepare_model
+from ray_elastic.torch.device import get_device
 from ray_elastic.torch.optimizer import DistributedOptimizer
 from ray_elastic.torch.rng import RngState
 from ray_elastic.torch.sampler import ElasticSampler
@@ -33,6 +35,7 @@ __all__ = [
     "TorchState",
     "broadcast_optimizer_state",
     "broadcast_parameters",
+    "get_device",
     "prepare_data_loader",
     "prepare_model",
     "register_handler",

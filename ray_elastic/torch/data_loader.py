@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler, SequentialSampler
 
+from ray_elastic.torch.device import get_device
 from ray_elastic.torch.sampler import ElasticSampler
 
 
@@ -73,10 +74,9 @@ def prepare_data_loader(loader: DataLoader, seed: int = 0, move_to_device: bool 
 
 
 def _worker_device() -> torch.device | None:
-    """The GPU this worker was given, or None on CPU (nothing to move)."""
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return None
+    """The GPU this worker was given (`get_device()`), or None on CPU (nothing to move)."""
+    device = get_device()
+    return device if device.type != "cpu" else None
 
 
 def _to_device(batch: Any, device: torch.device) -> Any:

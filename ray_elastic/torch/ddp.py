@@ -73,6 +73,7 @@ from ray_elastic.collective.shm import can_reduce
 from ray_elastic.exceptions import HorovodInternalError
 from ray_elastic.runtime.pace import PACE
 from ray_elastic.runtime.process import current, maybe_current
+from ray_elastic.torch.device import get_device
 
 AGREE_EVERY_S = 0.1  # how often, in training time, the ranks agree on a host change (see _Cadence)
 MAX_CHECKS_PER_AGREEMENT = 1000
@@ -470,11 +471,14 @@ def _as_ring_error(e: BaseException, ctx: Any, what: str) -> BaseException:
     return HorovodInternalError(f"{what} failed: {e}")
 
 
-def prepare_model(model: torch.nn.Module, **ddp_kwargs: Any) -> ElasticDDP:
-    """Wrap `model` in DistributedDataParallel over the elastic ring, rebuilt after every reset.
+def prepare_model(model: torch.nn.Module, *, move_to_device: bool = True, **ddp_kwargs: Any) -> ElasticDDP:
+    """Move `model` to this worker's device and wrap it in DistributedDataParallel over the elastic ring.
 
     Call it in `train_fn`, where Ray Train users call
-    `ray.train.torch.prepare_model`. Every keyword goes to
+    `ray.train.torch.prepare_model`. As there, the model is first moved to
+    `get_device()` (the worker's GPU when Ray gave it one, else the CPU;
+    `move_to_device=False` leaves it where it is); build the optimizer
+    after it, as after `model.cuda()`. Every other keyword goes to
     `DistributedDataParallel` (`find_unused_parameters`, `bucket_cap_mb`,
     `static_graph`, `broadcast_buffers` ...), except `process_group`,
     `device_mesh` and `init_sync`, which the ring decides;
@@ -502,6 +506,8 @@ def prepare_model(model: torch.nn.Module, **ddp_kwargs: Any) -> ElasticDDP:
             f"process group, but this run uses backend={ctx.settings.backend!r}: pass backend='gloo' (CPU) or "
             "'nccl' (GPU) to ElasticTrainer, or leave backend='auto'"
         )
+    if move_to_device:
+        model.to(get_device())
     return ElasticDDP(model, {"gradient_as_bucket_view": True, **ddp_kwargs})
 
 
