@@ -49,8 +49,8 @@ class Reports:
         self.kept.extend(new)
         self.seen = max(self.seen, first + len(batch))
         if self._on_report is not None:
-            for _, metrics in new:
-                self._on_report(metrics)
+            for stamp, metrics in new:  # a callable that asks for each report's time (Tune's relay) gets it too
+                self._on_report(*((metrics, stamp) if getattr(self._on_report, "takes_stamp", False) else (metrics,)))
         return new
 
     @property

@@ -101,6 +101,91 @@ def test_a_restored_trial_resumes_from_the_checkpoint_tune_hands_back(tmp_path):
     assert store.meta()["commit"] == 30 and store.read()[0] == {"step": 30, "w": 2.5}
 
 
+class FakeTune:
+    """Stands in for `tune.report` in the trial's process: records what each report carried."""
+
+    def __init__(self, copy=None) -> None:
+        self.reports: list[tuple[dict, object]] = []
+        self.copy = copy  # what Tune does with a checkpoint it is handed (copy it), or None
+
+    def __call__(self, metrics, checkpoint=None) -> None:
+        if checkpoint is not None and self.copy is not None:
+            self.copy(checkpoint)
+        self.reports.append((metrics, checkpoint))
+
+
+@pytest.fixture
+def relay_parts(tmp_path, monkeypatch):
+    import ray_elastic.tune.trial as trial
+    from ray_elastic.checkpoint import CheckpointStore
+
+    monkeypatch.setattr(trial, "_CHECKPOINT_LOOK_S", 0.0)
+    fake = FakeTune()
+    monkeypatch.setattr(tune, "report", fake)
+    return trial, CheckpointStore(str(tmp_path / "trial"), keep=1), fake
+
+
+def test_the_checkpoint_handed_to_tune_is_not_pruned_while_tune_copies_it(relay_parts):
+    trial, store, fake = relay_parts
+    store.write({"step": 10}, {"generation": 1, "commit": 10, "committed_at": 1.0})
+    copied = []
+
+    def copy(checkpoint):
+        # rank 0 goes on writing while Tune copies: with keep=1 each write prunes the older ones
+        store.write({"step": 20}, {"generation": 1, "commit": 20, "committed_at": 2.0})
+        store.write({"step": 30}, {"generation": 1, "commit": 30, "committed_at": 3.0})
+        copied.append(elastic.load_checkpoint(checkpoint.path)["step"])
+
+    fake.copy = copy
+    trial._Relay(store)({"step": 10}, 1.5)
+    assert copied == [10], "Tune copied the checkpoint it was handed, whole"
+    store.write({"step": 40}, {"generation": 1, "commit": 40, "committed_at": 4.0})
+    assert [store.read(p)[0]["step"] for p in store.checkpoints()] == [40], "unpinned once Tune's copy returned"
+
+
+def test_the_checkpoint_handed_to_tune_is_the_one_its_report_saw(relay_parts):
+    trial, store, fake = relay_parts
+    store.keep = 3
+    store.write({"step": 10}, {"generation": 1, "commit": 10, "committed_at": 100.0})
+    store.write({"step": 20}, {"generation": 1, "commit": 20, "committed_at": 200.0})
+    relay = trial._Relay(store)
+    relay({"step": 15}, 150.0)  # reported between the two commits: the second holds later state
+    relay({"step": 16}, 160.0)  # nothing new before it
+    relay({"step": 25}, 250.0)
+    handed = [None if c is None else elastic.load_checkpoint(c.path)["step"] for _, c in fake.reports]
+    assert handed == [10, None, 20]
+    assert [m["step"] for m, _ in fake.reports] == [15, 16, 25]
+
+
+def test_a_hand_over_that_hangs_fails_the_trial_naming_the_checkpoint(relay_parts, monkeypatch):
+    import threading
+
+    trial, store, fake = relay_parts
+    path = store.write({"step": 10}, {"generation": 1, "commit": 10, "committed_at": 1.0})
+    mount_back = threading.Event()
+    fake.copy = lambda checkpoint: mount_back.wait(60)  # Tune's copy from a dead mount
+    relay = trial._Relay(store, handover_s=0.5)
+    outcome: list[BaseException | None] = []
+
+    def report():
+        try:
+            relay({"step": 10}, 2.0)
+            outcome.append(None)
+        except BaseException as e:  # noqa: BLE001 - what fit() would get
+            outcome.append(e)
+
+    caller = threading.Thread(target=report, daemon=True)
+    started = time.monotonic()
+    caller.start()
+    caller.join(10)
+    mount_back.set()
+    assert not caller.is_alive(), "the hand-over hung past its bound"
+    assert time.monotonic() - started < 5
+    (error,) = outcome
+    assert isinstance(error, elastic.checkpoint.CheckpointError), error
+    assert os.path.basename(path) in str(error) and "tune.report" in str(error) and "0.5 s" in str(error)
+
+
 # ---- on a cluster -----------------------------------------------------------
 
 

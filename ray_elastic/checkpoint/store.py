@@ -173,6 +173,10 @@ class CheckpointStore:
         """The complete checkpoints' paths, oldest first."""
         return [f.path for f in self._complete()]
 
+    def complete(self) -> list[tuple[str, dict[str, Any]]]:
+        """The complete checkpoints as `(path, manifest)`, oldest first."""
+        return [(f.path, f.meta or {}) for f in self._complete()]
+
     def latest(self) -> str | None:
         """The newest complete checkpoint's path (in the store's filesystem), or None."""
         complete = self._complete()

@@ -8,11 +8,16 @@ trial's reservation and what it grows into (`placement.py`), and, with
 (`<checkpoint_dir>/<experiment>/<trial id>`).
 
 Every `report()` of rank 0 becomes `tune.report(...)`, in order, from the
-thread running `fit()` (`fit(on_report=...)`); a durable checkpoint written
-since the last report goes with the next one, so Tune persists it and
-`tune.get_checkpoint()` / the trial's `Result.checkpoint` are ours (a
-checkpoint written after the run's last report is not handed over: a
-report of its own would repeat a step in Tune's results). A
+thread running `fit()` (`fit(on_report=...)`); the newest durable checkpoint
+committed before that report (and not handed over yet) goes with it, so
+Tune persists it and `tune.get_checkpoint()` / the trial's
+`Result.checkpoint` are ours, each holding no later state than the results
+it came with (a checkpoint written after the run's last report is not handed
+over: a report of its own would repeat a step in Tune's results). While
+Tune copies it the checkpoint is pinned (no writer prunes it), and the
+hand-over is bounded by `collective_timeout`, the bound of the write of the
+same bytes: past it the trial fails with a `CheckpointError` naming the
+checkpoint, instead of hanging on a dead mount. A
 restored trial (Tune's experiment resume) puts the checkpoint Tune hands
 back into its directory first, and the run resumes from it. A worker lost
 inside the trial is recovered by the run itself: Tune sees no failure and
@@ -32,13 +37,15 @@ import threading
 import time
 from typing import Any
 
-from ray_elastic.checkpoint import CheckpointStore, normalize_url
+from ray_elastic.checkpoint import CheckpointStore, normalize_url, within
+from ray_elastic.checkpoint.store import order_key
 from ray_elastic.payload import pack, unpack
 from ray_elastic.tune.placement import NOMINAL, TrialSlots, remove_growth
 
 logger = logging.getLogger(__name__)
 
 _CHECKPOINT_LOOK_S = 1.0  # at most this often a report looks for a new durable checkpoint
+_PIN_MARGIN_S = 60.0  # a pin outlives the hand-over's bound by this much (clocks of other nodes, a slow unpin)
 _RELEASE_S = 40.0  # the longest a stopped trial's stop() waits for its run's clean-up (fit()'s is at most 35 s)
 _released = threading.Event()  # set while no trial's run is being trained or cleaned up in this process
 _released.set()
@@ -82,7 +89,7 @@ def run_trial(trainer: Any, config: dict[str, Any]) -> None:
         _adopt_tunes_checkpoint(store, tune.get_checkpoint())
         changes["checkpoint_dir"] = url
     trial.run_config = dataclasses.replace(trainer.run_config, **changes)
-    relay = _Relay(store)
+    relay = _Relay(store, handover_s=trainer.run_config.collective_timeout)
     _released.clear()
     try:
         trial.fit(on_report=relay)
@@ -103,30 +110,65 @@ def _adopt_tunes_checkpoint(store: CheckpointStore, checkpoint: Any) -> None:
 
 
 class _Relay:
-    """`fit(on_report=...)`'s callable: each of rank 0's reports to Tune, with a new durable checkpoint if one came."""
+    """`fit(on_report=...)`'s callable: each of rank 0's reports to Tune, with the checkpoint that matches it.
 
-    def __init__(self, store: CheckpointStore | None) -> None:
+    Args:
+        store: the trial's checkpoint directory, or None (no checkpoints).
+        handover_s: the bound of one report that carries a checkpoint (Tune
+            copies the checkpoint to its storage inside `tune.report`).
+    """
+
+    takes_stamp = True  # fit() passes each report's time with it: checkpoints committed before it may go along
+
+    def __init__(self, store: CheckpointStore | None, handover_s: float = 300.0) -> None:
         self.store = store
-        self._reported: str | None = None  # the newest checkpoint handed to Tune
+        self.handover_s = handover_s
+        self._reported: tuple[int, int, int] | None = None  # the order of the newest checkpoint handed to Tune
         self._looked = 0.0
 
-    def __call__(self, metrics: dict[str, Any]) -> None:
+    def __call__(self, metrics: dict[str, Any], stamp: float | None = None) -> None:
         from ray import tune
 
-        tune.report(dict(metrics), checkpoint=self._new_checkpoint())
+        path = self._new_checkpoint(stamp)
+        if path is None:
+            tune.report(dict(metrics))
+            return
+        assert self.store is not None
+        store = self.store
 
-    def _new_checkpoint(self) -> Any:
+        def hand_over() -> None:
+            with store.pinned(path, self.handover_s + _PIN_MARGIN_S):
+                if not store.is_complete(path):  # pruned between the listing and the pin: the next report's
+                    tune.report(dict(metrics))
+                    return
+                tune.report(dict(metrics), checkpoint=self._tune_checkpoint(path))
+
+        what = f"handing the checkpoint {store.url_of(path)} to Tune (tune.report, bounded by collective_timeout)"
+        within(self.handover_s, what, hand_over)
+
+    def _new_checkpoint(self, stamp: float | None) -> str | None:
+        """The newest checkpoint committed at or before `stamp` and newer than the last handed over, or None."""
         if self.store is None or time.monotonic() - self._looked < _CHECKPOINT_LOOK_S:
             return None
+        self._looked = time.monotonic()
+        chosen = None
+        for path, meta in self.store.complete():
+            committed = meta.get("committed_at", meta.get("written_at", 0.0))
+            if stamp is not None and committed > stamp:
+                continue  # it holds state newer than this report: it goes with a later one
+            if self._reported is None or order_key(meta) > self._reported:
+                chosen = (path, order_key(meta))
+        if chosen is None:
+            return None
+        self._reported = chosen[1]
+        return chosen[0]
+
+    def _tune_checkpoint(self, path: str) -> Any:
         from ray import tune
 
-        self._looked = time.monotonic()
-        latest = self.store.latest()
-        if latest is None or latest == self._reported:
-            return None
-        self._reported = latest
+        assert self.store is not None
         if self.store.is_local():
-            return tune.Checkpoint.from_directory(latest)
+            return tune.Checkpoint.from_directory(path)
         import pyarrow.fs
 
-        return tune.Checkpoint(latest, filesystem=pyarrow.fs.PyFileSystem(pyarrow.fs.FSSpecHandler(self.store.fs)))
+        return tune.Checkpoint(path, filesystem=pyarrow.fs.PyFileSystem(pyarrow.fs.FSSpecHandler(self.store.fs)))
