@@ -7,7 +7,7 @@ once, or the whole cluster gone. A new `fit()` (or the driver, after losing
 every worker) starts fresh workers, and the one that becomes rank 0 loads
 the latest checkpoint before the first sync broadcasts it to the others.
 
-The parts: `store.py` (the directory of numbered checkpoints, each whole
+The parts: `store.py` (the directory of checkpoints, newest by their manifests, each whole
 before it counts), `files.py` (one checkpoint as plain files: `.pt` for
 `torch.load`, JSON, pickles), `entries.py` and `torch_entries.py` (a state's
 commit as plain entries, state dicts for torch objects, and back),
