@@ -143,6 +143,7 @@ class WorkerContext:
     def after_commit(self, state: Any, save_seconds: float) -> None:
         """Count the commit and record its cost; rank 0 checkpoints every `checkpoint_every`-th commit."""
         self.commits += 1
+        self.membership.committing()
         metrics.commit(self.settings.run_id, save_seconds)
         self.checkpoints.after_commit(state, self.slot, self.generation, self.commits)
 

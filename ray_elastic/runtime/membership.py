@@ -67,6 +67,10 @@ class Membership:
         self.fault_hook: Callable[[str], None] | None = None
         # (generation, any notice, or how to learn it) from the last gradient allreduce or DDP's forward
         self._agreed: tuple[int, bool | Callable[[], bool]] | None = None
+        # an agreement read on a device, on its way to host memory: (generation, how to read it at the next check)
+        self._deferred: tuple[int, Callable[[], bool]] | None = None
+        self._deferred_kind: tuple[int, Callable[[], Callable[[], bool]]] | None = None  # see agree_on_notice_deferred
+        self._at_commit = False  # the next check is a commit's (see committing)
         self._announced = False
         self._failure_told = 0  # the last generation whose failure this worker told the driver of
         self._abandoned: tuple[int, str] = (0, "")  # the newest generation the driver declared dead, and why
@@ -196,6 +200,7 @@ class Membership:
 
     def close_group(self) -> None:
         self._agreed = None
+        self._deferred = self._deferred_kind = None
         if self.group is not None:
             self.group.close()
             self.group = None
@@ -252,17 +257,48 @@ class Membership:
         """A collective all ranks started will tell whether any rank holds a notice; `pending()` waits for it."""
         self._agreed = (self.generation, pending)
 
+    def agree_on_notice_deferred(self, start: Callable[[], Callable[[], bool]]) -> None:
+        """An agreement reduced on a device (a GPU): read it without waiting for the device.
+
+        At the next check, `start()` starts copying the reduced notice to host
+        memory and returns how to read it; the check after that reads it (the
+        copy is long done by then) and acts on it. A commit's check reads it
+        at once. Every rank runs the same checks and commits, so every rank
+        acts on the same agreement at the same step: one step later than
+        an agreement read on the host, and never a device-to-host wait per
+        step (which would stall the CPU's kernel launches behind the GPU).
+        """
+        self._agreed = None
+        self._deferred_kind = (self.generation, start)
+
+    def committing(self) -> None:
+        """The next check is a commit's: read every agreement now (a commit waits for its copies anyway)."""
+        self._at_commit = True
+
     def check_host_updates(self) -> None:
         """Raise `HostsUpdatedInterrupt` on every rank at once if the world changed.
 
         Uses the agreement carried by the last gradient allreduce when there is
         one not yet consumed (every rank has the same), else one tiny max-allreduce.
+        An agreement reduced on a device is read one check later, or at once
+        at a commit (`agree_on_notice_deferred`).
         """
         self.ensure_joined()
+        at_commit, self._at_commit = self._at_commit, False
         agreed, self._agreed = self._agreed, None
-        if agreed is not None and agreed[0] == self.generation:
-            pending = agreed[1]() if callable(agreed[1]) else agreed[1]
-        else:
-            pending = self.group.max_int(self.notice) > self.generation
+        earlier, self._deferred = self._deferred, None
+        started, self._deferred_kind = self._deferred_kind, None
+        gen = self.generation
+        pending = earlier is not None and earlier[0] == gen and earlier[1]()
+        if started is not None and started[0] == gen:
+            read = started[1]()
+            if at_commit and not pending:
+                pending = read()
+            elif not pending:
+                self._deferred = (gen, read)
+        elif agreed is not None and agreed[0] == gen:
+            pending = (agreed[1]() if callable(agreed[1]) else agreed[1]) or pending
+        elif earlier is None or earlier[0] != gen:
+            pending = self.group.max_int(self.notice) > gen
         if pending:
             raise HostsUpdatedInterrupt(skip_sync=False)

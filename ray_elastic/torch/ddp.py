@@ -35,7 +35,9 @@ pass False for DDP's default. Around it:
   own one-number collective, on every rank alike. On NCCL, a training
   forward (gradients on, not in `no_sync()`) starts one asynchronous
   one-number allreduce of the notice, which runs while forward and backward
-  compute;
+  compute; the check after the step queues its copy to pinned host memory
+  and the next check reads it (a commit's at once), so no step waits for
+  the GPU (`ray_elastic.torch.notice`);
 - failures: on Gloo a failed or abandoned allreduce leaves `backward()` as
   `HorovodInternalError`; on NCCL DDP raises it as a plain `RuntimeError`.
   `prepare_model` registers with the worker's runtime what such an error
@@ -67,13 +69,13 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from ray_elastic.collective.activity import collective_activity
-from ray_elastic.collective.base import Max
 from ray_elastic.collective.factory import TORCH_BACKENDS
 from ray_elastic.collective.shm import can_reduce
 from ray_elastic.exceptions import HorovodInternalError
 from ray_elastic.runtime.pace import PACE
 from ray_elastic.runtime.process import current, maybe_current
 from ray_elastic.torch.device import get_device
+from ray_elastic.torch.notice import NoticeCopy
 
 AGREE_EVERY_S = 0.1  # how often, in training time, the ranks agree on a host change (see _Cadence)
 MAX_CHECKS_PER_AGREEMENT = 1000
@@ -209,19 +211,21 @@ class ElasticDDP(torch.nn.Module):
         It runs while forward and backward compute; `check_host_updates()`
         waits for it (done by then) instead of running a collective itself.
         """
-        # a fresh tensor each time: an earlier one may still be in flight if no check came between two forwards
-        notice = torch.tensor([int(ctx.notice > ctx.generation)], device=getattr(ctx.group, "device", None))
-        work = ctx.group.allreduce_async(notice, Max)
-        collective_activity(True)
+        group = ctx.group
+        mine = int(ctx.notice > ctx.generation)
+        if group.size == 1:
+            ctx.agree_on_notice(mine > 0)  # nobody to agree with: no collective, nothing to read off the GPU
+            return
+        # a fresh tensor each time (an earlier one may still be in flight if no check came between two forwards),
+        # filled by a kernel: torch.tensor([...], device=gpu) would wait for the GPU to take the host's bytes
+        notice = torch.full((1,), mine, dtype=torch.int64, device=group.device)
+        work = group.start("check_host_updates", lambda: dist.all_reduce(notice, op=dist.ReduceOp.MAX, async_op=True))
 
-        def resolve() -> bool:
-            try:
-                work.wait()
-            finally:
-                collective_activity(False)
-            return bool(notice.item() > 0)
+        def start() -> Any:
+            work.get_future().wait()  # NCCL: the current stream waits for the allreduce, the CPU does not
+            return NoticeCopy(notice, lambda: group.wait_work("check_host_updates", work)).any
 
-        ctx.membership.agree_on_notice_later(resolve)
+        ctx.membership.agree_on_notice_deferred(start)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -295,8 +299,8 @@ class _NoticeCarrier:
         """The notices and the proposals summed over the ranks: waits for the allreduce, abandonably (raises the
         ring's error)."""
         group.wait_work("check_host_updates", self.work)
-        notices, proposals = self.tensor.tolist()
-        return notices, proposals
+        notices, proposals = self.tensor.numpy()  # host memory: read without a tensor call
+        return int(notices), int(proposals)
 
 
 class _AbandonableGroup(dist.ProcessGroup):

@@ -36,7 +36,9 @@ is in the sum on every rank, so every rank skips the same steps.
 The last bucket carries one extra number, how many ranks hold a host-change
 notice, so the ranks agree on host updates inside the gradient allreduce and
 the `check_host_updates()` that follows `step()` needs no collective of its
-own (a check with no step before it still does one).
+own (a check with no step before it still does one). On a GPU that number is
+copied to pinned host memory without waiting and read at the next check (at
+once at a commit): no step waits for the device (`ray_elastic.torch.notice`).
 
 Buckets live on their parameters' device, with their dtype (a bucket holds
 parameters of one device and one dtype), and every collective goes through
@@ -62,6 +64,7 @@ from ray_elastic.collective.factory import TORCH_BACKENDS
 from ray_elastic.exceptions import HorovodInternalError
 from ray_elastic.runtime.pace import PACE
 from ray_elastic.runtime.process import current, maybe_current
+from ray_elastic.torch.notice import NoticeCopy, host_value, reads_later
 
 
 class _Bucket:
@@ -96,6 +99,14 @@ def _buckets(params: list[torch.Tensor], cap: int) -> list[_Bucket]:
     if current:
         buckets.append(_Bucket(current))
     return buckets
+
+
+def _agree(ctx: Any, notice: torch.Tensor) -> None:
+    """Hand the reduced notice count to the runtime: read now on the host, one check later off a device."""
+    if reads_later(notice):
+        ctx.membership.agree_on_notice_deferred(lambda: NoticeCopy(notice).any)
+    else:
+        ctx.agree_on_notice(host_value(notice) > 0)
 
 
 # GradScaler warns that it will stop handing itself to step(); until then that is how the reduction comes first
@@ -297,7 +308,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     bucket.work.wait()
                     PACE.waited(time.perf_counter() - waiting)
                 if bucket is self._buckets[-1]:
-                    ctx.agree_on_notice(bool(bucket.flat[-1].item() > 0))
+                    _agree(ctx, bucket.flat[-1:])
                 offset = 0
                 with torch.no_grad():
                     for p in bucket.params:

@@ -1,0 +1,134 @@
+"""No step of the elastic loop waits for a device: the per-step path never reads a tensor on the host.
+
+On a GPU, `.item()`, `.tolist()`, `.cpu()` and `torch.cuda.synchronize()`
+each wait for everything queued on the device: called once per step, they
+end the overlap of the CPU's kernel launches with the GPU's work (an H200
+ran the DDP path at 0.75 of plain DDP's speed). Here, without a GPU, those
+calls are counted while a CPU loop runs the library's per-step path (the
+gradient reduction, `step()`, `check_host_updates()`) on a real one-rank
+Gloo ring, on both the `DistributedOptimizer` and the `prepare_model` path.
+
+The host-change agreement must still hold: with the device path forced on
+CPU tensors (`reads_later`), a notice agreed in step k is acted on at the
+check of step k+1 (a commit: at once), and the loop never misses it.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ray_elastic.assignment import WorkerSlot
+from ray_elastic.collective.torch_gloo import TorchGlooGroup
+from ray_elastic.config import WorkerConfig
+from ray_elastic.exceptions import HostsUpdatedInterrupt
+from ray_elastic.state.state import ObjectState
+from ray_elastic.torch import DistributedOptimizer, optimizer, prepare_model
+from ray_elastic.worker_context import WorkerContext, set_current
+
+
+class _Driver:
+    def __getattr__(self, method: str):
+        class Method:
+            def remote(self, *args, **kwargs) -> None:
+                pass
+
+        return Method()
+
+
+@pytest.fixture
+def ring(monkeypatch) -> Iterator[WorkerContext]:
+    """This process as rank 0 of 1 of generation 1, on a real Gloo ring."""
+    from ray_elastic.runtime import metrics_shipper
+
+    monkeypatch.setattr(metrics_shipper.ray, "get", lambda ref, timeout=None: ref)
+    ctx = WorkerContext("w0", kv=None, driver=_Driver(), settings=WorkerConfig(backend="gloo"))
+    set_current(ctx)
+    ctx.membership.group = TorchGlooGroup(dist.HashStore(), 0, 1, 30.0)
+    ctx.membership.slot = WorkerSlot("w0", "host", 0, 1, 0, 1, 0, 1)
+    ctx.membership.generation = 1
+    try:
+        yield ctx
+    finally:
+        set_current(None)
+        ctx.membership.close_group()
+        ctx.shutdown()
+
+
+@pytest.fixture
+def host_reads(monkeypatch) -> Counter:
+    """Counts every call that would wait for a device, by name, while the test runs."""
+    counts: Counter = Counter()
+
+    def counting(name, original):
+        def call(*args, **kwargs):
+            counts[name] += 1
+            return original(*args, **kwargs)
+
+        return call
+
+    for name in ("item", "tolist", "cpu"):
+        monkeypatch.setattr(torch.Tensor, name, counting(name, getattr(torch.Tensor, name)))
+    monkeypatch.setattr(torch.cuda, "synchronize", counting("synchronize", lambda *a, **k: None))
+    return counts
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+
+
+def _step(model: torch.nn.Module, opt: torch.optim.Optimizer, i: int) -> None:
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(i))
+    opt.zero_grad()
+    model(x).pow(2).mean().backward()
+    opt.step()
+
+
+def test_the_distributed_optimizer_loop_reads_nothing_off_the_device(ring, host_reads):
+    model = _model()
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))
+    for i in range(20):
+        _step(model, opt, i)
+        ring.check_host_updates()
+    assert host_reads == Counter(), f"per-step host reads: {dict(host_reads)}"
+
+
+def test_the_prepare_model_loop_reads_nothing_off_the_device(ring, host_reads):
+    model = prepare_model(_model())
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    _step(model, opt, 0)  # the first forward builds DDP (its own set-up checks are not a step)
+    ring.check_host_updates()
+    host_reads.clear()
+    for i in range(1, 20):
+        _step(model, opt, i)
+        ring.check_host_updates()
+    assert host_reads == Counter(), f"per-step host reads: {dict(host_reads)}"
+
+
+def test_a_notice_agreed_on_a_device_is_acted_on_at_the_next_check_or_at_once_at_a_commit(
+    ring, host_reads, monkeypatch
+):
+    monkeypatch.setattr(optimizer, "reads_later", lambda t: True)  # CPU tensors take the GPU's path
+    model = _model()
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01))
+    for i in range(3):
+        _step(model, opt, i)
+        ring.check_host_updates()
+    ring.notify(2)  # the driver announces generation 2 before step 3's allreduce
+    _step(model, opt, 3)
+    ring.check_host_updates()  # step 3's agreement is on its way to the host: not read yet
+    _step(model, opt, 4)
+    with pytest.raises(HostsUpdatedInterrupt):
+        ring.check_host_updates()  # read now: every rank acts here, at step 4
+    assert host_reads == Counter()
+
+    # at a commit the agreement is read at once: the interrupt comes in the step that committed
+    state = ObjectState(step=0)
+    _step(model, opt, 5)
+    with pytest.raises(HostsUpdatedInterrupt):
+        state.commit()
