@@ -129,7 +129,10 @@ class _Relay:
     def __call__(self, metrics: dict[str, Any], stamp: float | None = None) -> None:
         from ray import tune
 
-        path = self._new_checkpoint(stamp)
+        path = None
+        if self.store is not None and time.monotonic() - self._looked >= _CHECKPOINT_LOOK_S:
+            listing = f"listing the checkpoints in {self.store.url} for Tune (bounded by collective_timeout)"
+            path = within(self.handover_s, listing, lambda: self._new_checkpoint(stamp))
         if path is None:
             tune.report(dict(metrics))
             return
@@ -148,8 +151,7 @@ class _Relay:
 
     def _new_checkpoint(self, stamp: float | None) -> str | None:
         """The newest checkpoint committed at or before `stamp` and newer than the last handed over, or None."""
-        if self.store is None or time.monotonic() - self._looked < _CHECKPOINT_LOOK_S:
-            return None
+        assert self.store is not None
         self._looked = time.monotonic()
         chosen = None
         for path, meta in self.store.complete():
