@@ -4,7 +4,12 @@
 each worker trains a small model on its GPU with `DistributedOptimizer` and
 `TorchState`, commits, and the ranks must end bitwise equal. With two GPUs or
 more, one worker is SIGKILLed mid-run and the survivors must go on from the
-last commit. The NCCL conformance cases live in tests/test_conformance.py.
+last commit. Two workers at `GPU: 0.5` share one GPU: `backend="auto"` and
+"gloo" train them on Gloo with CUDA tensors staged through host memory, on
+both the `DistributedOptimizer` and the `prepare_model` path, through a
+SIGKILL of rank 1 at step 12 and 40 more steps, ending bitwise equal;
+`backend="nccl"` fails before training, naming NCCL's rule. The NCCL
+conformance cases live in tests/test_conformance.py.
 Run this module alone (its Ray instance must see the GPUs):
 
     .venv/bin/python -m pytest -q tests/test_gpu.py tests/test_conformance.py -k "nccl or gpu"
@@ -22,6 +27,7 @@ import pytest
 import ray
 
 from ray_elastic import ElasticTrainer
+from ray_elastic.exceptions import TrainingFailedError
 
 
 def _gpu_count() -> int:
@@ -53,6 +59,7 @@ def gpu_ray():
 
 def gpu_train_fn(config: dict) -> dict:
     import hashlib
+    import time
 
     import torch
 
@@ -61,17 +68,30 @@ def gpu_train_fn(config: dict) -> dict:
     from ray_elastic.collective import group
 
     torch.manual_seed(elastic.rank())  # ranks start different: the first sync must make them equal
-    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1)).cuda()
-    opt = etorch.DistributedOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.01), named_parameters=model.named_parameters()
-    )
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+    if config.get("ddp"):
+        model = etorch.prepare_model(model)  # moved to get_device(), then wrapped
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    else:
+        model = model.to(etorch.get_device())
+        opt = etorch.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9), named_parameters=model.named_parameters()
+        )
     state = etorch.TorchState(model=model, optimizer=opt, step=0)
+    device = etorch.get_device()
 
     @elastic.run
     def train(state) -> dict:
+        # a replaced worker rejoins before training goes on, so the steps after a kill run on the full world
+        deadline = time.monotonic() + 120
+        while elastic.size() < config.get("world", 0):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the world did not grow back to {config['world']} workers within 120 s")
+            time.sleep(0.05)
+            state.check_host_updates()  # raises HostsUpdatedInterrupt once the newcomer is ready
         while state.step < config["steps"]:
-            gen = torch.Generator(device="cuda").manual_seed(1000 * state.step + elastic.rank())
-            x = torch.randn(64, 16, device="cuda", generator=gen)
+            gen = torch.Generator(device=device).manual_seed(1000 * state.step + elastic.rank())
+            x = torch.randn(64, 16, device=device, generator=gen)
             loss = (model(x) - x.sum(dim=1, keepdim=True)).pow(2).mean()
             opt.zero_grad()
             loss.backward()
@@ -89,7 +109,8 @@ def gpu_train_fn(config: dict) -> dict:
                 state.commit()
             else:
                 state.check_host_updates()
-        digest = hashlib.sha256(b"".join(p.detach().cpu().numpy().tobytes() for p in model.parameters()))
+        tensors = [*model.parameters(), *(v for st in opt.state.values() for v in st.values() if torch.is_tensor(v))]
+        digest = hashlib.sha256(b"".join(t.detach().cpu().numpy().tobytes() for t in tensors))
         return {
             "backend": group().name,
             "devices": elastic.allgather_object(str(next(model.parameters()).device)),
@@ -134,3 +155,52 @@ def test_gpu_run_survives_a_sigkill(gpu_ray, tmp_path: Path):
     out = result.return_value
     assert out["steps"] == 40
     assert len(set(out["digests"])) == 1, f"ranks diverged: {out['digests']}"
+
+
+@pytest.mark.parametrize("backend", ["auto", "gloo"])
+@pytest.mark.parametrize("path", ["optimizer", "ddp"])
+def test_two_workers_sharing_one_gpu_train_on_gloo_through_a_sigkill_and_end_equal(
+    gpu_ray, tmp_path: Path, backend: str, path: str
+):
+    """Two workers at GPU 0.5 share GPU 0: NCCL cannot run them (one rank per GPU), so `auto` picks Gloo with
+    host staging; the first sync, the buckets and the newcomer's transfer all carry CUDA tensors."""
+    marker = tmp_path / "killed"
+    result = ElasticTrainer(
+        gpu_train_fn,
+        min_workers=1,
+        max_workers=2,
+        config={
+            "steps": 52,
+            "world": 2,
+            "ddp": path == "ddp",
+            "kill": {"step": 12, "rank": 1, "marker": str(marker)},
+        },
+        resources_per_worker={"CPU": 1, "GPU": 0.5},
+        backend=backend,
+        cooldown_range=(0, 1),
+        collective_timeout=30,
+        verbose=0,
+    ).fit()
+    assert marker.exists()
+    assert "worker_failed" in [e.kind for e in result.events]
+    out = result.return_value
+    assert out["backend"] == "gloo"
+    assert out["steps"] == 52  # 40 steps after the kill at step 12
+    assert len(out["devices"]) == 2
+    assert all(d.startswith("cuda") for d in out["devices"]), out["devices"]
+    assert len(set(out["digests"])) == 1, f"ranks diverged: {out['digests']}"
+
+
+def test_nccl_asked_for_two_workers_on_one_gpu_fails_before_training_naming_the_rule(gpu_ray):
+    with pytest.raises(TrainingFailedError) as e:
+        ElasticTrainer(
+            gpu_train_fn,
+            min_workers=2,
+            max_workers=2,
+            config={"steps": 5},
+            resources_per_worker={"CPU": 1, "GPU": 0.5},
+            backend="nccl",
+            verbose=0,
+        ).fit()
+    text = str(e.value)
+    assert "NCCL allows one rank per GPU" in text and "share GPU" in text, text

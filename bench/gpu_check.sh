@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# The GPU checks of the GPU path, in one go (about 6 minutes at most), for a lent GPU machine.
+#
+# Runs from the repository root, with torch (a CUDA build) installed and Ray, pytest and the other test
+# dependencies installed into /tmp/site (or already importable). Writes every log and figure under $OUT
+# (default: ./gpu-check-out):
+#   env.txt             the GPU, torch, CUDA, NCCL and Ray versions
+#   gpu_overhead.log    bench/gpu_overhead.py: the elastic loop against plain DDP / a plain optimizer, per step
+#   gpu_overhead.json   its figures
+#   pytest.log          tests/test_gpu.py and the NCCL conformance cases (-k "nccl or gpu")
+#   ray_elastic_logs/   the workers' and driver's own log files from the tests' Ray sessions
+#   summary.txt         each part's exit status (124: it ran out of its time)
+#
+#   OUT=/some/dir bash bench/gpu_check.sh
+set -u
+OUT="${OUT:-$PWD/gpu-check-out}"
+PY="${PYTHON:-python3}"
+mkdir -p "$OUT"
+export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+
+{
+  nvidia-smi -L 2>&1 || echo "nvidia-smi: not found"
+  "$PY" - <<'PYEOF' 2>&1
+import importlib
+import torch
+print("torch", torch.__version__, "cuda", torch.version.cuda, "gpus", torch.cuda.device_count())
+if torch.cuda.is_available():
+    print("nccl", torch.cuda.nccl.version(), torch.cuda.get_device_name(0))
+for name in ("ray", "pytest", "numpy", "hypothesis"):
+    try:
+        print(name, importlib.import_module(name).__version__)
+    except Exception as e:  # noqa: BLE001 - say what is missing, go on
+        print(name, "NOT IMPORTABLE:", e)
+PYEOF
+} > "$OUT/env.txt"
+cat "$OUT/env.txt"
+
+# 1. the per-step overhead (the issue's 3% target): short, and the figure that matters most
+timeout 150 "$PY" bench/gpu_overhead.py > "$OUT/gpu_overhead.log" 2>&1
+bench_rc=$?
+cp bench/results/gpu_overhead.json "$OUT/" 2>/dev/null
+tail -n 12 "$OUT/gpu_overhead.log"
+
+# 2. the GPU tests: NCCL runs, the shared-GPU cases (Gloo with CUDA tensors, a SIGKILL), NCCL refused on a shared GPU
+timeout 330 "$PY" -m pytest -q -ra -p no:cacheprovider tests/test_gpu.py tests/test_conformance.py \
+  -k "nccl or gpu" > "$OUT/pytest.log" 2>&1
+test_rc=$?
+tail -n 25 "$OUT/pytest.log"
+
+# the workers' own logs (the backend plan's line, ring errors) from the Ray sessions the tests started
+mkdir -p "$OUT/ray_elastic_logs"
+for d in /tmp/ray/session_*/logs/ray_elastic; do
+  [ -d "$d" ] && cp -r "$d" "$OUT/ray_elastic_logs/$(basename "$(dirname "$(dirname "$d")")")" 2>/dev/null
+done
+
+printf 'gpu_overhead.py exit %s\npytest exit %s\n' "$bench_rc" "$test_rc" | tee "$OUT/summary.txt"
