@@ -51,7 +51,7 @@ from ray_elastic.driver import messages as m
 from ray_elastic.driver import snapshot, sources
 from ray_elastic.driver.autoscale_share import AutoscaleShare
 from ray_elastic.driver.core import DriverCore, WorkerStatus
-from ray_elastic.driver.durability import CallLedger, NoAnswerError, Seqs, within
+from ray_elastic.driver.durability import CallLedger, NoAnswerError, Seqs, judge_snapshot, within
 from ray_elastic.driver.inbox import TICK_S, Inbox
 from ray_elastic.driver.kv_link import KVLink
 from ray_elastic.driver.liveness import LivenessRounds
@@ -147,6 +147,7 @@ class DriverActor:
             raise snapshot.StartMissingError(f"the run's KV actor is gone ({e}): the run ended") from e
         kv = Authed(kv, self._run_token)
         self.kv = KVLink(kv, self.pool, self.inbox.put)
+        self.ledger.confirm = kv.confirm_snapshot.remote  # not awaited: a lost confirmation refutes nothing
         payload, discovery = await within(
             "read train_fn's payload and the discovery spec from the GCS",
             loop.run_in_executor(None, snapshot.load_start, self.run_id, self._run_token),
@@ -229,11 +230,16 @@ class DriverActor:
         if saved is None:
             self.core.fail("the run's driver actor restarted before it had saved any state; the run cannot go on")
             return []
+        kv_generation = await within("ask the KV actor its generation", self.kv.kv.current_generation.remote())
+        confirmed = await within("ask the KV actor its newest snapshot", self.kv.kv.snapshot_confirmed.remote())
+        refused = judge_snapshot(self.ledger.written, saved[0].generation, confirmed, kv_generation)
+        if refused is not None:  # the fresh core tells it: nothing of the old snapshot is taken
+            self.core.refuse_snapshot(refused, time.monotonic())
+            return []
         self.core, self.metrics, self._metric_seqs = saved
         logger.warning("the driver restarted: resuming generation %d from its snapshot", self.core.generation)
         # a KV actor that restarted while no driver watched it holds no generation: the core learns of it
         # (an older, non-zero one only means the dead driver's publish was cut short: restored below)
-        kv_generation = await within("ask the KV actor its generation", self.kv.kv.current_generation.remote())
         if self.core.generation and kv_generation == 0:
             self.inbox.put(m.KVRestarted("it restarted while the driver was down"))
         actions = self.core.restarted(time.monotonic(), "its process died; Ray restarted it")

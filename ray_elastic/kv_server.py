@@ -74,6 +74,7 @@ class KVServer:
         self._waiters: dict[tuple[int, str], set[asyncio.Future]] = {}
         self._generation = 0
         self._assignment: dict[str, Any] = {}
+        self._snapshot_confirmed = 0  # the newest driver snapshot the driver said it wrote
         self._generation_waiters: set[asyncio.Future] = set()
         self._calls = 0  # key and generation-wait calls so far: the traffic a generation costs
         # per-rank families being waited for, by (generation, prefix, count); a complete one's values
@@ -156,6 +157,14 @@ class KVServer:
 
     async def current_generation(self) -> int:
         return self._generation
+
+    async def confirm_snapshot(self, counter: int) -> None:
+        """The driver wrote its `counter`-th snapshot (calls may arrive out of order: the newest is kept)."""
+        self._snapshot_confirmed = max(self._snapshot_confirmed, counter)
+
+    async def snapshot_confirmed(self) -> int:
+        """The newest driver snapshot confirmed: a restarted driver refuses an older one (`judge_snapshot`)."""
+        return self._snapshot_confirmed
 
     async def restore(self, generation: int, assignment: dict[str, Any]) -> None:
         """Make `generation` current again if it is newer; an older or equal one changes nothing.

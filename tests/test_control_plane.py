@@ -151,6 +151,25 @@ def test_a_forged_driver_snapshot_is_refused_and_the_run_fails_naming_why(cluste
     assert not marker.exists(), "the forged snapshot's code never ran"
 
 
+def test_an_older_snapshot_of_the_run_written_back_is_refused_by_the_restarted_driver(cluster, no_leaks, tmp_path):
+    """A signed snapshot of the run itself, from earlier, verifies: its write counter gives it away."""
+    fut = start_and_reach_step(tmp_path, config={"steps": 10**6, "deadline_s": 120}, step=5, max_workers=2)
+    [driver] = [a for a in run_namespaces_alive() if a["name"] == "driver"]
+    [key] = ray.experimental.internal_kv._internal_kv_list(b"driver/", namespace="ray_elastic")
+    old = ray.experimental.internal_kv._internal_kv_get(key, namespace="ray_elastic")
+    newer = lambda: ray.experimental.internal_kv._internal_kv_get(key, namespace="ray_elastic")[32:40]  # noqa: E731
+    wait_until(lambda: newer() != old[32:40], 30, "the driver to write a newer snapshot")
+    ray.kill(ray.get_actor("driver", namespace=driver["namespace"]), no_restart=False)
+    deadline = time.monotonic() + 120
+    while not fut.done():  # written back until the restarted driver has read it
+        assert time.monotonic() < deadline, "fit() did not end within 120 s of the driver's restart"
+        ray.experimental.internal_kv._internal_kv_put(key, old, overwrite=True, namespace="ray_elastic")
+        with contextlib.suppress(FutureTimeout):
+            fut.exception(timeout=0.05)
+    with pytest.raises(TrainingFailedError, match="an older snapshot of this run was written back"):
+        fut.result(timeout=120)
+
+
 def test_fit_callers_process_killed_leaves_nothing_behind(cluster, no_leaks, tmp_path):
     """The workers are detached (they outlive a restarting driver): with the caller gone, they remove the run."""
     script = tmp_path / "caller.py"

@@ -27,6 +27,7 @@ from ray_elastic.driver.replies import read_activity, read_pings
 from ray_elastic.driver.sources import make_poller
 from ray_elastic.driver.worker_pool import WorkerPool
 from ray_elastic.driver_actor import DriverActor
+from ray_elastic.protocol import DriverState, EventKind
 
 
 def config(**overrides) -> RunConfig:
@@ -122,8 +123,8 @@ def gcs(monkeypatch) -> FakeGcsKv:
 def test_the_drivers_snapshot_loads_only_with_the_runs_signature(gcs, tmp_path):
     """Issue 34: any job could write driver/<run_id> and run code in the restarted driver."""
     token = RunToken()
-    snapshot.save("run1", pickle.dumps({"generation": 3}), token)
-    assert snapshot.load("run1", token) == {"generation": 3}
+    snapshot.save("run1", 7, pickle.dumps({"generation": 3}), token)
+    assert snapshot.load("run1", token) == (7, {"generation": 3})
     marker = tmp_path / "ran"
     forged = pickle.dumps(RunsCode(str(marker)))
     for stored in (forged, b"\0" * 32 + forged, RunToken().sign("driver snapshot/run1", forged) + forged):
@@ -131,10 +132,53 @@ def test_the_drivers_snapshot_loads_only_with_the_runs_signature(gcs, tmp_path):
         with pytest.raises(snapshot.ForgedSnapshotError, match="not signed with this run's secret"):
             snapshot.load("run1", token)
     assert not marker.exists(), "a forged snapshot is refused unread"
-    snapshot.save("run2", pickle.dumps("run2's"), token)
+    snapshot.save("run2", 1, pickle.dumps("run2's"), token)
     gcs.data[b"driver/run1"] = gcs.data[b"driver/run2"]  # a run's own snapshot under another run's key
     with pytest.raises(snapshot.ForgedSnapshotError):
         snapshot.load("run1", token)
+
+
+def test_each_snapshot_carries_its_write_counter_under_the_signature_and_confirms_it(gcs):
+    """A signature says who wrote a snapshot, not when: the counter, signed with it, says when."""
+    confirmed: list[int] = []
+    ledger = CallLedger("run1", RunToken())
+    ledger.confirm = confirmed.append
+
+    async def scenario():
+        for generation in (1, 1, 2):  # the second changes nothing: no write, no counter
+            await ledger.persist({"generation": generation}, ())
+        return await ledger.load()
+
+    core, *_ = asyncio.run(scenario())
+    assert core == {"generation": 2} and ledger.written == 2 and confirmed == [1, 2]
+    # the counter is signed with the rest: changing it breaks the signature
+    stored = bytearray(gcs.data[b"driver/run1"])
+    stored[32 + 7] ^= 1
+    gcs.data[b"driver/run1"] = bytes(stored)
+    with pytest.raises(snapshot.ForgedSnapshotError):
+        asyncio.run(ledger.load())
+
+
+def test_a_restarted_driver_refuses_a_snapshot_older_than_the_kv_actor_confirmed():
+    assert durability.judge_snapshot(counter=40, generation=3, confirmed=40, kv_generation=3) is None
+    assert durability.judge_snapshot(counter=41, generation=3, confirmed=40, kv_generation=2) is None, (
+        "the newest write's confirmation may be lost with the driver; a publish cut short leaves the KV behind"
+    )
+    assert durability.judge_snapshot(counter=12, generation=1, confirmed=40, kv_generation=3) == (
+        "the driver's snapshot in the GCS is write 12, but the run's KV actor confirmed write 40: "
+        "an older snapshot of this run was written back"
+    )
+    assert "holds generation 3" in durability.judge_snapshot(counter=45, generation=2, confirmed=40, kv_generation=3)
+    assert durability.judge_snapshot(counter=12, generation=1, confirmed=0, kv_generation=0) is None, (
+        "a restarted KV actor knows nothing: it refutes nothing (it is told the generation again)"
+    )
+
+
+def test_a_refused_snapshot_is_an_event_and_the_run_fails_naming_it():
+    core = DriverCore(config())
+    core.refuse_snapshot("the driver's snapshot in the GCS is write 12, but ...", now=5.0)
+    assert [e.kind for e in core.events] == [EventKind.SNAPSHOT_REFUSED]
+    assert core.state is DriverState.FAILED and "the restarted driver refused it" in core.failure
 
 
 class RestartedDriver(DriverActor):
@@ -163,7 +207,7 @@ class RestartedDriver(DriverActor):
 
 def test_a_restarted_drivers_loop_runs_when_resent_worker_calls_fill_every_slot_before_fits_run(monkeypatch):
     """Issue 34: 1000 resent worker calls took every slot of the restarted driver, all waiting on run()'s loop."""
-    monkeypatch.setattr(snapshot, "save", lambda run_id, blob, token: None)
+    monkeypatch.setattr(snapshot, "save", lambda run_id, counter, blob, token: None)
 
     async def scenario():
         driver = RestartedDriver()

@@ -149,6 +149,11 @@ class DriverCore:
     def fail(self, reason: str) -> None:
         self.record.fail(reason)
 
+    def refuse_snapshot(self, why: str, now: float) -> None:
+        """A restarted driver found a snapshot older than the run's (written back): say so, and fail with it."""
+        self.record.events.append(self.generations.event(EventKind.SNAPSHOT_REFUSED, why, now))
+        self.record.fail(f"{why}; the restarted driver refused it, and the run cannot go on from it")
+
     # ---- a restarted driver -----------------------------------------------------
     def restarted(self, now: float, why: str) -> list[m.Action]:
         """This core came back from a snapshot in a restarted driver: the actions that may have been lost.

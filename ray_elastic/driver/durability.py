@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import pickle
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from ray_elastic.auth import RunToken
@@ -73,6 +74,9 @@ class CallLedger:
         self.answers: list[tuple[int, asyncio.Future]] = []  # calls waiting for their message's snapshot
         self._snapshot: bytes | None = None
         self._core_blob: bytes | None = None  # the core as last pickled: reused while it has not changed
+        self.written = 0  # the write counter of the newest snapshot (a restarted driver goes on from its own)
+        # told each counter written (the driver sends it to the KV actor, which a restart asks: `judge_snapshot`)
+        self.confirm: Callable[[int], None] | None = None
 
     def receive(self, message: Any) -> tuple[Received, asyncio.Future]:
         """A call's message to queue, and the future answered once a snapshot holds it."""
@@ -107,13 +111,16 @@ class CallLedger:
         durable = self.in_batch
         if blob != self._snapshot:
             loop = asyncio.get_running_loop()
+            counter = self.written + 1
             try:
                 await asyncio.wait_for(
-                    loop.run_in_executor(None, snapshot.save, self.run_id, blob, self.token), KV_BACK_S
+                    loop.run_in_executor(None, snapshot.save, self.run_id, counter, blob, self.token), KV_BACK_S
                 )
             except Exception as e:  # noqa: BLE001 - a GCS that is down or slow: the run cannot be made durable
                 return f"no answer within {KV_BACK_S:g} s" if isinstance(e, asyncio.TimeoutError) else first_line(e)
-            self._snapshot = blob
+            self._snapshot, self.written = blob, counter
+            if self.confirm is not None:
+                self.confirm(counter)
         self.durable = durable
         waiting, self.answers = self.answers, []
         for seq, fut in waiting:
@@ -132,12 +139,37 @@ class CallLedger:
         self.answers = []
 
     async def load(self) -> tuple[Any, ...] | None:
-        """The last snapshot: (the core, *rest), or None if none was written (`ForgedSnapshotError` if forged)."""
+        """The last snapshot: (the core, *rest), or None if none was written (`ForgedSnapshotError` if forged).
+
+        Its write counter becomes `written`: the next snapshot follows it.
+        """
         loop = asyncio.get_running_loop()
         saved = await within(
             "load its snapshot from the GCS", loop.run_in_executor(None, snapshot.load, self.run_id, self.token)
         )
         if saved is None:
             return None
-        core_blob, *rest = saved
+        self.written, (core_blob, *rest) = saved
         return (pickle.loads(core_blob), *rest)  # covered by the snapshot's signature
+
+
+def judge_snapshot(counter: int, generation: int, confirmed: int, kv_generation: int) -> str | None:
+    """None if a restarted driver may resume from its snapshot (write `counter`, of `generation`); else why not.
+
+    The driver writes its snapshot before it publishes a generation and
+    confirms each write to the KV actor after it (`confirmed`, the newest
+    it heard of). A snapshot older than either was written back by someone:
+    resuming from it would bring back membership that no longer exists.
+    A KV actor that restarted knows neither (both 0) and refutes nothing.
+    """
+    if counter < confirmed:
+        return (
+            f"the driver's snapshot in the GCS is write {counter}, but the run's KV actor confirmed write "
+            f"{confirmed}: an older snapshot of this run was written back"
+        )
+    if generation < kv_generation:
+        return (
+            f"the driver's snapshot in the GCS is of generation {generation}, but the run's KV actor holds "
+            f"generation {kv_generation}: an older snapshot of this run was written back"
+        )
+    return None

@@ -22,6 +22,12 @@ job wrote would run its code in the driver. So each snapshot carries an
 HMAC under the run's secret (`RunToken.sign`), and `load` unpickles only a
 snapshot whose signature verifies; any other is refused with
 `ForgedSnapshotError`, unread. The start arguments are signed the same way.
+
+A signature proves who wrote a snapshot, not when: an old snapshot of the
+same run, written back, verifies too. So each snapshot also carries its
+write counter, under the signature, and the driver confirms every counter
+it wrote to the run's KV actor (`CallLedger`); a restarted driver refuses a
+snapshot older than what the KV actor confirmed (`driver_actor._resume`).
 """
 
 from __future__ import annotations
@@ -60,12 +66,21 @@ def _start_key(run_id: str) -> str:
     return f"driver-start/{run_id}"
 
 
+_COUNTER_BYTES = 8
+
+
 def _put(key: str, blob: bytes, token: RunToken) -> None:
     signed = token.sign(f"{_PURPOSE}/{key}", blob) + blob
     internal_kv._internal_kv_put(key.encode(), signed, overwrite=True, namespace=_NAMESPACE)
 
 
 def _get(key: str, token: RunToken, what: str) -> Any:
+    blob = _verified(key, token, what)
+    return None if blob is None else pickle.loads(blob)
+
+
+def _verified(key: str, token: RunToken, what: str) -> bytes | None:
+    """The signed bytes under `key`, or None if there are none; `ForgedSnapshotError` unless the run signed them."""
     stored = internal_kv._internal_kv_get(key.encode(), namespace=_NAMESPACE)
     if stored is None:
         return None
@@ -75,17 +90,23 @@ def _get(key: str, token: RunToken, what: str) -> Any:
             f"{what} in the GCS (key {key}, {len(stored)} bytes) is not signed with this run's secret: another job "
             "on the cluster wrote it. It was refused unread, and the driver cannot go on without its own"
         )
-    return pickle.loads(blob)
+    return blob
 
 
-def save(run_id: str, blob: bytes, token: RunToken) -> None:
-    """Store `blob` (a pickle) under the run's key, signed with the run's secret."""
-    _put(_key(run_id), blob, token)
+def save(run_id: str, counter: int, blob: bytes, token: RunToken) -> None:
+    """Store `blob` (a pickle), the run's `counter`-th snapshot, under the run's key, signed with its secret."""
+    _put(_key(run_id), counter.to_bytes(_COUNTER_BYTES, "big") + blob, token)
 
 
-def load(run_id: str, token: RunToken) -> Any:
-    """The unpickled snapshot, or None if there is none; `ForgedSnapshotError` if its signature does not verify."""
-    return _get(_key(run_id), token, "the driver's snapshot")
+def load(run_id: str, token: RunToken) -> tuple[int, Any] | None:
+    """(its write counter, the unpickled snapshot), or None if there is none.
+
+    `ForgedSnapshotError` if its signature does not verify.
+    """
+    stored = _verified(_key(run_id), token, "the driver's snapshot")
+    if stored is None:
+        return None
+    return int.from_bytes(stored[:_COUNTER_BYTES], "big"), pickle.loads(stored[_COUNTER_BYTES:])
 
 
 def save_start(run_id: str, token: RunToken, payload: bytes, discovery: Any) -> None:
