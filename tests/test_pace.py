@@ -107,3 +107,50 @@ def test_the_optimizer_marks_each_step_and_the_shipper_carries_the_summaries(mon
     assert [p.steps for p in paces] == [1, 1, 1]  # the first step of the ring has no start
     assert all(p.compute_s > 0 and p.wait_s >= 0 and p.generation == 1 for p in paces)
     assert all(batch == [] for _, batch, _ in sent)  # no report made: the batch carries the paces alone
+
+
+def test_the_frameworks_work_set_aside_is_not_compute_and_the_median_step_is_shipped():
+    meter, clock, out = scripted(interval_s=1.0)
+    step(meter, clock, 0.02, 0.0)
+    for i in range(50):
+        clock.now += 0.02  # the step's own compute
+        if i % 10 == 0:
+            with meter.aside():  # rank 0 blocked 1.3 s in the checkpoint writer
+                clock.now += 1.3
+        meter.launched(1)
+        meter.reduced(1)
+    s = out[0]
+    assert abs(s.compute_per_step - 0.02) < 1e-9 and abs(s.typical_s - 0.02) < 1e-9
+    assert s.aside_s > 1.2
+
+
+def test_extra_user_work_every_n_steps_raises_the_mean_step_not_the_median():
+    meter, clock, out = scripted(interval_s=1.0)
+    step(meter, clock, 0.02, 0.0)
+    for i in range(40):
+        step(meter, clock, 0.02 + (0.3 if i % 10 == 0 else 0.0), 0.0)  # an evaluation every 10 steps
+    s = out[0]
+    assert s.compute_per_step > 0.03 and abs(s.typical_s - 0.02) < 1e-9 and s.aside_s == 0.0
+
+
+def test_rank_0s_checkpoint_copy_and_its_wait_for_the_writer_are_set_aside(monkeypatch):
+    """Rank 0 hands a commit to a writer whose previous write is still running: the wait is not its pace."""
+    from ray_elastic.config import WorkerConfig
+    from ray_elastic.runtime import checkpoint_cadence
+
+    meter, clock, out = scripted(interval_s=1.0)
+    monkeypatch.setattr(checkpoint_cadence, "PACE", meter)
+    monkeypatch.setattr(checkpoint_cadence, "state_entries", lambda state: {})
+
+    class SlowWriter:
+        def submit(self, entries, meta, timeout):
+            clock.now += 1.3  # the previous write (a slow store) still runs
+
+    cadence = checkpoint_cadence.CheckpointCadence("w0", driver=None, settings=WorkerConfig(checkpoint_every=1))
+    cadence._writer = SlowWriter()
+    slot = WorkerSlot("w0", "host", 0, 4, 0, 1, 0, 4)
+    step(meter, clock, 0.02, 0.0)
+    for commits in range(1, 41):
+        step(meter, clock, 0.02, 0.01)
+        cadence.after_commit(None, slot, generation=1, commits=commits)
+    assert out and all(abs(s.compute_per_step - 0.02) < 1e-9 for s in out)

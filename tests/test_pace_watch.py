@@ -81,3 +81,86 @@ def test_paces_of_a_generation_still_syncing_decide_nothing():
     s.send(m.WorkerDied("w1", "killed", node_alive=True))
     s.send(*paces(s, 1, {"w4": 3.0}, ["w2", "w3", "w4"]))
     assert s.of(m.Publish) == [] and s.core.events[-1].kind is EventKind.WORKER_FAILED
+
+
+# ---- several workers per node: the decision is per worker --------------------------------------------------------
+TWO_NODES = {"A": 4, "B": 4}  # w1-w4 on A, w5-w8 on B
+
+
+def test_one_slow_worker_leaves_alone_and_its_slot_stays_empty_while_it_cools_down():
+    s = Script(min_workers=2, max_workers=8)
+    gen1 = s.start(TWO_NODES)
+    s.send(*paces(s, 1, {"w3": 3.0}, gen1.plan))
+    [publish] = s.of(m.Publish)
+    assert set(publish.plan) == set(gen1.plan) - {"w3"}, "only the slow worker leaves, not its node"
+    evicted = s.core.events[-1]
+    assert evicted.kind is EventKind.STRAGGLER_EVICTED and (evicted.previous_world_size, evicted.world_size) == (8, 7)
+    assert "w3 on node A" in evicted.detail and "8 workers" in evicted.detail and "7 workers" in evicted.detail
+    assert "its slot on node A is cooling down for 10 s" in evicted.detail
+    assert not any(w in evicted.detail.split(":")[1] for w in ("w1", "w2", "w4"))
+    assert EventKind.HOSTS_REMOVED not in [e.kind for e in s.core.events], "nobody else is reported withdrawn"
+    s.send(m.WorkerExited("w3", Removed()))
+    s.sync(publish)
+    s.send(m.HostsDiscovered(TWO_NODES), m.Tick(), after=5.0)
+    assert s.of(m.Spawn) == [], "the slow worker's slot is not refilled at once"
+    s.send(m.Tick(), after=6.0)
+    [again] = s.of(m.Spawn)
+    assert again.host == "A"
+
+
+def test_with_min_workers_6_one_slow_slot_never_takes_the_run_below_it_nor_fails_it():
+    s = Script(min_workers=6, max_workers=8, elastic_timeout=60.0)
+    gen = s.start(TWO_NODES)
+    slow_slot = "w3"
+    sizes, evictions = [], 0
+    for _ in range(40):  # 40 rounds over ~10 minutes: well past elastic_timeout
+        s.send(*paces(s, gen.generation, {slow_slot: 3.0}, gen.plan), after=2.0)
+        assert s.core.state.value != "waiting" and s.core.failure is None, s.core.failure
+        publishes = s.of(m.Publish)
+        if publishes:
+            evictions += 1
+            s.send(m.WorkerExited(slow_slot, Removed()))
+            gen = publishes[-1]
+            s.sync(gen)
+        spawned = [a for a in s.of(m.Spawn)] + [a for a in s.send(m.Tick(), after=10.0) if isinstance(a, m.Spawn)]
+        for newcomer in spawned:  # the slot offered again: its newcomer is as slow (the slot is what is slow)
+            s.send(m.WorkerReady(newcomer.worker_id))
+            [gen] = s.of(m.Publish)
+            s.sync(gen)
+            slow_slot = newcomer.worker_id
+        sizes.append(len(gen.plan))
+    assert min(sizes) >= 7 and s.core.failure is None
+    assert evictions >= 2, "evicted, re-admitted after its cool-down, evicted again"
+    doubled = [e for e in s.core.events if e.kind is EventKind.STRAGGLER_EVICTED][1]
+    assert "doubled" in doubled.detail
+
+
+def test_a_node_whose_every_worker_is_slow_leaves_whole_and_the_prediction_counts_all_of_them():
+    slow_node = {w: 3.0 for w in ("w5", "w6", "w7", "w8")}
+    s = Script(min_workers=4, max_workers=8)
+    gen1 = s.start(TWO_NODES)
+    s.send(*paces(s, 1, slow_node, gen1.plan))
+    [publish] = s.of(m.Publish)
+    assert set(publish.plan) == {"w1", "w2", "w3", "w4"}
+    evicted = s.core.events[-1]
+    assert evicted.kind is EventKind.STRAGGLER_EVICTED
+    assert "w5, w6, w7, w8 on node B (every worker of the node)" in evicted.detail
+    assert "4 workers" in evicted.detail and "8/4 x" in evicted.detail and "the node is cooling down" in evicted.detail
+    assert EventKind.HOSTS_REMOVED not in [e.kind for e in s.core.events], "co-evicted workers are not 'withdrawn'"
+    s.send(*[m.WorkerExited(w, Removed()) for w in slow_node])
+    s.sync(publish)
+    s.send(m.HostsDiscovered(TWO_NODES), m.Tick(), after=5.0)
+    assert s.of(m.Spawn) == [], "the whole node cools down"
+
+
+def test_a_slow_node_that_would_take_the_run_below_min_workers_is_kept_and_reported_once():
+    slow_node = {w: 3.0 for w in ("w5", "w6", "w7", "w8")}
+    s = Script(min_workers=6, max_workers=8, elastic_timeout=60.0)
+    gen1 = s.start(TWO_NODES)
+    for _ in range(40):
+        s.send(*paces(s, 1, slow_node, gen1.plan), after=2.0)
+        s.send(m.Tick())
+        assert s.of(m.Publish) == [] and s.core.state.value == "running"
+    found = [e for e in s.core.events if e.kind is EventKind.STRAGGLER_FOUND]
+    assert len(found) == 1 and "4 workers would be fewer than min_workers=6" in found[0].detail
+    assert s.core.failure is None and len(s.core.plan) == 8

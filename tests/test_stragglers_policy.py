@@ -133,3 +133,48 @@ def test_a_straggler_slow_inside_the_collectives_is_judged_against_the_healthy_r
     evicted = judge_stragglers(paces, generation=1, min_workers=1, healthy_comm=0.002)
     assert evicted.verdict is Straggler.EVICT and "measured while no rank straggled" in evicted.reason
     assert evicted.speedup == pytest.approx(0.0098 / (4 / 3 * 0.0027), rel=0.02)
+
+
+def patterned(extra: float, others_step: float | None = None) -> dict[str, list[PaceSummary]]:
+    """Four ranks; w0 does `extra` seconds of its own work every 10 steps (its median step is healthy).
+
+    The others wait for it: `others_step` is their step (compute and waiting), by default what w0's extra work
+    costs them on average.
+    """
+    steps = 40
+    w0 = [PaceSummary(1, 0.0, 1.5, steps, steps * HEALTHY[0] + 4 * extra, steps * HEALTHY[1], HEALTHY[0])] * WINDOW
+    step = others_step if others_step is not None else HEALTHY[0] + HEALTHY[1] + 4 * extra / steps
+    wait = step - HEALTHY[0]
+    other = [PaceSummary(1, 0.0, 1.5, steps, steps * HEALTHY[0], steps * wait, HEALTHY[0])] * WINDOW
+    return {"w0": w0, "w1": list(other), "w2": list(other), "w3": list(other)}
+
+
+def test_extra_work_in_a_steady_pattern_is_reported_not_evicted():
+    # every 10 steps w0 evaluates for 0.17 s: its mean compute is 1.57x the others' (3 workers would be 11% faster),
+    # its median step theirs; the others step 1.49x as long as in a healthy ring
+    verdict = judge_stragglers(patterned(0.17), generation=1, min_workers=1, healthy_comm=HEALTHY[1])
+    assert (verdict.verdict, verdict.worker) == (Straggler.KEPT, "w0")
+    assert "steady pattern" in verdict.reason and "not under 1/1.5 for the whole window" in verdict.reason
+
+
+def test_extra_work_that_holds_the_others_under_two_thirds_of_their_pace_for_the_whole_window_is_evicted():
+    # 0.3 s every 10 steps: the others step 1.86x as long as a healthy ring, in every interval
+    verdict = judge_stragglers(patterned(0.3), generation=1, min_workers=1, healthy_comm=HEALTHY[1])
+    assert (verdict.verdict, verdict.worker) == (Straggler.EVICT, "w0")
+    # the same extra work while the others keep more than 1/1.5 of their pace in one interval: kept
+    paces = patterned(0.3)
+    for w in ("w1", "w2", "w3"):
+        paces[w][4] = PaceSummary(1, 0.0, 1.5, 40, 40 * HEALTHY[0], 40 * HEALTHY[1], HEALTHY[0])
+    assert judge_stragglers(paces, generation=1, min_workers=1, healthy_comm=HEALTHY[1]).verdict is Straggler.KEPT
+
+
+def test_per_worker_on_a_shared_node_and_per_node_when_all_of_it_is_slow():
+    hosts = {f"w{i}": "A" if i < 4 else "B" for i in range(8)}
+    one = judge_stragglers(run(n=8, w5=slow(3)), generation=1, min_workers=1, hosts=hosts)
+    assert (one.verdict, one.workers, one.node) == (Straggler.EVICT, ("w5",), None)
+    node = run(n=8, **{f"w{i}": slow(3) for i in range(4, 8)})
+    whole = judge_stragglers(node, generation=1, min_workers=1, hosts=hosts)
+    assert whole.verdict is Straggler.EVICT and set(whole.workers) == {"w4", "w5", "w6", "w7"} and whole.node == "B"
+    assert "8/4 x" in whole.reason  # the prediction counts every worker that would leave
+    kept = judge_stragglers(node, generation=1, min_workers=5, hosts=hosts)
+    assert kept.verdict is Straggler.KEPT and "4 workers would be fewer than min_workers=5" in kept.reason

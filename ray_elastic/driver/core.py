@@ -67,7 +67,7 @@ class DriverCore:
         self.paces = PaceWatch(self.record, self.generations)
         self._replan = True  # a message of this batch may change the plan (besides status changes)
         self._planned = -1  # the roster's version when the plan was last brought in line
-        self._benched: frozenset[str] = frozenset()  # the stragglers' hosts benched then
+        self._benched = -1  # the version of the stragglers' held slots then
         self._release_at: float | None = None  # when the next cooling host is offered again
 
     # ---- what the shell and fit() read -----------------------------------------------
@@ -201,7 +201,7 @@ class DriverCore:
                 break
             self._apply(message, now)
         due = self._release_at is not None and now >= self._release_at
-        changed = record.roster.version != self._planned or self._benched != record.benched.keys()
+        changed = record.roster.version != self._planned or self._benched != record.benched.version
         if record.final is None and (self._replan or due or changed):
             if not self.finishing.active:
                 self.scaling.reconcile(now)
@@ -209,7 +209,7 @@ class DriverCore:
             self._prune(now)
             self._replan = False
             self._planned = record.roster.version
-            self._benched = frozenset(record.benched)
+            self._benched = record.benched.version
             self._release_at = self.failures.cooldown.next_release(now)
         return record.take_actions()
 

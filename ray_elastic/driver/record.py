@@ -15,6 +15,7 @@ from ray_elastic.config import RunConfig
 from ray_elastic.driver import messages as m
 from ray_elastic.driver.event_log import EventLog
 from ray_elastic.driver.roster import Roster, WorkerRecord, WorkerStatus
+from ray_elastic.driver.stragglers import Bench
 from ray_elastic.events import Event
 from ray_elastic.protocol import DriverState, EventKind
 
@@ -32,7 +33,7 @@ class RunRecord:
         self.roster = Roster()
         self.hosts: dict[str, int] = {}  # discovery's view: host -> slots
         self.draining: dict[str, float] = {}  # node -> wall-clock deadline (0: none); no worker may stay or start there
-        self.benched: dict[str, float] = {}  # host -> end of its straggler cool-down; no worker may stay or start there
+        self.benched = Bench()  # stragglers' slots (or whole nodes) cooling down: no worker may start there
         self.evicted: set[str] = set()  # stragglers let go, until the generation that leaves them out is published
         self.events = EventLog()
         self.failure: str | None = None

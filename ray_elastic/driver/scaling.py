@@ -71,7 +71,8 @@ class Scaling:
         """Bring the workers in line with the hosts: start newcomers, let leavers go."""
         record, config = self.record, self.record.config
         roster = record.roster
-        leavers = self.generations.pending_leavers()
+        # stragglers let go leave whatever the hosts offer: their slots are held out of the plan (`record.benched`)
+        leavers = [r for r in self.generations.pending_leavers() if r.worker_id not in record.evicted]
         staying = roster.live(WorkerStatus.STARTING, WorkerStatus.READY, WorkerStatus.MEMBER) + leavers
         decision = plan_scaling(
             [r.live for r in staying],
@@ -106,11 +107,15 @@ class Scaling:
         self._request_autoscale()
 
     def _usable_hosts(self, staying: list[WorkerRecord]) -> dict[str, int]:
-        """Slots to plan with: none on a draining or benched node; on a host kept for the blip grace, its workers'."""
+        """Slots to plan with: none on a draining node, none held for a straggler cooling down (`Bench`); on a
+        host kept for the blip grace, its workers'."""
         usable = {}
+        benched = self.record.benched
         for host, slots in self.record.hosts.items():
-            if host in self.record.draining or host in self.record.benched:  # benched: a straggler's, cooling down
+            if host in self.record.draining:
                 continue
+            if benched and host in benched:
+                slots = benched.usable(host, slots)
             if host in self._missing_once:  # it may be gone for good: keep its workers, start none there
                 slots = min(slots, sum(r.host == host for r in staying))
             usable[host] = slots

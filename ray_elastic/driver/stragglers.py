@@ -73,7 +73,7 @@ MIN_GAIN = 0.1  # predicted speed-up an eviction must bring
 
 class Straggler(enum.Enum):
     NONE = "none"  # no rank is persistently slower (or the window is not full yet)
-    KEPT = "kept"  # a straggler, kept: the run is not predicted faster without it, or min_workers
+    KEPT = "kept"  # a straggler, kept: no predicted gain, min_workers, or extra work in a steady pattern
     REPORTED = "reported"  # a straggler the run would be faster without, but eviction is off
     EVICT = "evict"  # let it go, gracefully
 
@@ -81,14 +81,21 @@ class Straggler(enum.Enum):
 class StragglerVerdict(NamedTuple):
     verdict: Straggler
     reason: str  # the measured paces and the prediction: logged, and the event's detail
-    worker: str | None = None
-    speedup: float | None = None  # predicted: time per global batch with it / without it
+    worker: str | None = None  # the slowest straggler
+    speedup: float | None = None  # predicted: time per global batch with them / without them
+    workers: tuple[str, ...] = ()  # every worker the verdict is about: the straggler, or every worker of its node
+    node: str | None = None  # set when the slowness is the node's: every worker on it is slow
 
 
 def window_pace(summaries: Sequence[PaceSummary]) -> tuple[float, float]:
     """Compute and wait seconds per step over `summaries`."""
     steps = sum(s.steps for s in summaries)
     return sum(s.compute_s for s in summaries) / steps, sum(s.wait_s for s in summaries) / steps
+
+
+def _typical(summary: PaceSummary) -> float:
+    """The interval's median step compute (its mean where the meter did not say)."""
+    return summary.compute_per_step if summary.typical_s is None else summary.typical_s
 
 
 def judge_stragglers(
@@ -98,15 +105,21 @@ def judge_stragglers(
     min_workers: int,
     evict: bool = True,
     healthy_comm: float | None = None,
+    hosts: Mapping[str, str] | None = None,
 ) -> StragglerVerdict:
-    """Whether one of the current generation's members is a straggler, and what to do with it.
+    """Whether members of the current generation are stragglers, and what to do with them.
 
     `paces` holds every member's summaries, oldest first (older
-    generations' are ignored); `min_workers` is never gone below; `evict`
-    False keeps every straggler and only reports it. `healthy_comm` is the
-    ring's communication per step measured while no rank straggled (None:
-    not measured). At most one rank is named per call: the slowest of the
-    persistent ones.
+    generations' are ignored); `hosts` maps each member to its node (None:
+    one worker per node). `min_workers` is never gone below; `evict` False
+    keeps every straggler and only reports it. `healthy_comm` is the ring's
+    communication per step measured while no rank straggled (None: not
+    measured).
+
+    The decision is per worker: the slowest persistent straggler alone,
+    unless every worker of its node is one, in which case the slowness is
+    the node's and the verdict names all of them. The prediction and
+    `min_workers` count every worker that would leave.
     """
     windows = {w: [s for s in ss if s.generation == generation and s.steps > 0][-WINDOW:] for w, ss in paces.items()}
     if len(windows) < 2:
@@ -123,49 +136,99 @@ def judge_stragglers(
         others = _median_without(ranked, pace[w][0])
         slow = sum(1 for s in ss if s.compute_per_step >= THRESHOLD * others)
         if slow >= SLOW_IN:
-            candidates.append((pace[w][0], w, others, slow))
+            candidates.append((pace[w][0], w, slow))
     if not candidates:
         return StragglerVerdict(
             Straggler.NONE,
             f"no rank computes {THRESHOLD:g}x the others' median in {SLOW_IN} of its last {WINDOW} intervals",
         )
-    _, worker, c_o, slow = max(candidates)
-    n = len(windows)
+    _, worker, slow = max(candidates)
+    leaving, node = (worker,), None
+    if hosts is not None:
+        slow_ones = {w for _, w, _ in candidates}
+        host = hosts.get(worker)
+        on_host = tuple(sorted((w for w in windows if hosts.get(w) == host), key=lambda w: -pace[w][0]))
+        if len(on_host) > 1 and all(w in slow_ones for w in on_host):
+            leaving, node = on_host, host
+    n, k = len(windows), len(leaving)
+    staying = [w for w in windows if w not in leaving]
+    c_o = statistics.median(pace[w][0] for w in staying)
     c_s = statistics.median(s.compute_per_step for s in windows[worker])
     w_s = pace[worker][1]
     comm, measured_when = w_s, "its own wait: the ring was not measured healthy in this generation"
     if healthy_comm is not None and healthy_comm < w_s:
         comm, measured_when = healthy_comm, "measured while no rank straggled"
     with_it = c_s + w_s
-    without = n / (n - 1) * (c_o + comm)
+    without = n / (n - k) * (c_o + comm)
     speedup = with_it / without
-    others_wait = statistics.median(pace[o][1] for o in windows if o != worker)
+    others_wait = statistics.median(pace[o][1] for o in staying)
     span = sum(s.end - s.start for s in windows[worker])
+    who = worker if node is None else f"every worker of node {node[:8]} ({', '.join(leaving)}); the slowest, {worker},"
     measured = (
-        f"{worker} computes {_ms(c_s)} per step, {c_s / c_o:.1f}x the others' median {_ms(c_o)}, in {slow} of its "
+        f"{who} computes {_ms(c_s)} per step, {c_s / c_o:.1f}x the others' median {_ms(c_o)}, in {slow} of its "
         f"last {WINDOW} intervals ({span:.0f} s); it waits {_ms(w_s)} per step in the gradient collectives, the "
         f"others {_ms(others_wait)} (for it); compute per step: "
-        + ", ".join(f"{w} {_ms(pace[w][0])}" for w in sorted(pace))
+        + ", ".join(f"{w} {_ms(pace[w][0])}" for w in sorted(pace)[:_LISTED])
+        + (f" and {len(pace) - _LISTED} more" if len(pace) > _LISTED else "")
     )
     predicted = (
         f"predicted per global batch: {n} workers {_ms(with_it)} ({_ms(c_s)} + {_ms(w_s)} waiting), "
-        f"{n - 1} workers {_ms(without)} ({n}/{n - 1} x ({_ms(c_o)} + {_ms(comm)} communication, {measured_when})): "
-        f"{speedup:.2f}x as fast without it"
+        f"{n - k} workers {_ms(without)} ({n}/{n - k} x ({_ms(c_o)} + {_ms(comm)} communication, {measured_when})): "
+        f"{speedup:.2f}x as fast without {'it' if k == 1 else 'them'}"
     )
     reason = f"{measured}; {predicted}"
+
+    def verdict(kind: Straggler, why: str) -> StragglerVerdict:
+        return StragglerVerdict(kind, f"{reason}; {why}", worker, speedup, leaving, node)
+
     if speedup < 1 + MIN_GAIN:
-        why = "slower" if speedup < 1 else f"less than {MIN_GAIN:.0%} faster"
-        return StragglerVerdict(Straggler.KEPT, f"{reason}; kept: {n - 1} workers would be {why}", worker, speedup)
-    if n - 1 < min_workers:
-        return StragglerVerdict(
-            Straggler.KEPT,
-            f"{reason}; kept: {n - 1} workers would be fewer than min_workers={min_workers}",
-            worker,
-            speedup,
-        )
+        return verdict(Straggler.KEPT, f"kept: {n - k} workers would be {'slower' if speedup < 1 else _less()}")
+    if n - k < min_workers:
+        return verdict(Straggler.KEPT, f"kept: {n - k} workers would be fewer than min_workers={min_workers}")
+    pattern = _steady_pattern(windows, worker, staying, c_o + comm)
+    if pattern is not None:
+        return verdict(Straggler.KEPT, f"kept: {pattern}")
     if not evict:
-        return StragglerVerdict(Straggler.REPORTED, f"{reason}; kept: eviction is off", worker, speedup)
-    return StragglerVerdict(Straggler.EVICT, f"{reason}; it leaves gracefully", worker, speedup)
+        return verdict(Straggler.REPORTED, "kept: eviction is off")
+    return verdict(Straggler.EVICT, "it leaves gracefully" if k == 1 else "they leave gracefully")
+
+
+_LISTED = 16  # ranks whose compute the reason lists (thousands would drown the event)
+
+
+def _less() -> str:
+    return f"less than {MIN_GAIN:.0%} faster"
+
+
+def _steady_pattern(
+    windows: Mapping[str, Sequence[PaceSummary]], worker: str, staying: Sequence[str], healthy_step: float
+) -> str | None:
+    """Why `worker`'s slowness is extra work in a steady pattern to be kept, or None to judge it as slow.
+
+    A rank that is slow at every step (a slow node, a throttled CPU) has a
+    slow median step. A rank whose extra work comes every N steps (an
+    evaluation, a log written on one rank) has a median step at the
+    others' pace, and only its mean is high. Such a rank is kept, and
+    reported, unless it holds the others under 1/THRESHOLD of their pace
+    in every interval of the window: each interval, their median step
+    (compute and waiting) at least THRESHOLD x the healthy step
+    (`healthy_step`: their compute plus the ring's communication).
+    """
+    typical_others = statistics.median(_typical(s) for o in staying for s in windows[o])
+    mine = [_typical(s) for s in windows[worker]]
+    if sum(1 for t in mine if t >= THRESHOLD * typical_others) >= SLOW_IN:
+        return None  # slow at most steps: a slow worker, not a pattern
+    held = [
+        statistics.median((s.compute_s + s.wait_s) / s.steps for s in (windows[o][i] for o in staying)) / healthy_step
+        for i in range(WINDOW)
+    ]
+    if min(held) >= THRESHOLD:
+        return None  # the pattern keeps the others under 1/1.5 of their pace for the whole window
+    return (
+        f"its median step computes {_ms(statistics.median(mine))}, at the others' pace ({_ms(typical_others)}): "
+        f"the extra work comes in a steady pattern, and it holds the others at {1 / max(held):.2f} to "
+        f"{1 / min(held):.2f} of their pace, not under 1/{THRESHOLD:g} for the whole window"
+    )
 
 
 def _median_without(ranked: list[float], value: float) -> float:
@@ -184,13 +247,13 @@ def _ms(seconds: float) -> str:
 
 
 class Probation:
-    """Hosts let go as stragglers: cooled down, offered again after it, on probation.
+    """Hosts whose stragglers were let go: cooled down, offered again after it, on probation.
 
-    The first eviction cools the host down for `min_s`; an eviction within
-    `max_s` of being offered again doubles the previous cool-down (capped at
-    `max_s`): the run's `cooldown_range`, as for a host whose workers
-    failed, with a count of its own, so that a failure and a slow spell do
-    not add up.
+    The first eviction on a host cools it (a slot of it, or the whole
+    node) down for `min_s`; an eviction within `max_s` of being offered
+    again doubles the previous cool-down (capped at `max_s`): the run's
+    `cooldown_range`, as for a host whose workers failed, with a count of
+    its own, so that a failure and a slow spell do not add up.
     """
 
     def __init__(self, min_s: float, max_s: float) -> None:
@@ -209,3 +272,58 @@ class Probation:
     def forget(self, now: float) -> None:
         """Hosts that kept pace for `max_s` after their re-admission leave probation."""
         self._cooldown.forget(now)
+
+
+class Bench:
+    """Slots held out of the plan while their stragglers cool down: one per worker let go, or a whole node.
+
+    A worker let go alone frees one slot of its host, and that slot stays
+    empty for its cool-down, so no newcomer refills it at once: Ray gives a
+    newcomer on that host the resources the leaver freed (its GPU, its
+    share of the node), which may be what made it slow. The host's other
+    slots keep their workers. A node whose workers were all slow is held
+    out whole, whatever it offers. `version` changes with every slot held
+    or given back, so the core re-plans then.
+    """
+
+    def __init__(self) -> None:
+        self._slots: dict[str, list[float]] = {}  # host -> when each held slot is given back
+        self._nodes: dict[str, float] = {}  # host -> when the whole node is given back
+        self.version = 0
+
+    def hold_slot(self, host: str, until: float) -> None:
+        self._slots.setdefault(host, []).append(until)
+        self.version += 1
+
+    def hold_node(self, host: str, until: float) -> None:
+        self._nodes[host] = max(until, self._nodes.get(host, until))
+        self.version += 1
+
+    def usable(self, host: str, offered: int) -> int:
+        """The slots of `offered` that may be planned with on `host`."""
+        if host in self._nodes:
+            return 0
+        return max(0, offered - len(self._slots.get(host, ())))
+
+    def release(self, now: float) -> list[str]:
+        """Give back what cooled down; the hosts that got something back."""
+        back = [h for h, until in self._nodes.items() if until <= now]
+        for host in back:
+            del self._nodes[host]
+        for host, ends in list(self._slots.items()):
+            kept = [t for t in ends if t > now]
+            if len(kept) < len(ends):
+                back.append(host)
+                if kept:
+                    self._slots[host] = kept
+                else:
+                    del self._slots[host]
+        if back:
+            self.version += 1
+        return back
+
+    def __bool__(self) -> bool:
+        return bool(self._slots or self._nodes)
+
+    def __contains__(self, host: str) -> bool:
+        return host in self._nodes or host in self._slots

@@ -2,6 +2,7 @@
 
 Rank 0 hands every `checkpoint_every`-th commit, as plain entries (state
 dicts, values: `checkpoint/entries.py`), to a background `CheckpointWriter`
+(the copy and the hand-over are set aside from its pace: `runtime/pace.py`)
 (writes are retried and bounded by `collective_timeout`; the store keeps the
 newest `checkpoint_keep`),
 and a rank 0 that never synced loads the last durable checkpoint before its
@@ -23,6 +24,7 @@ from ray_elastic.checkpoint import CheckpointStore, CheckpointWriter, within
 from ray_elastic.checkpoint.entries import load_entries, state_entries
 from ray_elastic.config import WorkerConfig
 from ray_elastic.rendezvous import KVClient
+from ray_elastic.runtime.pace import PACE
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +72,11 @@ class CheckpointCadence:
         return None
 
     def after_commit(self, state: Any, slot: WorkerSlot | None, generation: int, commits: int) -> None:
-        """Rank 0 hands every `checkpoint_every`-th commit (the run's `commits`-th) to the checkpoint writer."""
+        """Rank 0 hands every `checkpoint_every`-th commit (the run's `commits`-th) to the checkpoint writer.
+
+        The copy and any wait for the previous write are the framework's work on rank 0 alone: set aside from
+        its pace, so the straggler watch never takes them for slowness.
+        """
         if self._writer is None or slot is None:
             return
         if slot.rank != 0 or commits % self.settings.checkpoint_every:
@@ -82,7 +88,8 @@ class CheckpointCadence:
             "run": self.settings.run_id,  # orders it after the checkpoints of the run it resumed from
             "committed_at": time.time(),  # matches it to the reports made after it (Tune's hand-over)
         }
-        self._writer.submit(state_entries(state), meta, timeout=self.settings.collective_timeout)
+        with PACE.aside():
+            self._writer.submit(state_entries(state), meta, timeout=self.settings.collective_timeout)
 
     def maybe_resume(self, state: Any, slot: WorkerSlot | None, ever_synced: bool) -> dict[str, Any] | None:
         """Before a sync: a rank 0 that never synced loads the durable checkpoint, if there is one; returns its meta.

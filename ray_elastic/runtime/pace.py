@@ -9,6 +9,11 @@ the step time says nothing about who is slow. What a rank does alone does:
   rank arrives last and waits only for the network; the others wait for it
   as well. So the waits say who waits for whom.
 
+Work the framework gives one rank and not the others (rank 0 copying a
+commit for the checkpoint writer, or blocking in the writer until the
+previous write ends) is marked `aside()` and left out of that rank's
+compute: the ranks are compared on the same work.
+
 The torch helpers mark the two moments (`DistributedOptimizer` at its first
 bucket launch and at the end of `synchronize()`; `prepare_model`'s process
 group at a backward's first allreduce and in autograd's final callback).
@@ -25,8 +30,10 @@ runtime sets its sink (as `collective/activity.py` for the activity marks).
 
 from __future__ import annotations
 
+import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 INTERVAL_S = 1.5
@@ -39,7 +46,10 @@ class PaceSummary:
     """One rank's pace over one interval of one generation.
 
     `start` and `end` are wall-clock seconds; `compute_s` and `wait_s` the
-    sums over the interval's `steps` completed steps.
+    sums over the interval's `steps` completed steps; `typical_s` the median
+    step's compute (None: not measured), which tells a rank slow at every
+    step from one doing extra work every N steps; `aside_s` the framework's
+    own work this rank did in the interval, left out of `compute_s`.
     """
 
     generation: int
@@ -48,6 +58,8 @@ class PaceSummary:
     steps: int
     compute_s: float
     wait_s: float
+    typical_s: float | None = None
+    aside_s: float = 0.0
 
     @property
     def compute_per_step(self) -> float:
@@ -90,6 +102,9 @@ class PaceMeter:
         self._compute = 0.0
         self._wait = 0.0
         self._step_wait = 0.0  # the current step's, counted with it
+        self._step_aside = 0.0  # the framework's work inside the current step's compute, left out of it
+        self._aside = 0.0  # the interval's
+        self._computes: list[float] = []  # each counted step's compute, for the interval's median
 
     def launched(self, generation: int) -> None:
         """The step's first gradient collective starts: this rank's compute of the step ends."""
@@ -99,7 +114,21 @@ class PaceMeter:
             return
         self._launched = True
         if self._reduced_at is not None:
-            self._compute += self._clock() - self._reduced_at
+            compute = max(0.0, self._clock() - self._reduced_at - self._step_aside)
+            self._compute += compute
+            self._computes.append(compute)
+        self._step_aside = 0.0
+
+    @contextmanager
+    def aside(self) -> Iterator[None]:
+        """The framework's own work on this rank, done between steps: not counted as its compute."""
+        started = self._clock()
+        try:
+            yield
+        finally:
+            spent = self._clock() - started
+            self._step_aside += spent
+            self._aside += spent
 
     def waited(self, seconds: float) -> None:
         """This rank blocked `seconds` on the step's gradient collectives."""
@@ -114,6 +143,7 @@ class PaceMeter:
             self._steps += 1  # a step whose compute was measured (the ring's first step has no start)
             self._wait += self._step_wait
         self._step_wait = 0.0
+        self._step_aside = 0.0
         self._launched = False
         self._reduced_at = now
         if self._steps and now - self._started >= self.interval_s:
@@ -127,9 +157,12 @@ class PaceMeter:
             steps=self._steps,
             compute_s=self._compute,
             wait_s=self._wait,
+            typical_s=statistics.median(self._computes) if self._computes else None,
+            aside_s=self._aside,
         )
         self._started, self._started_wall = now, summary.end
-        self._steps, self._compute, self._wait = 0, 0.0, 0.0
+        self._steps, self._compute, self._wait, self._aside = 0, 0.0, 0.0, 0.0
+        self._computes = []
         if self.sink is not None:
             self.sink(summary)
 
