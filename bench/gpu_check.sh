@@ -27,7 +27,7 @@ import torch
 print("torch", torch.__version__, "cuda", torch.version.cuda, "gpus", torch.cuda.device_count())
 if torch.cuda.is_available():
     print("nccl", torch.cuda.nccl.version(), torch.cuda.get_device_name(0))
-for name in ("ray", "pytest", "numpy", "hypothesis"):
+for name in ("ray", "pytest", "pytest_timeout", "numpy", "cloudpickle", "fsspec", "tqdm"):
     try:
         print(name, importlib.import_module(name).__version__)
     except Exception as e:  # noqa: BLE001 - say what is missing, go on

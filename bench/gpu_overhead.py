@@ -34,6 +34,7 @@ import time
 from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -44,6 +45,7 @@ from results_file import write_results  # noqa: E402
 
 from ray_elastic.assignment import WorkerSlot  # noqa: E402
 from ray_elastic.config import WorkerConfig  # noqa: E402
+from ray_elastic.runtime import metrics_shipper  # noqa: E402
 from ray_elastic.runtime.pace import PACE  # noqa: E402
 from ray_elastic.torch import DistributedOptimizer, TorchState, prepare_model  # noqa: E402
 from ray_elastic.worker_context import WorkerContext, set_current  # noqa: E402
@@ -62,6 +64,9 @@ class _Driver:
 
 def make_runtime(cuda: bool) -> WorkerContext:
     """This process as rank 0 of a world of one, on NCCL (GPU) or torch Gloo (CPU)."""
+    # no driver to ship metrics and pace summaries to: the shipper's wait for its (absent) reply returns at once,
+    # instead of starting a local Ray instance to wait on
+    metrics_shipper.ray = SimpleNamespace(get=lambda ref, timeout=None: ref)
     backend = "nccl" if cuda else "gloo"
     # the KV actor's handle takes what a commit publishes for newcomers (rank 0's layout), and drops it too
     ctx = WorkerContext("bench", kv=_Driver(), driver=_Driver(), settings=WorkerConfig(backend=backend))
