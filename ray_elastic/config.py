@@ -34,6 +34,8 @@ class WorkerConfig:
     checkpoint_keep: int = 2  # how many of the newest durable checkpoints checkpoint_dir keeps
     run_id: str = ""  # tags this worker's metrics
     datasets: tuple[str, ...] = ()  # the names of the run's Ray Datasets (`get_dataset_shard`)
+    cpus: float = 1.0  # the CPUs reserved for each worker: its torch threads (`runtime/threads.py`)
+    omp_threads_set: bool = False  # the user set OMP_NUM_THREADS in fit()'s environment: it holds
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,9 @@ class RunConfig:
     data_cpus: int = 1  # whole CPUs the workers leave free for Ray Data's tasks (with datasets= only)
     data_starvation_timeout: float = 60.0  # a pipeline starved of CPUs this long fails the run (data_cpus=0)
     evict_stragglers: bool = True  # let a persistently slow worker go (else only report it)
+    # CPUs reserved per worker where the workers' own request does not hold them (a Tune trial's bundles)
+    reserved_cpus: float | None = None
+    omp_threads_set: bool = False  # OMP_NUM_THREADS was set in fit()'s environment: workers keep it
 
     @property
     def kept_cpus(self) -> int:
@@ -161,6 +166,7 @@ class RunConfig:
             data_cpus=data_cpus,
             data_starvation_timeout=float(data_starvation_timeout),
             evict_stragglers=evict_stragglers,
+            omp_threads_set="OMP_NUM_THREADS" in os.environ,  # fit()'s process: a local Ray's workers inherit it
         )
 
     def worker(self, run_id: str) -> WorkerConfig:
@@ -175,6 +181,8 @@ class RunConfig:
             checkpoint_keep=self.checkpoint_keep,
             run_id=run_id,
             datasets=self.datasets,
+            cpus=self.resources_per_worker.get("CPU", 0.0) if self.reserved_cpus is None else self.reserved_cpus,
+            omp_threads_set=self.omp_threads_set,
         )
 
 

@@ -47,6 +47,7 @@ from ray_elastic.logs import keep_in_session_log
 from ray_elastic.payload import unpack
 from ray_elastic.protocol import CoordinatorLost, Finished, Removed, UserError, WorkerOutcome
 from ray_elastic.runtime.allocator import tune_allocator
+from ray_elastic.runtime.threads import apply_threads
 from ray_elastic.worker_context import WorkerContext, set_current
 
 logger = logging.getLogger(__name__)
@@ -67,6 +68,7 @@ class WorkerActor:
     ) -> None:
         keep_in_session_log(f"worker-{settings.run_id}-{worker_id}")  # its lines in Ray's logs (logs.py)
         tune_allocator()  # before train_fn allocates: a step's freed blocks stay in the heap (see allocator.py)
+        apply_threads(settings.cpus, settings.omp_threads_set)  # before train_fn imports torch
         self.worker_id = worker_id
         self.ctx = WorkerContext(worker_id, kv, driver, settings)
         self.ctx.run_token = getattr(self, "_run_token", None)  # for the run's other actors (the feed)

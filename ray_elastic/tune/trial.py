@@ -80,7 +80,11 @@ def run_trial(trainer: Any, config: dict[str, Any]) -> None:
         TrialSlots(reservation.id.hex(), trainer.run_config.resources_per_worker, trainer.run_config.max_workers)
     )
     store = None
-    changes: dict[str, Any] = {"resources_per_worker": dict(NOMINAL)}
+    # the workers ask Ray for nothing: their threads follow the CPUs the reservation holds for each
+    changes: dict[str, Any] = {
+        "resources_per_worker": dict(NOMINAL),
+        "reserved_cpus": trainer.run_config.resources_per_worker.get("CPU", 0.0),
+    }
     if trainer.run_config.checkpoint_dir is not None:
         url = normalize_url(
             f"{trainer.run_config.checkpoint_dir}/{context.get_experiment_name()}/{context.get_trial_id()}"
