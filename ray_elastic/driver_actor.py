@@ -51,7 +51,14 @@ from ray_elastic.driver import messages as m
 from ray_elastic.driver import snapshot, sources
 from ray_elastic.driver.autoscale_share import AutoscaleShare
 from ray_elastic.driver.core import DriverCore, WorkerStatus
-from ray_elastic.driver.durability import CallLedger, NoAnswerError, Seqs, judge_snapshot, within
+from ray_elastic.driver.durability import (
+    CallLedger,
+    DurableChanges,
+    MetricSeqs,
+    NoAnswerError,
+    judge_snapshot,
+    within,
+)
 from ray_elastic.driver.inbox import TICK_S, Inbox
 from ray_elastic.driver.kv_link import KVLink
 from ray_elastic.driver.liveness import LivenessRounds
@@ -75,7 +82,9 @@ class DriverActor:
         self.config = config
         self.core = DriverCore(config, wall_offset=time.time() - time.monotonic(), started_at=time.monotonic())
         self.metrics = MetricsLog(run_id)
-        self._metric_seqs: dict[str, Seqs] = {}  # per worker: the metrics batches taken
+        self._metric_seqs = MetricSeqs()  # per worker that reported: the metrics batches taken
+        self._metrics_written: tuple[int, int] | None = None  # the reports and sequence numbers the snapshot holds
+        self._changes = DurableChanges()
         self.ledger = CallLedger(run_id, self._run_token)
         self.inbox = Inbox(config, self.ledger, lambda worker_id: self.core.host_of(worker_id))
         self.pool = WorkerPool(namespace, config, self._run_token, self.inbox.put)
@@ -193,18 +202,17 @@ class DriverActor:
                 batch.append(m.Tick())
                 last_tick = now
             actions = self.core.handle(batch, now)
-            # a tick that asked for nothing changed nothing a restarted driver needs (it prunes, it forgets), nor
-            # do the ranks' paces (every rank, every 1.5 s): a restarted driver refills its window from the next
-            # ones, and an eviction they cause comes with actions
-            changed = bool(actions) or any(not isinstance(x, (m.Tick, m.PacesReported)) for x in batch)
             # before the actions: a restarted driver asks again what they may have lost
-            await self._persist(core_changed=changed)
+            await self._persist(core_changed=self._changes.seen(batch, actions))
             await self._carry_out(actions)
 
     # ---- durability --------------------------------------------------------------------
     async def _persist(self, core_changed: bool = True) -> None:
         """Snapshot the core and the metrics, then answer the calls it holds; a GCS that refuses fails the run."""
-        why = await self.ledger.persist(self.core, (self.metrics, self._metric_seqs), core_changed)
+        # reports taken since the last snapshot (what fit() fetched meanwhile waits for the next one)
+        taken = (len(self.metrics), self._metric_seqs.version)
+        rest_changed, self._metrics_written = taken != self._metrics_written, taken
+        why = await self.ledger.persist(self.core, (self.metrics, self._metric_seqs), core_changed, rest_changed)
         if why is not None:
             self.core.fail(f"the GCS did not take the driver's snapshot ({why}); the run cannot survive a restart")
 
@@ -290,7 +298,7 @@ class DriverActor:
         self.pool.release(worker_id)
         rec = self.core.workers.get(worker_id)
         if rec is None or rec.status is not WorkerStatus.FINISHED:  # rank 0's last batches may still be resent
-            self._metric_seqs.pop(worker_id, None)
+            self._metric_seqs.forget(worker_id)
 
     # ---- called by workers and the trainer --------------------------------------------
     # each answered once a snapshot holds it: a restarted driver gets again what its predecessor did not save
@@ -303,6 +311,10 @@ class DriverActor:
     async def worker_resumed(self, worker_id: str, meta: dict[str, Any]) -> None:
         """Rank 0 loaded the durable checkpoint before its first sync."""
         await self._take(m.WorkerResumed(worker_id, meta))
+
+    async def data_slow(self, dataset: str, block: int, seconds: float) -> None:
+        """The feed actor: a block came late, its pipeline running (an event, not a failure)."""
+        await self._take(m.DataSlow(dataset, block, seconds))
 
     async def request_reset(self, worker_id: str, generation: int, reason: str) -> None:
         await self._take(m.ResetRequested(worker_id, generation, reason))
@@ -319,9 +331,8 @@ class DriverActor:
         if self.core.is_void(worker_id):  # declared dead (e.g. cut off, then healed): it no longer speaks for rank 0
             logger.info("dropped %d metric reports of worker %s, declared dead", len(batch), worker_id)
             return
-        if seq is not None:
-            if not self._metric_seqs.setdefault(worker_id, Seqs()).add(seq):
-                return  # taken and saved by this driver's predecessor
+        if seq is not None and not self._metric_seqs.take(worker_id, seq, reports=bool(batch)):
+            return  # taken and saved by this driver's predecessor
         if batch:
             self.metrics.add(batch)
         await self._take(m.PacesReported(worker_id, tuple(paces)) if paces else None)

@@ -901,3 +901,46 @@ def test_every_holder_lost_without_a_checkpoint_fails_naming_them():
         "every worker holding the trained state was lost (w1); no survivor holds the training state"
     ), s.core.failure
     assert "configure checkpoint_dir" in s.core.failure and "worker w1 (rank 0): SIGKILL" in s.core.failure
+
+
+# ---- what the driver writes after a batch (durability) -------------------------------------------------------------
+def test_a_batch_that_changes_nothing_durable_writes_no_snapshot(monkeypatch):
+    import asyncio
+
+    from ray_elastic.auth import RunToken
+    from ray_elastic.driver import snapshot
+    from ray_elastic.driver.durability import CallLedger, DurableChanges
+
+    s = Script(min_workers=1)
+    gen = s.start({"A": 2, "B": 2})
+    changes, ledger, written = DurableChanges(), CallLedger("run", RunToken()), []
+    monkeypatch.setattr(snapshot, "save", lambda *args: written.append(args[1]))
+
+    def batch(*messages) -> bool:
+        changed = changes.seen(list(messages), s.send(*messages))
+        asyncio.run(ledger.persist(s.core, (), core_changed=changed, rest_changed=False))
+        return changed
+
+    everyone = frozenset(gen.plan)
+    assert batch(m.Tick()) is False and written == [1], "the first snapshot is written whatever the batch"
+    assert batch(m.PingResults(everyone, frozenset(), s.now)) is False
+    assert batch(m.Tick(), m.PingResults(everyone, frozenset(), s.now)) is False and written == [1]
+    busy = {"w2": m.CpuSample(busiest_thread_s=0.5, window_s=0.5, state="R")}  # computing: spared, not killed
+    assert batch(m.PingResults(everyone - {"w2"}, frozenset({"w2"}), s.now, busy)) is True  # a miss is recorded
+    assert s.core.workers["w2"].spared
+    assert batch(m.PingResults(everyone, frozenset(), s.now)) is True  # and so is its end
+    assert batch(m.PingResults(everyone, frozenset(), s.now)) is False and written == [1, 2, 3]
+
+
+def test_metric_sequence_numbers_are_kept_for_the_batches_that_carried_reports_only():
+    from ray_elastic.driver.durability import MetricSeqs, Seqs
+
+    seqs = MetricSeqs()
+    for i in range(1000):  # every rank's pace summaries alone, batch 1 of each
+        assert seqs.take(f"w{i}", 1, reports=False)
+    assert len(seqs) == 0 and seqs.version == 0
+    assert seqs.take("w0", 2, reports=True) and not seqs.take("w0", 2, reports=True), "a batch sent again counts once"
+    for seq in range(3, 500, 2):  # rank 0's reports in every other batch: the gaps never fill
+        assert seqs.take("w0", seq, reports=True)
+    assert len(seqs._seen["w0"].above) <= Seqs.SPAN + 1
+    assert not seqs.take("w0", 499, reports=True)

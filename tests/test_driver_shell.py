@@ -19,7 +19,7 @@ from ray_elastic.config import RunConfig
 from ray_elastic.driver import durability, snapshot
 from ray_elastic.driver import messages as m
 from ray_elastic.driver.core import DriverCore
-from ray_elastic.driver.durability import CallLedger
+from ray_elastic.driver.durability import CallLedger, DurableChanges, MetricSeqs
 from ray_elastic.driver.inbox import Inbox
 from ray_elastic.driver.metrics_log import MetricsLog
 from ray_elastic.driver.policies import Ring, judge_ring_failure
@@ -190,7 +190,9 @@ class RestartedDriver(DriverActor):
         self.config = config()
         self.core = DriverCore(self.config)
         self.metrics = MetricsLog("run1")
-        self._metric_seqs = {}
+        self._metric_seqs = MetricSeqs()
+        self._metrics_written = None
+        self._changes = DurableChanges()
         self.ledger = CallLedger("run1", self._run_token)
         self.inbox = Inbox(self.config, self.ledger, self.core.host_of)
         self.pool = WorkerPool("ns", self.config, self._run_token, self.inbox.put)
@@ -257,7 +259,7 @@ def test_the_shell_lets_go_of_finished_queries_and_of_gone_workers():
         for i in range(100):
             worker_id = f"w{i}"
             pool.handles[worker_id], pool.pids[worker_id] = object(), i
-            driver._metric_seqs[worker_id] = object()
+            driver._metric_seqs.take(worker_id, 1, reports=True)
             driver._release(worker_id)
         assert not pool.handles and not pool.pids and not driver._metric_seqs
 

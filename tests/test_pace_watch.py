@@ -164,3 +164,36 @@ def test_a_slow_node_that_would_take_the_run_below_min_workers_is_kept_and_repor
     found = [e for e in s.core.events if e.kind is EventKind.STRAGGLER_FOUND]
     assert len(found) == 1 and "4 workers would be fewer than min_workers=6" in found[0].detail
     assert s.core.failure is None and len(s.core.plan) == 8
+
+
+# ---- at thousands of ranks ---------------------------------------------------------------------------------------
+def big_run(workers: int) -> tuple[Script, m.Publish]:
+    s = Script(min_workers=1, max_workers=workers)
+    return s, s.start({f"h{i:04d}": 8 for i in range(workers // 8)})
+
+
+def test_the_pace_windows_stay_out_of_the_snapshot_and_a_restarted_driver_refills_them():
+    import pickle
+
+    s, gen = big_run(512)
+    empty = len(pickle.dumps(s.core))
+    s.send(*paces(s, 1, {}, gen.plan))
+    full = len(pickle.dumps(s.core))
+    assert full < empty + 4096, f"{empty} bytes with empty windows, {full} with full ones"
+    s.core = pickle.loads(pickle.dumps(s.core))  # a restarted driver's core
+    s.send(*paces(s, 1, {"w7": 3.0}, gen.plan), after=2.0)
+    [publish] = s.of(m.Publish)
+    assert "w7" not in publish.plan and len(publish.plan) == 511
+
+
+def test_a_pace_message_looks_at_its_own_worker_only_while_the_windows_fill(monkeypatch):
+    from ray_elastic.driver.roster import Roster
+
+    s, gen = big_run(1024)
+    looked = []
+    real = Roster.__getitem__
+    monkeypatch.setattr(Roster, "__getitem__", lambda self, w: looked.append(w) or real(self, w))
+    members = list(gen.plan)
+    for i, w in enumerate(members[:200]):  # the windows fill: no member's is full yet
+        s.send(m.PacesReported(w, (PaceSummary(1, 0.0, 1.5, 40, 1.2, 0.2),)), after=0.01 + 2.0 * (i % 2))
+    assert len(looked) <= 200, f"{len(looked)} roster lookups for 200 pace messages of a 1024-worker ring"

@@ -6,7 +6,10 @@ after every batch the driver writes its core to a snapshot (`snapshot.py`)
 before it carries the batch's actions out, and answers a worker's call only
 once that call's message is in a snapshot: a call a dead driver answered is
 one its successor knows of. Metrics batches carry sequence numbers, so one
-sent again after a restart counts once (`Seqs`). Every wait of a restarted
+sent again after a restart counts once (`MetricSeqs`: only the batches that
+carried reports, a handful of workers). A batch that changes nothing a
+restarted driver needs writes nothing (`DurableChanges`): the ranks' pace
+summaries, a tick, a liveness round where every member answered. Every wait of a restarted
 driver on the GCS or the KV actor is bounded by `KV_BACK_S` and, past it,
 names what it waited for (`NoAnswerError`).
 """
@@ -19,6 +22,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from ray_elastic.auth import RunToken
+from ray_elastic.driver import messages as m
 from ray_elastic.driver import snapshot
 from ray_elastic.driver.worker_pool import first_line
 
@@ -38,7 +42,15 @@ async def within(what: str, awaitable: Any) -> Any:
 
 
 class Seqs:
-    """The sequence numbers seen, as every number up to `floor` and the ones above it (a few at most)."""
+    """The sequence numbers seen, as every number up to `floor` and the ones above it (a few at most).
+
+    A sender has one batch in flight at a time, so a number more than
+    `SPAN` below the newest is never coming (a batch that was not recorded:
+    one without reports): the floor moves past such gaps, which keeps
+    `above` small.
+    """
+
+    SPAN = 64
 
     def __init__(self) -> None:
         self.floor = 0
@@ -49,10 +61,76 @@ class Seqs:
         if seq <= self.floor or seq in self.above:
             return False
         self.above.add(seq)
+        if len(self.above) > self.SPAN:
+            self.floor = max(self.floor, max(self.above) - self.SPAN)
+            self.above = {s for s in self.above if s > self.floor}
         while self.floor + 1 in self.above:
             self.floor += 1
             self.above.discard(self.floor)
         return True
+
+
+class MetricSeqs:
+    """The numbers of the metrics batches taken that carried reports, per worker; `version` counts them.
+
+    Only such a batch changes what a restarted driver must not take twice
+    (the reports `fit()` gets): a batch of pace summaries alone, sent again
+    after a restart, is taken again and counts for nothing durable (the
+    windows start empty in a restarted driver). So the workers that never
+    reported (every rank but rank 0, at any scale) have no entry, and the
+    snapshot holds a few.
+    """
+
+    def __init__(self) -> None:
+        self._seen: dict[str, Seqs] = {}
+        self.version = 0
+
+    def take(self, worker_id: str, seq: int, reports: bool) -> bool:
+        """Whether the batch `seq` of `worker_id` is taken (False: taken before); `reports`: it carries some."""
+        if not reports:
+            return True
+        seen = self._seen.get(worker_id)
+        if seen is None:
+            seen = self._seen[worker_id] = Seqs()
+        if not seen.add(seq):
+            return False
+        self.version += 1
+        return True
+
+    def forget(self, worker_id: str) -> None:
+        self._seen.pop(worker_id, None)
+
+    def __len__(self) -> int:
+        return len(self._seen)
+
+
+_QUIET = (m.Tick, m.PacesReported, m.PingResults)
+
+
+class DurableChanges:
+    """Whether a batch changed anything a restarted driver needs, so the core must be written again.
+
+    Ticks and the ranks' pace summaries never do by themselves (what they
+    decide comes with actions, or with an event the next batch writes); a
+    liveness round does only when a member missed it or answers again
+    after missing one (the core's record of its silence). The members silent
+    so far are followed here from the rounds themselves, so telling costs
+    the round's misses, not its members.
+    """
+
+    def __init__(self) -> None:
+        self._silent: set[str] = set()
+
+    def seen(self, batch: list[Any], actions: list[Any]) -> bool:
+        changed = bool(actions)
+        for msg in batch:
+            if isinstance(msg, m.PingResults):
+                if msg.timed_out or any(w in msg.answered for w in self._silent):
+                    changed = True
+                self._silent = set(msg.timed_out)  # one silent before and in neither list now is gone
+            elif not isinstance(msg, _QUIET):
+                changed = True
+        return changed
 
 
 class Received(NamedTuple):
@@ -97,18 +175,25 @@ class CallLedger:
                 out.append(x)
         return out
 
-    async def persist(self, core: Any, rest: tuple[Any, ...], core_changed: bool = True) -> str | None:
+    async def persist(
+        self, core: Any, rest: tuple[Any, ...], core_changed: bool = True, rest_changed: bool = True
+    ) -> str | None:
         """Write the core and `rest` (if they changed), then answer the calls they hold; or why the GCS refused.
 
         Pickled on the loop, so it is one moment's state: the core only when
         it changed (up to ~15 ms at the event log's cap), the rest (the
-        metrics: a few reports) each time; a thread would not help, pickling
-        holds the GIL. Written to the GCS off the loop, within `KV_BACK_S`.
+        metrics: a few reports) when it changed; a thread would not help,
+        pickling holds the GIL. When neither changed nothing is written:
+        the last snapshot holds every call's effect. Written to the GCS off
+        the loop, within `KV_BACK_S`.
         """
+        durable = self.in_batch
+        if not core_changed and not rest_changed and self._snapshot is not None:
+            self._answer(durable)
+            return None
         if core_changed or self._core_blob is None:
             self._core_blob = pickle.dumps(core, protocol=pickle.HIGHEST_PROTOCOL)
         blob = pickle.dumps((self._core_blob, *rest), protocol=pickle.HIGHEST_PROTOCOL)
-        durable = self.in_batch
         if blob != self._snapshot:
             loop = asyncio.get_running_loop()
             counter = self.written + 1
@@ -121,6 +206,11 @@ class CallLedger:
             self._snapshot, self.written = blob, counter
             if self.confirm is not None:
                 self.confirm(counter)
+        self._answer(durable)
+        return None
+
+    def _answer(self, durable: int) -> None:
+        """The calls whose messages are up to `durable`, which a snapshot now holds."""
         self.durable = durable
         waiting, self.answers = self.answers, []
         for seq, fut in waiting:
@@ -129,7 +219,6 @@ class CallLedger:
                     fut.set_result(None)
             else:
                 self.answers.append((seq, fut))
-        return None
 
     def answer_all(self) -> None:
         """The run ended: nothing more will be snapshotted; answer every call still waiting."""

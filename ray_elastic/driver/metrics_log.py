@@ -53,6 +53,10 @@ class MetricsLog:
         if len(window) >= 2 and window[-1] > window[0]:
             metrics.steps_per_second(self.run_id, (len(window) - 1) / (window[-1] - window[0]))
 
+    def __getstate__(self) -> dict[str, Any]:
+        # the recent report times only give the step rate: a restarted driver measures it afresh
+        return {**self.__dict__, "_recent": deque(maxlen=_RATE_WINDOW_REPORTS)}
+
     def fetch(self, since: int) -> tuple[int, list[tuple[float, dict[str, Any]]]]:
         """Release the reports before `since`; return the index of the first one returned, and them."""
         release = min(max(0, since - self._base), len(self._entries))

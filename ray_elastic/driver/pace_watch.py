@@ -60,6 +60,7 @@ class PaceWatch:
         self._waits: deque[float] = deque(maxlen=2000)  # the current generation's waits per step, every member's
         self._of = 0  # the generation `_waits` and `_full` are of
         self._full: set[str] = set()  # members whose window holds WINDOW intervals of that generation
+        self._sums: dict[str, list[float]] = {}  # per worker: steps, compute and wait over its window, kept as it moves
 
     def __getstate__(self) -> dict[str, Any]:
         # at thousands of ranks the windows are most of the core's size (8192 ranks: ~80k summaries)
@@ -76,7 +77,18 @@ class PaceWatch:
         kept = self.paces.get(worker_id)
         if kept is None:
             kept = self.paces[worker_id] = deque(maxlen=WINDOW)
-        kept.extend(msg.paces)
+            self._sums[worker_id] = [0.0, 0.0, 0.0]
+        sums = self._sums[worker_id]
+        for summary in msg.paces:
+            if len(kept) == WINDOW:
+                old = kept[0]
+                sums[0] -= old.steps
+                sums[1] -= old.compute_s
+                sums[2] -= old.wait_s
+            kept.append(summary)
+            sums[0] += summary.steps
+            sums[1] += summary.compute_s
+            sums[2] += summary.wait_s
         gens = self.generations
         if gens.syncing or worker_id not in gens.plan:
             return
@@ -96,8 +108,10 @@ class PaceWatch:
         if any(roster[w].status is not WorkerStatus.MEMBER for w in gens.plan):
             return  # a member is leaving or finished: the next generation is judged afresh
         config = self.record.config
+        sums = self._sums
         verdict = judge_stragglers(
             {w: self.paces[w] for w in gens.plan},
+            pace={w: (sums[w][1] / sums[w][0], sums[w][2] / sums[w][0]) for w in gens.plan},
             generation=gens.generation,
             min_workers=config.min_workers,
             evict=config.evict_stragglers,
@@ -158,7 +172,7 @@ class PaceWatch:
     def prune(self, now: float) -> None:
         """Forget the paces of workers no longer on record, old reports, and probations that ended."""
         for worker_id in self.paces.keys() - self.record.roster.workers.keys():
-            del self.paces[worker_id]
+            del self.paces[worker_id], self._sums[worker_id]
         generation = self.generations.generation
         self._told = {t for t in self._told if t[1] == generation}
         self.probation.forget(now)

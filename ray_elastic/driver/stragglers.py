@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import bisect
 import enum
+import heapq
 import statistics
 from collections.abc import Mapping, Sequence
 from typing import NamedTuple
@@ -106,6 +107,7 @@ def judge_stragglers(
     evict: bool = True,
     healthy_comm: float | None = None,
     hosts: Mapping[str, str] | None = None,
+    pace: Mapping[str, tuple[float, float]] | None = None,
 ) -> StragglerVerdict:
     """Whether members of the current generation are stragglers, and what to do with them.
 
@@ -114,29 +116,42 @@ def judge_stragglers(
     one worker per node). `min_workers` is never gone below; `evict` False
     keeps every straggler and only reports it. `healthy_comm` is the ring's
     communication per step measured while no rank straggled (None: not
-    measured).
+    measured). `pace`, when the caller keeps it as the windows move: each
+    member's compute and wait per step over its window, whose `paces` then
+    hold the current generation's full windows (checked otherwise).
 
     The decision is per worker: the slowest persistent straggler alone,
     unless every worker of its node is one, in which case the slowness is
     the node's and the verdict names all of them. The prediction and
     `min_workers` count every worker that would leave.
     """
-    windows = {w: [s for s in ss if s.generation == generation and s.steps > 0][-WINDOW:] for w, ss in paces.items()}
+    if pace is None:
+        windows = {
+            w: [s for s in ss if s.generation == generation and s.steps > 0][-WINDOW:] for w, ss in paces.items()
+        }
+    else:
+        windows = paces
     if len(windows) < 2:
         return StragglerVerdict(Straggler.NONE, "fewer than two ranks: nobody to compare with")
-    short = {w: len(ss) for w, ss in windows.items() if len(ss) < WINDOW}
-    if short:
-        return StragglerVerdict(
-            Straggler.NONE, f"the window is not full yet ({min(short.values())} of {WINDOW} intervals)"
-        )
-    pace = {w: window_pace(ss) for w, ss in windows.items()}
+    if pace is None:
+        short = {w: len(ss) for w, ss in windows.items() if len(ss) < WINDOW}
+        if short:
+            return StragglerVerdict(
+                Straggler.NONE, f"the window is not full yet ({min(short.values())} of {WINDOW} intervals)"
+            )
+        pace = {w: window_pace(ss) for w, ss in windows.items()}
     ranked = sorted(p[0] for p in pace.values())
+    # a rank slow in SLOW_IN of WINDOW intervals computes well over the median on the whole window (a ring steps
+    # together, so its intervals hold about as many steps each): only those are looked at interval by interval
+    bar = _PREFILTER * ranked[(len(ranked) - 2) // 2]  # the lowest the others' median can be, leaving any one out
     candidates = []
-    for w, ss in windows.items():
-        others = _median_without(ranked, pace[w][0])
-        slow = sum(1 for s in ss if s.compute_per_step >= THRESHOLD * others)
+    for w, (compute, _) in pace.items():
+        if compute < bar:
+            continue
+        others = _median_without(ranked, compute)
+        slow = sum(1 for s in windows[w] if s.compute_per_step >= THRESHOLD * others)
         if slow >= SLOW_IN:
-            candidates.append((pace[w][0], w, slow))
+            candidates.append((compute, w, slow))
     if not candidates:
         return StragglerVerdict(
             Straggler.NONE,
@@ -168,7 +183,7 @@ def judge_stragglers(
         f"{who} computes {_ms(c_s)} per step, {c_s / c_o:.1f}x the others' median {_ms(c_o)}, in {slow} of its "
         f"last {WINDOW} intervals ({span:.0f} s); it waits {_ms(w_s)} per step in the gradient collectives, the "
         f"others {_ms(others_wait)} (for it); compute per step: "
-        + ", ".join(f"{w} {_ms(pace[w][0])}" for w in sorted(pace)[:_LISTED])
+        + ", ".join(f"{w} {_ms(pace[w][0])}" for w in heapq.nsmallest(_LISTED, pace))
         + (f" and {len(pace) - _LISTED} more" if len(pace) > _LISTED else "")
     )
     predicted = (
@@ -193,6 +208,7 @@ def judge_stragglers(
     return verdict(Straggler.EVICT, "it leaves gracefully" if k == 1 else "they leave gracefully")
 
 
+_PREFILTER = 1.1  # of the median compute per step: below it no rank is slow in SLOW_IN intervals
 _LISTED = 16  # ranks whose compute the reason lists (thousands would drown the event)
 
 
