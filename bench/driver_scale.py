@@ -202,33 +202,47 @@ def flow(run: Run, seconds: float, liveness_timeout: float = 5.0) -> dict:
         t += TICK_S
     clock, busy, batches, largest = 0.0, 0.0, 0, 0
     base_now = run.now
-    with mock.patch.object(snapshot, "save", lambda *args: None):
+
+    async def loop() -> None:
+        nonlocal clock, busy, batches, largest
         while arrivals:
             if arrivals[0][0] > clock:
                 clock = arrivals[0][0]
-            started = time.perf_counter()
-            batch: list[m.Message] = []
+            arrived = []  # what Ray hands the actor: made outside the timed part (unpickled in a real driver)
             while arrivals and arrivals[0][0] <= clock:
                 t, _, kind, what = heapq.heappop(arrivals)
                 if kind == "pace":
-                    summary = PaceSummary(run.core.generation, base_now + t - INTERVAL_S, base_now + t, 50, 1.25, 0.25)
-                    msg = run.shell.add_metrics(what, [], (summary,))
+                    pace = PaceSummary(run.core.generation, base_now + t - INTERVAL_S, base_now + t, 50, 1.25, 0.25)
+                    arrived.append((kind, what, pace))
                 elif kind == "reports":
-                    msg = run.shell.add_metrics(what, [(base_now + t, {"loss": 0.5, "step": int(t * 40)})], ())
+                    arrived.append((kind, what, [(base_now + t, {"loss": 0.5, "step": int(t * 40)})]))
                 elif kind == "ping":
                     msg = m.PingResults(answered=frozenset(members), timed_out=frozenset(), sent_at=base_now + t)
+                    arrived.append((kind, None, msg))
                 else:
-                    msg = m.Tick()
+                    arrived.append((kind, None, m.Tick()))
+            started = time.perf_counter()
+            batch: list[m.Message] = []
+            for kind, who, what in arrived:
+                if kind == "pace":
+                    msg = run.shell.add_metrics(who, [], (what,))
+                elif kind == "reports":
+                    msg = run.shell.add_metrics(who, what, ())
+                else:
+                    msg = what
                 if msg is not None:
                     batch.append(msg)
             run.now = base_now + clock
             actions = run.core.handle(batch, run.now)
-            run.loop.run_until_complete(run.shell.persist(batch, actions))
+            await run.shell.persist(batch, actions)
             spent = time.perf_counter() - started
             busy += spent
             clock += spent
             batches += 1
             largest = max(largest, len(batch))
+
+    with mock.patch.object(snapshot, "save", lambda *args: None):
+        run.loop.run_until_complete(loop())
     return {"busy_fraction": round(busy / clock, 3), "flow_batches": batches, "flow_largest_batch": largest}
 
 
@@ -247,6 +261,7 @@ def measure(workers: int, rounds: int, flow_s: float) -> dict:
         deaths.append(spent)
         death_snapshots.append(run.persist_s(batch, actions))
         run.settle(actions)
+        run.now += INTERVAL_S  # the last judgement is an interval old: every message may judge again
         paces_filling.extend(run.pace_us(20))  # the new generation's windows are filling
         run.fill_windows()
         paces_full.extend(run.pace_us(20))

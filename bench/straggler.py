@@ -27,6 +27,14 @@ node and a durable checkpoint every 10 commits, for `--calm-s` seconds
 (600), counting the straggler events; `make soak` runs it, and an eviction
 there exits non-zero.
 
+Apart too (`--arms duties`, bench/results/straggler_duties.json): rank 0's
+framework duties are not slowness. 4 workers, no slow node, steps of about
+20 ms (`--step-s`), a commit every step and a durable checkpoint every 10
+commits into a store that takes 1.5 s per write (`--store-s`): every write
+outlasts the 10 steps before the next, so rank 0 waits in the writer's
+`submit()` at every checkpoint and the others wait for it. Counted as in
+`calm`; `make soak` runs it, and an eviction exits non-zero.
+
 Rank 0 of each system appends `step time world` to a file every 10 steps;
 steps/s are read from it: before the slowdown (steps 20-100), while slow
 (from 2 s after the slowdown to the eviction, or to the end), and after
@@ -82,6 +90,9 @@ def elastic_train_fn(config: dict) -> int:
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
+    if config.get("store_s"):
+        _slow_store(config["store_s"])
+    commit_every, step_s = config.get("commit_every", 10), config.get("step_s", 0.0)
     model = make_mlp()
     opt = elastic.torch.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01))
     state = elastic.torch.TorchState(model=model, optimizer=opt, step=0)
@@ -89,12 +100,17 @@ def elastic_train_fn(config: dict) -> int:
     @elastic.run
     def train(state) -> int:
         while True:
+            started = time.perf_counter()
             sgd_step(model, opt)
+            if step_s:  # every rank alike: a step of the size the arm asks for
+                time.sleep(max(0.0, step_s - (time.perf_counter() - started)))
             state.step += 1
-            if state.step % 10:
+            if state.step % commit_every:
                 state.check_host_updates()
                 continue
             state.commit()
+            if state.step % 10:
+                continue
             if elastic.rank() == 0:
                 _log(config["dir"], state.step, elastic.size())
             stop = _stop_step(config["dir"])
@@ -102,6 +118,22 @@ def elastic_train_fn(config: dict) -> int:
                 return state.step
 
     return train(state)
+
+
+def _slow_store(seconds: float) -> None:
+    """This process's checkpoint store takes `seconds` longer per write (a far object store, a slow disk)."""
+    from ray_elastic.checkpoint import CheckpointStore
+
+    write = CheckpointStore.write
+    if getattr(write, "slowed", False):
+        return
+
+    def slow(self, *args, **kwargs):
+        time.sleep(seconds)  # the store's latency, off the training thread (the writer's thread)
+        return write(self, *args, **kwargs)
+
+    slow.slowed = True
+    CheckpointStore.write = slow
 
 
 def raytrain_train_fn(config: dict) -> None:
@@ -151,7 +183,9 @@ def _cpu_s(pids: list[int]) -> float:
     return total
 
 
-def run_arm(arm: str, slow_node, slow_s: float, workdir: str, calm_s: float = 600.0) -> dict:
+def run_arm(
+    arm: str, slow_node, slow_s: float, workdir: str, calm_s: float = 600.0, store_s: float = 1.5, step_s: float = 0.02
+) -> dict:
     """Start the arm, slow the node at step 100, stop `slow_s` later; the progress and the events."""
     outcome: dict = {}
 
@@ -173,8 +207,10 @@ def run_arm(arm: str, slow_node, slow_s: float, workdir: str, calm_s: float = 60
 
                 world = 3 if arm == "healthy3" else 4
                 options = {"evict_stragglers": arm != "keep"}
-                if arm == "calm":
+                if arm in ("calm", "duties"):
                     options.update(checkpoint_dir=os.path.join(workdir, "checkpoints"), checkpoint_every=10)
+                if arm == "duties":
+                    config.update(store_s=store_s, commit_every=1, step_s=step_s)
                 result = elastic.ElasticTrainer(
                     elastic_train_fn, min_workers=2, max_workers=world, config=config, verbose=0, **options
                 ).fit()
@@ -195,7 +231,8 @@ def run_arm(arm: str, slow_node, slow_s: float, workdir: str, calm_s: float = 60
             step = rows[-1][0] if rows else 0
             if calibration is None and step >= 40:
                 calibration = (_cpu_s(pids), time.monotonic())
-            if arm not in ("healthy3", "calm") and slowed_at is None and step >= SLOW_AT and calibration is not None:
+            slows = arm not in ("healthy3", "calm", "duties")
+            if slows and slowed_at is None and step >= SLOW_AT and calibration is not None:
                 share = (_cpu_s(pids) - calibration[0]) / (time.monotonic() - calibration[1])
                 quota = CpuQuota()
                 for pid in pids:
@@ -203,8 +240,8 @@ def run_arm(arm: str, slow_node, slow_s: float, workdir: str, calm_s: float = 60
                 quota.set(share / 3)
                 slowed_at = time.time()
                 outcome["share_before"], outcome["quota_cpus"] = share, share / 3
-            started = rows[0][1] if arm in ("healthy3", "calm") and rows else slowed_at
-            limit = {"healthy3": HEALTHY_S, "calm": calm_s}.get(arm, slow_s)
+            started = rows[0][1] if arm in ("healthy3", "calm", "duties") and rows else slowed_at
+            limit = {"healthy3": HEALTHY_S, "calm": calm_s, "duties": calm_s}.get(arm, slow_s)
             if started is not None and time.time() - started > limit and _stop_step(workdir) is None:
                 Path(workdir, "stop").write_text(str((step // 10 + 20) * 10))
         thread.join()
@@ -230,7 +267,7 @@ def summarize(arm: str, out: dict, healthy3: float | None) -> dict:
     row: dict = {"arm": arm, "error": out.get("error")}
     redone = sum(max(0, a[0] - b[0]) for a, b in zip(rows, rows[1:], strict=False))
     row["steps_redone"] = redone
-    if arm == "calm":
+    if arm in ("calm", "duties"):
         kinds = [e["kind"] for e in out.get("events") or []]
         row["steps_s"] = _rate(rows, rows[0][1], rows[-1][1]) if rows else None
         row["minutes"] = (rows[-1][1] - rows[0][1]) / 60 if rows else 0
@@ -275,19 +312,30 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--slow-s", type=float, default=60.0, help="how long each arm runs after the slowdown")
     parser.add_argument("--arms", default=",".join(ARMS), help=f"of {ARMS + ('calm',)}")
-    parser.add_argument("--calm-s", type=float, default=600.0, help="how long the calm arm runs")
+    parser.add_argument("--calm-s", type=float, default=600.0, help="how long the calm and duties arms run")
+    parser.add_argument("--store-s", type=float, default=1.5, help="duties: the checkpoint store's time per write")
+    parser.add_argument("--step-s", type=float, default=0.02, help="duties: the step time")
     args = parser.parse_args()
-    arms = [a for a in (*ARMS, "calm") if a in args.arms.split(",")]
-    if arms == ["calm"]:
-        with local_cluster(nodes=4, cpus=1) as (_, nodes), tempfile.TemporaryDirectory(prefix="calm-") as workdir:
-            out = run_arm("calm", nodes[-1], args.slow_s, workdir, args.calm_s)
-        row = summarize("calm", out, None)
-        print(row)
-        write_results("straggler_calm", [row], calm_s=args.calm_s, checkpoint_every=10)
-        if row["straggler_evicted"] or row["error"]:  # `make soak` runs this arm: a false eviction fails it
-            raise SystemExit(f"without a slow node: {row['straggler_evicted']} eviction(s), error {row['error']}")
-        return
-    arms = [a for a in arms if a != "calm"]
+    arms = [a for a in (*ARMS, "calm", "duties") if a in args.arms.split(",")]
+    apart = [a for a in arms if a in ("calm", "duties")]
+    if apart:
+        failed = []
+        for arm in apart:
+            with local_cluster(nodes=4, cpus=1) as (_, nodes), tempfile.TemporaryDirectory(prefix=arm) as workdir:
+                out = run_arm(arm, nodes[-1], args.slow_s, workdir, args.calm_s, args.store_s, args.step_s)
+            row = summarize(arm, out, None)
+            print(row)
+            meta = {"calm_s": args.calm_s, "checkpoint_every": 10}
+            if arm == "duties":
+                meta.update(store_s=args.store_s, step_s=args.step_s, commit_every=1)
+            write_results(f"straggler_{arm}", [row], **meta)
+            if row["straggler_evicted"] or row["error"]:  # `make soak` runs these arms: a false eviction fails it
+                failed.append(f"{arm}: {row['straggler_evicted']} eviction(s), error {row['error']}")
+        if failed:
+            raise SystemExit("without a slow node: " + "; ".join(failed))
+        if len(apart) == len(arms):
+            return
+    arms = [a for a in arms if a not in apart]
     outs: dict[str, dict] = {}
     with local_cluster(nodes=4, cpus=1) as (_, nodes):
         for arm in arms:

@@ -1,5 +1,5 @@
 """A real slow node on the local cluster: its worker is let go, the run goes on at the healthy pace, and the node
-comes back once it is healthy again.
+comes back once it is healthy again; and a slow worker process on a node of two: it leaves alone.
 
 One node of the session's cluster is added with one CPU, and its processes
 (its raylet and, under it, its worker) are put under a CPU quota
@@ -8,10 +8,15 @@ noisy neighbour or a throttled CPU would leave it. Three workers train, one
 per node (a discovery callable offers one slot on each). Rank 0 logs its
 step and the world size to a file every 10 steps; every rank stops at the
 step written to a stop file.
+
+With two workers on each of two nodes, only one worker process is put
+under the quota (the cgroup holds that process alone): the world goes from
+4 to 3, not to 2, and its node-mate trains on.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from concurrent.futures import Future
@@ -43,6 +48,8 @@ def paced_train_fn(config: dict) -> int:
 
     @elastic.run
     def train(state) -> int:
+        if config.get("pids") and state.step == 0:  # which process holds which rank, for the test to slow one
+            (workdir / f"pid-{elastic.rank()}").write_text(f"{os.getpid()} {elastic.local_rank()}")
         while True:
             x, y = torch.randn(128, 64), torch.randint(0, 10, (128,))
             opt.zero_grad()
@@ -153,3 +160,51 @@ def _fit(trainer: ElasticTrainer, fut: Future) -> None:
         fut.set_result(trainer.fit())
     except BaseException as e:  # noqa: BLE001 - handed to the test
         fut.set_exception(e)
+
+
+def test_one_slow_worker_process_on_a_node_of_two_leaves_alone(cluster, no_leaks, tmp_path):
+    nodes = cluster.worker_nodes_at_start  # two nodes of 2 CPUs each: two workers on each
+    hosts = {n.node_id: 2 for n in nodes}
+    quota = None
+    fut: Future = Future()
+    try:
+        trainer = ElasticTrainer(
+            paced_train_fn,
+            min_workers=2,
+            max_workers=4,
+            config={"dir": str(tmp_path), "pids": True},
+            discovery=lambda: dict(hosts),
+            cooldown_range=(120.0, 240.0),  # the slot stays empty for the rest of the test
+            verbose=0,
+        )
+        threading.Thread(target=lambda: _fit(trainer, fut), daemon=True).start()
+        wait_until(lambda: any(r[0] >= 100 for r in progress(tmp_path)), 120, "4 workers to train 100 steps")
+        assert progress(tmp_path)[-1][2] == 4
+        pid = int((tmp_path / "pid-3").read_text().split()[0])
+        quota = CpuQuota()
+        quota.add([pid])  # that process alone: its node-mate and its raylet keep their CPU
+        quota.set(0.1)
+        wait_until(lambda: progress(tmp_path)[-1][2] != 4, 90, "the slow worker to be let go")
+        wait_until(lambda: len([r for r in progress(tmp_path) if r[2] == 3]) >= 5, 60, "3 workers to train on")
+        last = progress(tmp_path)[-1][0]
+        (tmp_path / "stop").write_text(str(last + 50))
+        result = fut.result(timeout=120)
+    finally:
+        if quota is not None:
+            quota.close()
+        if not fut.done():
+            rows = progress(tmp_path)
+            (tmp_path / "stop").write_text(str((rows[-1][0] if rows else 0) + 100))
+            wait_until(fut.done, 120, "the run to stop after the test failed")
+
+    worlds = [r[2] for r in progress(tmp_path)]
+    assert 2 not in worlds and worlds[-1] == 3, f"the world went {sorted(set(worlds), reverse=True)}"
+    for e in result.events:
+        print(e.kind, e.detail)
+    # it may be reported first, kept while the prediction does not pay yet (the ring not measured healthy)
+    kinds = [e.kind for e in result.events if e.kind != "straggler_found"]
+    assert kinds == ["start", "straggler_evicted"], kinds
+    [evicted] = [e for e in result.events if e.kind == "straggler_evicted"]
+    assert (evicted.previous_world_size, evicted.world_size) == (4, 3)
+    assert "its slot on node" in evicted.detail and "the node's other workers stay" in evicted.detail
+    assert result.return_value == last + 50

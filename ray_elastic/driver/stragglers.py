@@ -8,22 +8,34 @@ its own compute per step and its wait in the step's gradient collectives
 metrics. `judge_stragglers` reads them and returns a `StragglerVerdict`,
 the decision and its reason first, as the driver's other policies do
 (`policies.py`); the driver carries out an eviction as a graceful leave (the
-path a drained node's workers take: no rollback, no step redone), and
-`Probation` cools the host down before it is offered again.
+path a drained node's workers take: no rollback, no step redone), `Bench`
+holds the leaver's slot (or its whole node) out of the plan, and
+`Probation` sets how long before it is offered again.
+
+Per worker, not per node. With several workers per node, a slow worker is
+let go alone; the verdict names a whole node only when every worker on it
+is a straggler (the node itself is slow), and the prediction and
+`min_workers` then count every worker that would leave. The framework's own
+work on one rank (rank 0's copy of a commit for the checkpoint writer, its
+wait for the previous write) is set aside by the rank's pace meter and
+never reaches these summaries. A rank doing extra work of the user's every
+N steps has a slow mean step but a median step at the others' pace: it is
+kept, and reported, unless it holds the others under 1/`THRESHOLD` of
+their healthy pace for the whole window.
 
 The window, and why. A rank is a straggler when its compute per step is at
 least `THRESHOLD` (1.5x) the median of the others' in at least `SLOW_IN` (8)
 of its last `WINDOW` (10) intervals, i.e. over about 15 s of training, of
 which 12 s must be slow:
 
-- a garbage-collection pause (tens of ms, rarely a second) or a checkpoint
-  write (rank 0 pickles and writes in the background: a few seconds of a
-  shared CPU at worst) slows one or two intervals, three at most; it would
-  have to last 12 s to count. Comparing each interval with the others' pace
+- a garbage-collection pause (tens of ms, rarely a second) or the CPU a
+  background checkpoint write takes (a few seconds of a shared CPU at worst)
+  slows one or two intervals, three at most; it would have to last 12 s to
+  count. Comparing each interval with the others' pace
   over the whole window keeps one bad interval of theirs from moving the bar;
 - a node that turned slow for good is found 12-15 s after it turned, and
   the ring is re-formed about a second later, well within the 30 s after
-  which the run should be back at the healthy pace (issue 39);
+  which the run should be back at the healthy pace;
 - a shorter window (say 5 s) would take a long checkpoint write on a slow
   disk for a slow node; a longer one (a minute) would leave the run at a
   third of its speed for that minute, every time.
@@ -34,8 +46,8 @@ the current generation's intervals count: a reset starts the window again,
 so after an eviction the new world is judged on its own pace.
 
 The threshold, and the prediction. 1.5x is the issue's figure and leaves
-room for the ranks' normal differences (rank 0 reports, commits and writes
-checkpoints; data loading varies), which are far below it here. Being slower
+room for the ranks' normal differences (rank 0 reports; data loading
+varies), which are far below it here. Being slower
 is not enough: the run must be predicted faster without the rank. With n
 ranks, the time to process one global batch (n ranks' batches) is the
 straggler's step, `c_s + w_s`: its compute and its own wait (the last rank
