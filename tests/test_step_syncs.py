@@ -132,3 +132,20 @@ def test_a_notice_agreed_on_a_device_is_acted_on_at_the_next_check_or_at_once_at
     _step(model, opt, 5)
     with pytest.raises(HostsUpdatedInterrupt):
         state.commit()
+
+
+def test_a_commit_keeps_its_copies_on_the_models_device(ring, monkeypatch):
+    """A commit of a model and its optimizer keeps every copy where the tensors live ("meta" stands for a GPU):
+    no silent copy through host memory."""
+    from ray_elastic.torch import TorchState
+
+    monkeypatch.setattr(ring.membership, "kv", type("KV", (), {"post_lasting": lambda self, key, value: None})())
+    model = torch.nn.Linear(8, 4, device="meta")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for p in model.parameters():
+        opt.state[p]["momentum_buffer"] = torch.zeros_like(p)
+    state = TorchState(model=model, optimizer=opt, step=0)
+    state.save()
+    saved = [*state._handlers["model"]._saved.buffers, *state._handlers["optimizer"]._buffers.buffers]
+    assert len(saved) == 4
+    assert {t.device.type for t in saved} == {"meta"}
