@@ -149,3 +149,29 @@ def test_a_commit_keeps_its_copies_on_the_models_device(ring, monkeypatch):
     saved = [*state._handlers["model"]._saved.buffers, *state._handlers["optimizer"]._buffers.buffers]
     assert len(saved) == 4
     assert {t.device.type for t in saved} == {"meta"}
+
+
+def test_ranks_told_at_different_steps_act_at_the_same_step():
+    """Two ranks' runtimes, the notice reaching one at step 3 and the other at step 5: the agreement reduced in
+    step 3 is read at step 4's check on both, so both raise there; no rank reads it at step 3."""
+    from ray_elastic.runtime.membership import Membership
+
+    ranks = [Membership(f"w{r}", kv=None, driver=None, settings=WorkerConfig()) for r in range(2)]
+    for m in ranks:
+        m.group, m.generation = object(), 1  # joined (no collective runs: every check has an agreement)
+    told_at = {0: 3, 1: 5}
+    raised_at: dict[int, int] = {}
+    for step in range(1, 8):
+        for r, m in enumerate(ranks):
+            if step == told_at[r]:
+                m.notify(2)
+        reduced = max(int(m.notice > m.generation) for m in ranks)  # what the step's allreduce computes
+        for r, m in enumerate(ranks):
+            if r in raised_at:
+                continue
+            m.agree_on_notice_deferred(lambda reduced=reduced: lambda: reduced > 0)
+            try:
+                m.check_host_updates()
+            except HostsUpdatedInterrupt:
+                raised_at[r] = step
+    assert raised_at == {0: 4, 1: 4}

@@ -67,9 +67,10 @@ class Membership:
         self.fault_hook: Callable[[str], None] | None = None
         # (generation, any notice, or how to learn it) from the last gradient allreduce or DDP's forward
         self._agreed: tuple[int, bool | Callable[[], bool]] | None = None
-        # an agreement read on a device, on its way to host memory: (generation, how to read it at the next check)
-        self._deferred: tuple[int, Callable[[], bool]] | None = None
-        self._deferred_kind: tuple[int, Callable[[], Callable[[], bool]]] | None = None  # see agree_on_notice_deferred
+        # an agreement reduced on a device (see agree_on_notice_deferred): (generation, how to start its copy to
+        # host memory), then, once started, (generation, how to read it at the next check)
+        self._to_copy: tuple[int, Callable[[], Callable[[], bool]]] | None = None
+        self._to_read: tuple[int, Callable[[], bool]] | None = None
         self._at_commit = False  # the next check is a commit's (see committing)
         self._announced = False
         self._failure_told = 0  # the last generation whose failure this worker told the driver of
@@ -200,7 +201,7 @@ class Membership:
 
     def close_group(self) -> None:
         self._agreed = None
-        self._deferred = self._deferred_kind = None
+        self._to_copy = self._to_read = None
         if self.group is not None:
             self.group.close()
             self.group = None
@@ -252,6 +253,7 @@ class Membership:
     def agree_on_notice(self, pending: bool) -> None:
         """A collective all ranks ran (the gradient allreduce) told whether any rank holds a notice."""
         self._agreed = (self.generation, pending)
+        self._to_copy = None
 
     def agree_on_notice_later(self, pending: Callable[[], bool]) -> None:
         """A collective all ranks started will tell whether any rank holds a notice; `pending()` waits for it."""
@@ -269,7 +271,7 @@ class Membership:
         step (which would stall the CPU's kernel launches behind the GPU).
         """
         self._agreed = None
-        self._deferred_kind = (self.generation, start)
+        self._to_copy = (self.generation, start)
 
     def committing(self) -> None:
         """The next check is a commit's: read every agreement now (a commit waits for its copies anyway)."""
@@ -286,16 +288,16 @@ class Membership:
         self.ensure_joined()
         at_commit, self._at_commit = self._at_commit, False
         agreed, self._agreed = self._agreed, None
-        earlier, self._deferred = self._deferred, None
-        started, self._deferred_kind = self._deferred_kind, None
+        earlier, self._to_read = self._to_read, None
+        to_copy, self._to_copy = self._to_copy, None
         gen = self.generation
         pending = earlier is not None and earlier[0] == gen and earlier[1]()
-        if started is not None and started[0] == gen:
-            read = started[1]()
+        if to_copy is not None and to_copy[0] == gen:
+            read = to_copy[1]()
             if at_commit and not pending:
                 pending = read()
             elif not pending:
-                self._deferred = (gen, read)
+                self._to_read = (gen, read)
         elif agreed is not None and agreed[0] == gen:
             pending = (agreed[1]() if callable(agreed[1]) else agreed[1]) or pending
         elif earlier is None or earlier[0] != gen:
