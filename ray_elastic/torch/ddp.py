@@ -208,8 +208,12 @@ class ElasticDDP(torch.nn.Module):
     def _agree_on_notice(self, ctx: Any) -> None:
         """Start the one-number allreduce that tells every rank whether any holds a host-change notice (NCCL).
 
-        It runs while forward and backward compute; `check_host_updates()`
-        waits for it (done by then) instead of running a collective itself.
+        It runs while forward and backward compute; the `check_host_updates()`
+        after the step queues its copy to pinned host memory behind it, and the
+        next check reads it (`Membership.agree_on_notice_deferred`): no check
+        waits for the GPU, nor runs a collective itself. Until the step's
+        check, the worker counts as inside a collective (the driver's
+        stuck-rank check), as for a Gloo notice.
         """
         group = ctx.group
         mine = int(ctx.notice > ctx.generation)
@@ -220,10 +224,14 @@ class ElasticDDP(torch.nn.Module):
         # filled by a kernel: torch.tensor([...], device=gpu) would wait for the GPU to take the host's bytes
         notice = torch.full((1,), mine, dtype=torch.int64, device=group.device)
         work = group.start("check_host_updates", lambda: dist.all_reduce(notice, op=dist.ReduceOp.MAX, async_op=True))
+        collective_activity(True)
 
         def start() -> Any:
-            work.get_future().wait()  # NCCL: the current stream waits for the allreduce, the CPU does not
-            return NoticeCopy(notice, lambda: group.wait_work("check_host_updates", work)).any
+            try:
+                work.get_future().wait()  # NCCL: the current stream waits for the allreduce, the CPU does not
+                return NoticeCopy(notice, lambda: group.wait_work("check_host_updates", work)).any
+            finally:
+                collective_activity(False)
 
         ctx.membership.agree_on_notice_deferred(start)
 
