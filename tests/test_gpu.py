@@ -52,7 +52,7 @@ def gpu_ray():
             pytest.skip("the Ray instance shared by this session has no GPU: run this module on its own")
         yield
         return
-    ray.init(address="local", num_cpus=max(2, GPUS), num_gpus=GPUS, logging_level=logging.WARNING)
+    ray.init(address="local", num_cpus=max(4, GPUS), num_gpus=GPUS, logging_level=logging.WARNING)
     yield
     ray.shutdown()
 
