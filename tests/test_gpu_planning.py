@@ -162,3 +162,47 @@ def test_the_driver_fails_a_ring_that_raises_the_same_error_every_generation_quo
     assert f"rank 0 ({ranks[0]}) raised: {refusal!r}" in core.failure
     assert "same error in two generations in a row" in core.failure
     assert "deadlock" not in core.failure
+
+
+class _SeatKV:
+    """The KV actor's `wait_family` as the ranks of one generation see it: every rank's seat, its own put first."""
+
+    def __init__(self, others: dict[int, GpuSeat]) -> None:
+        self.others = others
+        self.calls: list[tuple] = []
+
+    def wait_family(self, generation, prefix, count, timeout, put=None):
+        self.calls.append((generation, prefix, count, timeout, put))
+        key, value = put
+        posted = {**self.others, int(key[len(prefix) :]): GpuSeat.decode(value)}
+        return [posted[r].encode() for r in range(count)]
+
+
+@pytest.fixture
+def on_gpu_0(monkeypatch):
+    import ray
+
+    from ray_elastic.collective import devices, factory
+
+    monkeypatch.setattr(devices, "ray_gpu_ids", lambda: ["0"])
+    monkeypatch.setattr(ray, "get_runtime_context", lambda: type("Ctx", (), {"get_node_id": lambda self: NODE})())
+    factory._said.clear()
+    return factory
+
+
+def test_a_rank_posts_its_seat_and_plans_from_everyones_before_its_ring_forms(on_gpu_0, caplog):
+    kv = _SeatKV({1: GpuSeat("w2", NODE, ("0",))})
+    with caplog.at_level("WARNING", logger="ray_elastic.collective.factory"):
+        assert on_gpu_0._plan_gpu_ring(kv, 3, 0, 2, 30.0, "auto", "w1") == "gloo"
+        assert on_gpu_0._plan_gpu_ring(kv, 4, 0, 2, 30.0, "auto", "w1") == "gloo"
+    generation, prefix, count, timeout, (key, value) = kv.calls[0]
+    assert (generation, count, timeout, key) == (3, 2, 30.0, f"{prefix}0")
+    assert GpuSeat.decode(value) == GpuSeat("w1", NODE, ("0",))
+    # one line says why, once per process: not at every generation
+    assert [r.getMessage() for r in caplog.records] == [
+        "generation 3: w1 (rank 0), w2 (rank 1) share GPU 0 of node a1b2c3d4e5f6 and NCCL allows one rank per GPU: "
+        "this ring runs torch Gloo, its CUDA tensors staged through host memory (whole GPUs per worker give NCCL)"
+    ]
+    with pytest.raises(DeviceConflictError):
+        on_gpu_0._plan_gpu_ring(kv, 5, 0, 2, 30.0, "nccl", "w1")
+    assert on_gpu_0._plan_gpu_ring(_SeatKV({1: GpuSeat("w2", NODE, ("1",))}), 6, 0, 2, 30.0, "nccl", "w1") == "nccl"
