@@ -47,7 +47,8 @@ class NoticeCopy:
     def __init__(self, reduced: torch.Tensor, before_read: Callable[[], None] | None = None) -> None:
         first = reduced.detach().reshape(-1)[:1].to(torch.float32)
         self._host = host_buffer(first)
-        self._host.copy_(first, non_blocking=True)
+        # without waiting only where an event can tell when the copy landed (CUDA); elsewhere a plain copy
+        self._host.copy_(first, non_blocking=first.is_cuda)
         self._event = None
         if first.is_cuda:
             self._event = torch.cuda.Event()
