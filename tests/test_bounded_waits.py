@@ -13,7 +13,7 @@ import pytest
 import ray
 
 from ray_elastic.data import feed, shard
-from ray_elastic.data.starvation import Starvation
+from ray_elastic.data.starvation import Probe, Starvation
 from ray_elastic.exceptions import RendezvousTimeoutError
 
 
@@ -30,7 +30,9 @@ class _StalledDataset:
 
 def test_a_block_the_feed_never_produces_ends_the_ranks_wait_naming_the_block_and_the_dataset():
     dataset = _StalledDataset()
-    epoch = feed._Epoch("train", dataset, ahead=8, budget=1e9, starvation=Starvation(60.0, 1, probe=lambda: 4.0))
+    epoch = feed._Epoch(
+        "train", dataset, ahead=8, budget=1e9, starvation=Starvation(60.0, 1, probe=lambda: Probe(4.0, 0.0, 0))
+    )
     started = time.monotonic()
     try:
         with pytest.raises(RendezvousTimeoutError, match=r"block 0 of dataset 'train' was not produced within 0.3 s"):

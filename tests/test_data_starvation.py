@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ray_elastic.data.starvation import Starvation
+from ray_elastic.data.starvation import Probe, Starvation
 from ray_elastic.exceptions import DataStarvedError
 
 
@@ -16,9 +16,15 @@ class Clock:
         return self.t
 
 
-def watch(free: list[float], data_cpus: int = 0, timeout: float = 60.0) -> tuple[Starvation, Clock]:
+def watch(
+    free: list[float], data_cpus: int = 0, timeout: float = 60.0, waiting: list[float] | None = None, running=None
+) -> tuple[Starvation, Clock]:
+    """A starvation clock whose probe reads `free` CPUs, `waiting` CPUs asked by pending tasks (1 by default)
+    and the job's `running` tasks (none by default)."""
     clock = Clock()
-    return Starvation(timeout, data_cpus, probe=lambda: free[0], clock=clock), clock
+    waiting = [1.0] if waiting is None else waiting
+    running = [0] if running is None else running
+    return Starvation(timeout, data_cpus, probe=lambda: Probe(free[0], waiting[0], running[0]), clock=clock), clock
 
 
 def wait(starvation: Starvation, clock: Clock, seconds: float, since: float, produced_at: float = 0.0) -> None:
@@ -34,7 +40,7 @@ def test_no_block_for_the_timeout_while_no_cpu_is_free_fails_naming_the_cause_an
     with pytest.raises(DataStarvedError) as e:
         wait(starvation, clock, 1, since=100.0)
     message = str(e.value)
-    assert "no block of dataset 'train' for 60 s while the cluster had no free CPU" in message
+    assert "no block of dataset 'train' for 60 s while the cluster had no free CPU, tasks waited" in message
     assert "data_cpus=0" in message and "data_starvation_timeout" in message
 
 
@@ -47,5 +53,16 @@ def test_a_block_produced_or_a_free_cpu_restarts_the_count():
     wait(slow, clock, 300, since=clock.t)
     free[0] = 0.0
     wait(slow, clock, 59, since=100.0)  # the CPUs were taken a moment ago: 59 s, not 359
+    with pytest.raises(DataStarvedError, match="data_cpus=1"):
+        wait(slow, clock, 1, since=100.0)
+
+
+def test_a_pipeline_busy_on_its_own_cpu_is_slow_not_starved():
+    """data_cpus=1 left one CPU, which the pipeline's own long task keeps busy while its next tasks queue."""
+    running = [1]
+    slow, clock = watch(free=[0.0], data_cpus=1, running=running)
+    wait(slow, clock, 300, since=clock.t)  # one block taking 5 minutes: never a DataStarvedError
+    running[0] = None  # the state API stopped answering: no free CPU and a task waiting decide
+    wait(slow, clock, 59, since=100.0)
     with pytest.raises(DataStarvedError, match="data_cpus=1"):
         wait(slow, clock, 1, since=100.0)

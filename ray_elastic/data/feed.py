@@ -35,6 +35,7 @@ from typing import Any
 
 import ray
 
+from ray_elastic.auth import Authed
 from ray_elastic.data.starvation import PROBE_EVERY_S, Starvation
 from ray_elastic.exceptions import RendezvousTimeoutError
 
@@ -60,10 +61,20 @@ def _count_rows(ref: Any, name: str, index: int) -> int:
 class _Epoch:
     """One epoch of one dataset: its table of ((block reference, first row) or None once released, rows)."""
 
-    def __init__(self, name: str, dataset: Any, ahead: int, budget: float, starvation: Starvation) -> None:
+    def __init__(
+        self,
+        name: str,
+        dataset: Any,
+        ahead: int,
+        budget: float,
+        starvation: Starvation,
+        on_slow: Callable[[str, int, float], None] | None = None,
+    ) -> None:
         self.name = name
         self.dataset = dataset
         self.starvation = starvation
+        self.on_slow = on_slow  # told (dataset, block, seconds) of a wait past the starvation timeout, once a block
+        self._slow: set[int] = set()
         self.ahead = ahead
         self.refs: list[Any] = []
         self.rows: list[int] = []
@@ -174,6 +185,11 @@ class _Epoch:
             self.cond.wait(min(left, PROBE_EVERY_S))
             if not done():
                 self.starvation.check(self.name, since, self.produced_at)
+        took = time.monotonic() - since
+        # as long as a starved pipeline would have failed, but it ran: slow, and said so once per block
+        if took >= self.starvation.timeout and index not in self._slow and self.on_slow is not None:
+            self._slow.add(index)
+            self.on_slow(self.name, index, took)
 
     def _refill(self, start: int) -> None:
         """Blocks from `start` were let go but are wanted again: execute the epoch once more."""
@@ -200,7 +216,12 @@ class Feed:
     """Wrapped by `ray.remote` in `create_feed_actor`; a threaded actor."""
 
     def __init__(
-        self, datasets: dict[str, Any], data_cpus: int, starvation_timeout: float, ahead_blocks: int = 8
+        self,
+        datasets: dict[str, Any],
+        data_cpus: int,
+        starvation_timeout: float,
+        namespace: str = "",
+        ahead_blocks: int = 8,
     ) -> None:
         from ray.data import DataContext
 
@@ -217,6 +238,7 @@ class Feed:
         self._starvation = Starvation(starvation_timeout, data_cpus)
         self._epochs: dict[tuple[str, int], _Epoch] = {}
         self._lock = threading.Lock()
+        self._namespace = namespace  # the run's, where its driver is named
 
     def _epoch(self, name: str, epoch: int) -> _Epoch:
         if name not in self._datasets:
@@ -224,8 +246,19 @@ class Feed:
         with self._lock:
             key = (name, epoch)
             if key not in self._epochs:
-                self._epochs[key] = _Epoch(name, self._datasets[name], self._ahead, self._budget, self._starvation)
+                self._epochs[key] = _Epoch(
+                    name, self._datasets[name], self._ahead, self._budget, self._starvation, self._report_slow
+                )
             return self._epochs[key]
+
+    def _report_slow(self, name: str, block: int, seconds: float) -> None:
+        """A block came after a long wait with its pipeline running: the driver records a `data_slow` event."""
+        logger.warning("block %d of dataset %r took %.1f s to produce; its pipeline was running", block, name, seconds)
+        try:
+            driver = ray.get_actor("driver", namespace=self._namespace)
+            Authed(driver, self._run_token).data_slow.remote(name, block, seconds)  # not awaited: a note
+        except Exception:  # noqa: BLE001 - a driver restarting misses one note; training is not held for it
+            logger.warning("could not tell the run's driver that dataset %r is slow", name, exc_info=True)
 
     def blocks(self, name: str, epoch: int, start: int, wait_s: float) -> tuple[list[tuple[Any, int]], bool]:
         return self._epoch(name, epoch).blocks(start, wait_s)
@@ -264,5 +297,5 @@ def create_feed_actor(
     cls = ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1)(with_token_check(Feed))
     handle = cls.options(
         name="feed", namespace=namespace, max_concurrency=64, scheduling_strategy=scheduling_strategy
-    ).remote(token, datasets, data_cpus, starvation_timeout)
+    ).remote(token, datasets, data_cpus, starvation_timeout, namespace)
     return Authed(handle, token)

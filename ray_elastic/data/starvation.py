@@ -2,11 +2,15 @@
 
 Ray Data's tasks need CPUs. When the run's workers (or other jobs) hold
 every CPU of the cluster, the pipeline starts no task and a rank waiting for
-its next block would wait without a word (measured: 0 batches in 10
-minutes). `Starvation.check` is called by the feed while a rank waits for a
-block: once nothing was produced for `timeout` seconds and no probe in that
-time found a whole CPU free, it raises `DataStarvedError` naming the cause
-and the `data_cpus` option.
+its next block would wait without a word. `Starvation.check` is called by
+the feed while a rank waits for a block: once nothing was produced for
+`timeout` seconds and every probe in that time found no whole CPU free,
+tasks waiting for one, and none of the job's tasks running, it raises
+`DataStarvedError` naming the cause and the `data_cpus` option. No CPU
+free alone is no evidence: a data-bound pipeline keeps the CPU it was left
+busy with its own task (and Ray Data queues its next tasks behind it), and
+a block that takes long is slow, not starved (the feed reports it as
+`data_slow`).
 
 Ray Data's own guard (`DataContext.execution_no_progress_timeout_s`, 30
 minutes by default) cannot stand in for this: it counts a consumer that
@@ -19,17 +23,51 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 from ray_elastic.exceptions import DataStarvedError
 
 PROBE_EVERY_S = 1.0  # how often the cluster's free CPUs are read while a rank waits
 
 
-def free_cpus() -> float:
-    """The CPUs of the Ray cluster no task or actor holds now."""
-    import ray
+class Probe(NamedTuple):
+    """One look at the cluster while a rank waits for a block."""
 
-    return ray.available_resources().get("CPU", 0.0)
+    free_cpus: float  # CPUs no task or actor holds
+    waiting_cpus: float  # CPUs that tasks and actors waiting to be scheduled ask for
+    running_tasks: int | None  # the job's tasks (Ray Data's reads and maps) executing now; None: unknown
+
+    @property
+    def fed(self) -> bool:
+        """Whether the pipeline can run: a CPU is free, no task waits for one, or one of its tasks runs."""
+        return self.free_cpus >= 1.0 or self.waiting_cpus <= 0 or bool(self.running_tasks)
+
+
+def probe_cluster() -> Probe:
+    """Look at the cluster from the feed actor: free CPUs, the demand the GCS gathers, the job's running tasks.
+
+    The demand is what `ray status` shows, gathered from every node whether
+    or not an autoscaler runs. The running tasks come from Ray's state API
+    (the dashboard); where it does not answer they are unknown, and the
+    first two decide alone.
+    """
+    import ray
+    from ray.autoscaler.v2.sdk import get_cluster_status
+
+    free = ray.available_resources().get("CPU", 0.0)
+    demands = get_cluster_status(ray.get_runtime_context().gcs_address).resource_demands.ray_task_actor_demand
+    waiting = sum(b.bundle.get("CPU", 0.0) * b.count for demand in demands for b in demand.bundles_by_count)
+    running: int | None = None
+    if free < 1.0 and waiting > 0:
+        try:
+            from ray.util.state import list_tasks
+
+            filters = [("job_id", "=", ray.get_runtime_context().get_job_id()), ("state", "=", "RUNNING")]
+            tasks = list_tasks(filters=filters, limit=100, timeout=PROBE_EVERY_S * 5, raise_on_missing_output=False)
+            running = sum(1 for t in tasks if t.type == "NORMAL_TASK")
+        except Exception:  # noqa: BLE001 - no dashboard: the free CPUs and the demand decide
+            running = None
+    return Probe(free, waiting, running)
 
 
 class Starvation:
@@ -44,7 +82,7 @@ class Starvation:
         self,
         timeout: float,
         data_cpus: int,
-        probe: Callable[[], float] = free_cpus,
+        probe: Callable[[], Probe] = probe_cluster,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.timeout = timeout
@@ -53,7 +91,7 @@ class Starvation:
         self._clock = clock
         self._lock = threading.Lock()
         self._probed_at = float("-inf")
-        self._cpu_free_at = float("-inf")  # the last probe that found a whole CPU free
+        self._fed_at = float("-inf")  # the last probe that found the pipeline able to run (`Probe.fed`)
 
     def check(self, name: str, waiting_since: float, produced_at: float) -> None:
         """Raise `DataStarvedError` if dataset `name` is starved: call it while a rank waits for a block.
@@ -65,9 +103,9 @@ class Starvation:
             now = self._clock()
             if now - self._probed_at >= PROBE_EVERY_S:
                 self._probed_at = now
-                if self._probe() >= 1.0:  # a Ray Data task asks for one CPU unless told otherwise
-                    self._cpu_free_at = now
-            starved_for = now - max(waiting_since, produced_at, self._cpu_free_at)
+                if self._probe().fed:
+                    self._fed_at = now
+            starved_for = now - max(waiting_since, produced_at, self._fed_at)
         if starved_for >= self.timeout:
             raise DataStarvedError(self._message(name, starved_for))
 
@@ -84,6 +122,6 @@ class Starvation:
             )
         return (
             f"Ray Data produced no block of dataset {name!r} for {starved_for:.0f} s while the cluster had no free "
-            f"CPU: {cause}. If a single task of the pipeline legitimately runs this long, or the cluster is "
-            f"scaling up, raise data_starvation_timeout (now {self.timeout:g} s)."
+            f"CPU, tasks waited for one and none of the pipeline's ran: {cause}. If the cluster is scaling up, "
+            f"raise data_starvation_timeout (now {self.timeout:g} s)."
         )

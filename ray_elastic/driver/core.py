@@ -239,7 +239,7 @@ class DriverCore:
             # declared dead (killed as hung, or cut off and healed): its death is recorded, its word is void
             logger.info("ignored %s from worker %s, declared dead", type(msg).__name__, sender)
             return
-        if not isinstance(msg, (m.Tick, m.PingResults, m.HostsDiscovered, m.PacesReported)):
+        if not isinstance(msg, (m.Tick, m.PingResults, m.HostsDiscovered, m.PacesReported, m.DataSlow)):
             self._replan = True  # the others change the plan's inputs only through statuses and benched hosts
         if isinstance(msg, m.HostsDiscovered):
             self._replan |= self.scaling.update_hosts(msg.hosts, now)
@@ -277,6 +277,12 @@ class DriverCore:
             self.failures.on_checkpoint_found(msg, now)
         elif isinstance(msg, m.PacesReported):
             self.paces.on_paces(msg, now)
+        elif isinstance(msg, m.DataSlow):
+            detail = (
+                f"block {msg.block} of dataset {msg.dataset!r} took {msg.seconds:.1f} s to produce; its pipeline "
+                "was running (slow, not starved of CPUs)"
+            )
+            record.events.append(gens.event(EventKind.DATA_SLOW, detail, now))
         elif isinstance(msg, m.Tick):
             self.paces.release(now)
             if not gens.check_wait(now, cooling=len(self.failures.cooldown.cooling(now))):

@@ -167,6 +167,15 @@ class PacesReported:
 
 
 @dataclass(frozen=True)
+class DataSlow:
+    """A dataset's block came only after a wait as long as a starved pipeline would fail in, its pipeline running."""
+
+    dataset: str
+    block: int
+    seconds: float
+
+
+@dataclass(frozen=True)
 class Tick:
     """Periodic: deadlines, cool-downs ending."""
 
@@ -194,6 +203,7 @@ Message = (
     | KVLost
     | KVRestarted
     | PacesReported
+    | DataSlow
     | Tick
     | Stop
 )
