@@ -29,7 +29,7 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
-	$(BIN)/pip install -q -e '.[torch,test,examples,data]'
+	$(BIN)/pip install -q -e '.[torch,test,examples,data,lightning,transformers]'
 	touch $(STAMP)
 
 venv310: $(STAMP310)
