@@ -1,0 +1,99 @@
+"""The Lightning adapter without Ray: refusals, the LR rescale, the resumed epoch's loader, the op names."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import pytest
+import pytorch_lightning
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from ray_elastic.lightning import ElasticDDPStrategy, ElasticEnvironment, prepare_trainer
+from ray_elastic.lightning.core import EpochLoader, _op_name, rescale_lr
+from ray_elastic.torch import ElasticSampler
+
+
+def trainer(**kwargs) -> pl.Trainer:
+    return pl.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False, **kwargs)
+
+
+def test_max_time_is_refused_before_training_naming_it():
+    with pytest.raises(ValueError, match="max_time"):
+        prepare_trainer(trainer(max_time="00:00:10:00", strategy=ElasticDDPStrategy(), plugins=[ElasticEnvironment()]))
+
+
+def test_several_devices_per_worker_are_refused():
+    with pytest.raises(ValueError, match="devices=1"):
+        prepare_trainer(trainer(devices=2, strategy=ElasticDDPStrategy(), plugins=[ElasticEnvironment()]))
+
+
+def test_a_sharded_strategy_is_refused_naming_it():
+    class DeepSpeedStrategy(pl.strategies.SingleDeviceStrategy):  # stands for the real one (not installed here)
+        pass
+
+    t = trainer()
+    t._accelerator_connector.strategy = DeepSpeedStrategy(device=torch.device("cpu"))
+    with pytest.raises(ValueError, match="DeepSpeedStrategy strategy shards the model"):
+        prepare_trainer(t)
+
+
+def test_a_trainer_with_lightnings_defaults_gets_the_elastic_strategy():
+    t = prepare_trainer(trainer(max_epochs=1))
+    assert isinstance(t.strategy, ElasticDDPStrategy)
+    assert isinstance(t.strategy.cluster_environment, ElasticEnvironment)
+    assert t.strategy.commits in t.callbacks
+
+
+def test_pytorch_lightning_trainers_get_their_own_packages_classes():
+    from ray_elastic.lightning import pytorch_lightning as elastic_ptl
+
+    t = prepare_trainer(
+        pytorch_lightning.Trainer(accelerator="cpu", logger=False, strategy=elastic_ptl.ElasticDDPStrategy())
+    )
+    assert isinstance(t.strategy, pytorch_lightning.strategies.DDPStrategy)
+    assert isinstance(t.strategy.cluster_environment, elastic_ptl.ElasticEnvironment)
+
+
+def test_the_ring_decides_the_process_group():
+    with pytest.raises(ValueError, match="process_group"):
+        ElasticDDPStrategy(process_group=None)
+    with pytest.raises(ValueError, match="commit_every"):
+        ElasticDDPStrategy(commit_every=0)
+
+
+def test_rescale_lr_scales_groups_and_scheduler_bases_alike():
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    opt.step()
+    sched.step()  # lr 0.05
+    rescale_lr([opt], [sched], 4 / 2)
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.1)
+    assert sched.base_lrs == [pytest.approx(0.2)]
+
+
+def test_lightnings_reduce_ops_map_to_the_librarys():
+    assert _op_name("mean") == "average" and _op_name(None) == "average"
+    assert _op_name(torch.distributed.ReduceOp.SUM) == "sum"
+    with pytest.raises(ValueError, match="mean, sum"):
+        _op_name("product")
+
+
+def test_a_resumed_epochs_loader_counts_the_committed_batches_and_records_what_it_hands_out():
+    data = TensorDataset(torch.arange(40))
+    sampler = ElasticSampler(data, shuffle=False)
+    sampler.set_world(0, 2)
+    loader = EpochLoader(DataLoader(data, batch_size=4, sampler=sampler), sampler, offset=0)
+    assert len(loader) == 5  # 20 indices for rank 0 of 2, batches of 4
+    it = iter(loader)
+    next(it), next(it)
+    sampler.record_pending()  # a commit after the second step
+    committed = sampler.state_dict()
+    assert sampler.num_processed == 16  # two batches on each of 2 ranks
+
+    fresh = ElasticSampler(data, shuffle=False)
+    fresh.load_state_dict(committed)
+    fresh.set_world(0, 3)  # resumed on a smaller ring
+    resumed = EpochLoader(DataLoader(data, batch_size=4, sampler=fresh), fresh, offset=2)
+    assert len(resumed) == 2 + 2  # 24 left over 3 ranks: 8 each, 2 batches, after the 2 committed
+    assert sum(1 for _ in resumed) == 2 and fresh.num_remaining == 0

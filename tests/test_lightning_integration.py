@@ -1,0 +1,193 @@
+"""Lightning on the cluster: a Trainer kept through a SIGKILL, a node added and a graceful leave.
+
+One elastic run of a LightningModule on synthetic regression data, 4
+workers: rank 1 is SIGKILLed mid-epoch, a node joins, then that node leaves
+gracefully. Each rank keeps a per-step record of the samples it trained in
+the module's checkpoint hooks, so the record rolls back with the commit. A
+fault-free 4-worker run of the same module gives the loss to compare with.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from concurrent.futures import Future
+from math import ceil
+from pathlib import Path
+
+import pytest
+from conftest import wait_until
+
+import ray_elastic as elastic
+
+N, BATCH, EPOCHS = 1536, 16, 8
+
+
+def lightning_train_fn(config: dict) -> dict:
+    import lightning.pytorch as pl
+    import torch
+    import torchmetrics
+    from torch.utils.data import DataLoader, Dataset
+
+    from ray_elastic.lightning import ElasticDDPStrategy, ElasticEnvironment, prepare_trainer
+
+    out = Path(config["out"])
+    (out / f"pid-{os.getpid()}").touch()
+
+    class Indexed(Dataset):
+        def __init__(self) -> None:
+            g = torch.Generator().manual_seed(0)
+            self.x = torch.randn(N, 8, generator=g)
+            self.y = self.x @ torch.arange(1.0, 9.0).unsqueeze(1) + 0.1 * torch.randn(N, 1, generator=g)
+
+        def __len__(self) -> int:
+            return N
+
+        def __getitem__(self, i: int):
+            return i, self.x[i], self.y[i]
+
+    class Regression(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Linear(8, 1)
+            self.mse = torchmetrics.MeanSquaredError()
+            self.seen: list = []  # (epoch, global step, world size, sample ids) per trained batch
+
+        def training_step(self, batch, batch_idx):
+            ids, x, y = batch
+            self.seen.append((self.current_epoch, self.global_step, self.trainer.world_size, ids.tolist()))
+            fault = config.get("fault")
+            if fault and self.global_step == fault["step"] and self.global_rank == fault["rank"]:
+                if not os.path.exists(fault["marker"]):
+                    Path(fault["marker"]).write_text(str(os.getpid()))
+                    os.kill(os.getpid(), signal.SIGKILL)
+            if config.get("step_s"):
+                time.sleep(config["step_s"])  # paces the workload so joins happen mid-run
+            pred = self.net(x)
+            loss = torch.nn.functional.mse_loss(pred, y)
+            self.mse(pred, y)
+            self.log("train_loss", loss, sync_dist=True)
+            self.log("train_mse", self.mse, on_step=False, on_epoch=True)
+            if self.global_rank == 0:
+                (out / "progress").write_text(json.dumps([self.global_step, self.trainer.world_size]))
+            return loss
+
+        def on_save_checkpoint(self, checkpoint):
+            checkpoint["seen"] = list(self.seen)
+
+        def on_load_checkpoint(self, checkpoint):
+            self.seen = list(checkpoint["seen"])
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    data = Indexed()
+    model = Regression()
+    trainer = pl.Trainer(
+        max_epochs=EPOCHS, accelerator="cpu", strategy=ElasticDDPStrategy(commit_every=5),
+        plugins=[ElasticEnvironment()], enable_checkpointing=False, logger=False,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+    )
+    prepare_trainer(trainer).fit(model, train_dataloaders=DataLoader(data, batch_size=BATCH, shuffle=True))
+    with torch.no_grad():
+        final = float(torch.nn.functional.mse_loss(model.net(data.x), data.y))
+    params = torch.cat([p.detach().flatten() for p in model.parameters()])
+    everyone = elastic.allgather_object(
+        {"pid": os.getpid(), "params": params.tolist(), "seen": model.seen,
+         "train_loss": float(trainer.callback_metrics["train_loss"]), "rank": elastic.rank()}
+    )
+    return {"global_step": trainer.global_step, "final_loss": final, "ranks": everyone,
+            "train_mse": float(trainer.callback_metrics["train_mse"])}
+
+
+def fit_in_thread(trainer: elastic.ElasticTrainer) -> Future:
+    fut: Future = Future()
+
+    def target() -> None:
+        try:
+            fut.set_result(trainer.fit())
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            fut.set_exception(e)
+
+    threading.Thread(target=target, daemon=True).start()
+    return fut
+
+
+def implied_steps(seen: list) -> int:
+    """The optimizer steps an epoch's world sizes imply, checked segment by segment against the sampler's split."""
+    total = 0
+    for epoch in sorted({s[0] for s in seen}):
+        steps = [s for s in seen if s[0] == epoch]
+        remaining = N
+        segments: list[list] = []
+        for s in steps:
+            if not segments or segments[-1][0] != s[2]:
+                segments.append([s[2], 0])
+            segments[-1][1] += 1
+        for i, (world, count) in enumerate(segments):
+            if i == len(segments) - 1:  # the segment that ends the epoch takes every remaining sample
+                assert count == ceil(ceil(remaining / world) / BATCH), (epoch, segments, remaining)
+            remaining -= min(remaining, world * BATCH * count)
+        total += len(steps)
+    return total
+
+
+def test_a_lightning_trainer_goes_on_through_a_sigkill_a_join_and_a_graceful_leave(cluster, no_leaks, tmp_path):
+    host_a, host_b = (node.node_id for node in cluster.worker_nodes_at_start)
+    hosts = tmp_path / "hosts.json"
+    hosts.write_text(json.dumps({host_a: 2, host_b: 2}))
+    out = tmp_path / "out"
+    out.mkdir()
+    marker = tmp_path / "killed"
+    config = {"out": str(out), "step_s": 0.06, "fault": {"rank": 1, "step": 10, "marker": str(marker)}}
+    fut = fit_in_thread(
+        elastic.ElasticTrainer(
+            lightning_train_fn, min_workers=2, max_workers=4, config=config,
+            discovery=lambda: json.loads(hosts.read_text()), cooldown_range=(120, 120), verbose=0,
+        )
+    )
+    progress = out / "progress"
+
+    def world() -> int:
+        return json.loads(progress.read_text())[1] if progress.exists() else 0
+
+    node = None
+    try:
+        wait_until(lambda: marker.exists() and world() == 3 or fut.done(), 120, "the SIGKILL and a world of 3")
+        node = cluster.add_node(num_cpus=1)
+        hosts.write_text(json.dumps({host_a: 2, host_b: 2, node.node_id: 1}))
+        wait_until(lambda: world() == 4 or fut.done(), 120, "the added node's worker to join")
+        hosts.write_text(json.dumps({host_a: 2, host_b: 2}))  # the node leaves gracefully
+        wait_until(lambda: world() == 3 or fut.done(), 120, "the added node's worker to leave")
+        result = fut.result(timeout=240)
+    finally:
+        if node is not None:
+            cluster.remove_node(node)
+    kinds = [e.kind for e in result.events]
+    assert "worker_failed" in kinds and "hosts_added" in kinds and "hosts_removed" in kinds, kinds
+    ranks = result.return_value["ranks"]
+    # ranks bitwise equal, and every sync_dist value the same on every rank
+    assert all(r["params"] == ranks[0]["params"] for r in ranks)
+    assert len({r["train_loss"] for r in ranks}) == 1
+    # survivors kept their process: 4 starters and one newcomer, never a restart
+    started = {int(p.name.split("-")[1]) for p in out.glob("pid-*")}
+    assert len(started) == 5 and {r["pid"] for r in ranks} <= started
+    # every sample of each epoch trained exactly once (padding to an even split aside)
+    seen = [s for r in ranks for s in r["seen"]]
+    for epoch in range(EPOCHS):
+        ids = [i for s in seen if s[0] == epoch for i in s[3]]
+        assert set(ids) == set(range(N)), epoch
+        assert len(ids) - N <= 3 * 4, (epoch, len(ids))  # at most one padded split per resize
+    # global_step: the steps the run's world sizes imply, none lost, none counted twice
+    rank0 = next(r for r in ranks if r["rank"] == 0)["seen"]
+    assert [s[1] for s in rank0] == list(range(len(rank0)))
+    assert result.return_value["global_step"] == implied_steps(rank0)
+    # the torchmetrics metric synced through the resizes
+    assert result.return_value["train_mse"] == pytest.approx(ranks[0]["train_loss"], rel=1.0)
+    free = elastic.ElasticTrainer(
+        lightning_train_fn, min_workers=4, max_workers=4, config={"out": str(tmp_path)}, verbose=0
+    ).fit()
+    assert result.return_value["final_loss"] == pytest.approx(free.return_value["final_loss"], rel=0.05)
