@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The GPU checks of the GPU path, in one go (about 4-5 minutes; 7 at most: 120 s for the bench, 300 s for the tests), for a lent GPU machine.
+# The GPU checks of the GPU path, in one go, for a lent GPU machine: about 4-5 minutes, 7 at most
+# (120 s for the bench, 300 s for the tests).
 #
 # Runs from the repository root, with torch (a CUDA build) installed and Ray, pytest and the other test
 # dependencies installed into /tmp/site (or already importable). Writes every log and figure under $OUT
