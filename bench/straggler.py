@@ -44,7 +44,12 @@ the end). A step number that goes down would be steps redone: counted.
 Writes bench/results/straggler.json. Reports, never asserts.
 
     timeout 1200 flock /tmp/ray_cluster.lock .venv/bin/python bench/straggler.py \\
-        [--slow-s 60] [--arms evict,keep,raytrain,healthy3]
+        [--slow-s 60] [--arms evict,keep,raytrain,healthy3] [--per-node 2]
+
+With `--per-node 2` (written to bench/results/straggler_2pernode.json): 2
+nodes of 2 CPUs, two workers on each, and at step 100 only rank 3's worker
+process is put under the quota (a cgroup holding that process alone), so
+the eviction arm's world should go from 4 to 3, not 2.
 """
 
 from __future__ import annotations
@@ -100,6 +105,8 @@ def elastic_train_fn(config: dict) -> int:
 
     @elastic.run
     def train(state) -> int:
+        if config.get("pids") and state.step == 0:  # which process holds which rank, to slow one worker alone
+            Path(config["dir"], f"pid-{elastic.rank()}").write_text(str(os.getpid()))
         while True:
             if step_s:  # every rank the same work per step (a larger model's compute, without its CPU)
                 time.sleep(step_s)
@@ -184,14 +191,22 @@ def _cpu_s(pids: list[int]) -> float:
 
 
 def run_arm(
-    arm: str, slow_node, slow_s: float, workdir: str, calm_s: float = 600.0, store_s: float = 1.5, step_s: float = 0.018
+    arm: str,
+    slow_node,
+    slow_s: float,
+    workdir: str,
+    calm_s: float = 600.0,
+    store_s: float = 1.5,
+    step_s: float = 0.018,
+    per_node: int = 1,
 ) -> dict:
-    """Start the arm, slow the node at step 100, stop `slow_s` later; the progress and the events."""
+    """Start the arm, slow the node (with `per_node` > 1: rank 3's process alone) at step 100, stop `slow_s`
+    later; the progress and the events."""
     outcome: dict = {}
 
     def fit() -> None:
         try:
-            config = {"dir": workdir}
+            config = {"dir": workdir, "pids": per_node > 1}
             if arm == "raytrain":
                 from ray.train import RunConfig, ScalingConfig
                 from ray.train.torch import TorchTrainer
@@ -220,7 +235,7 @@ def run_arm(
 
     thread = threading.Thread(target=fit, daemon=True)
     thread.start()
-    pids = cluster_node_pids(slow_node)
+    pids = cluster_node_pids(slow_node) if per_node == 1 else []
     quota = None
     slowed_at = None
     try:
@@ -230,13 +245,18 @@ def run_arm(
             rows = _progress(workdir)
             step = rows[-1][0] if rows else 0
             if calibration is None and step >= 40:
+                if per_node > 1:
+                    pids = [int(Path(workdir, "pid-3").read_text())]
                 calibration = (_cpu_s(pids), time.monotonic())
             slows = arm not in ("healthy3", "calm", "duties")
             if slows and slowed_at is None and step >= SLOW_AT and calibration is not None:
                 share = (_cpu_s(pids) - calibration[0]) / (time.monotonic() - calibration[1])
                 quota = CpuQuota()
                 for pid in pids:
-                    quota.add_tree(pid)
+                    if per_node > 1:
+                        quota.add([pid])  # that worker process alone: its node-mate keeps its CPU
+                    else:
+                        quota.add_tree(pid)
                 quota.set(share / 3)
                 slowed_at = time.time()
                 outcome["share_before"], outcome["quota_cpus"] = share, share / 3
@@ -316,6 +336,13 @@ def main() -> None:
     parser.add_argument("--calm-s", type=float, default=600.0, help="how long the calm and duties arms run")
     parser.add_argument("--store-s", type=float, default=1.5, help="duties: the checkpoint store's time per write")
     parser.add_argument("--step-s", type=float, default=0.018, help="duties: each rank's extra work per step")
+    parser.add_argument(
+        "--per-node",
+        type=int,
+        default=1,
+        choices=(1, 2),
+        help="2: 2 nodes of 2 CPUs, two workers on each, and one worker process slowed, not its node",
+    )
     args = parser.parse_args()
     arms = [a for a in (*ARMS, "calm", "duties") if a in args.arms.split(",")]
     apart = [a for a in arms if a in ("calm", "duties")]
@@ -337,13 +364,16 @@ def main() -> None:
         if len(apart) == len(arms):
             return
     arms = [a for a in arms if a not in apart]
+    if args.per_node > 1 and "raytrain" in arms:
+        raise SystemExit("--per-node 2 slows one ray-elastic worker process; leave raytrain out")
+    name = "straggler" if args.per_node == 1 else f"straggler_{args.per_node}pernode"
     outs: dict[str, dict] = {}
-    with local_cluster(nodes=4, cpus=1) as (_, nodes):
+    with local_cluster(nodes=4 // args.per_node, cpus=args.per_node) as (_, nodes):
         for arm in arms:
             with tempfile.TemporaryDirectory(prefix=f"straggler-{arm}-") as workdir:
                 print(f"[{arm}] running", flush=True)
-                outs[arm] = run_arm(arm, nodes[-1], args.slow_s, workdir, args.calm_s)
-    write_results("straggler_raw", [], arms=outs)  # every arm's progress and events, before anything is read
+                outs[arm] = run_arm(arm, nodes[-1], args.slow_s, workdir, args.calm_s, per_node=args.per_node)
+    write_results(f"{name}_raw", [], arms=outs)  # every arm's progress and events, before anything is read
     healthy3 = summarize("healthy3", outs["healthy3"], None)["healthy_steps_s"] if "healthy3" in outs else None
     rows = [summarize(arm, outs[arm], healthy3) for arm in arms]
     print(f"\n{'arm':<10} {'before':>8} {'slow':>8} {'after':>8} {'phase':>8} {'evict s':>8} {'0.9 s':>7} redone")
@@ -365,7 +395,7 @@ def main() -> None:
         if r.get("evict_detail"):
             print(f"\n[{r['arm']}] straggler_evicted: {r['evict_detail']}")
     meta = {arm: {k: v for k, v in out.items() if k not in ("rows", "events")} for arm, out in outs.items()}
-    write_results("straggler", rows, slow_s=args.slow_s, slow_at_step=SLOW_AT, arms=meta)
+    write_results(name, rows, slow_s=args.slow_s, slow_at_step=SLOW_AT, per_node=args.per_node, arms=meta)
 
 
 if __name__ == "__main__":
