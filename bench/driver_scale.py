@@ -16,7 +16,8 @@ slots each, with every rank's pace window full (10 summaries each, as after
 - the straggler policy's judgement over every window (once per interval);
 - the loop's busy fraction over `--flow-s` simulated seconds of traffic: every
   rank's pace summary every 1.5 s, rank 0's report batch every 0.25 s, a
-  liveness round every `liveness_timeout/3`, a tick every 0.5 s. Messages
+  liveness round every `liveness_timeout/3`, a tick every 0.5 s, discovery
+  offering the same hosts every second. Messages
   arrive on that schedule; the loop takes what has arrived as one batch and
   spends on it the real time the shell's call handling, `handle` and
   `persist` take; busy is that time over the span.
@@ -200,6 +201,10 @@ def flow(run: Run, seconds: float, liveness_timeout: float = 5.0) -> dict:
     while t < seconds:
         at(t, "tick")
         t += TICK_S
+    t = 1.0  # discovery_interval's default: the same hosts, every second
+    while t < seconds:
+        at(t, "hosts")
+        t += 1.0
     clock, busy, batches, largest = 0.0, 0.0, 0, 0
     base_now = run.now
 
@@ -219,6 +224,8 @@ def flow(run: Run, seconds: float, liveness_timeout: float = 5.0) -> dict:
                 elif kind == "ping":
                     msg = m.PingResults(answered=frozenset(members), timed_out=frozenset(), sent_at=base_now + t)
                     arrived.append((kind, None, msg))
+                elif kind == "hosts":
+                    arrived.append((kind, None, m.HostsDiscovered(dict(run.hosts))))
                 else:
                     arrived.append((kind, None, m.Tick()))
             started = time.perf_counter()

@@ -944,3 +944,20 @@ def test_metric_sequence_numbers_are_kept_for_the_batches_that_carried_reports_o
         assert seqs.take("w0", seq, reports=True)
     assert len(seqs._seen["w0"].above) <= Seqs.SPAN + 1
     assert not seqs.take("w0", 499, reports=True)
+
+
+def test_discovery_offering_the_same_hosts_again_changes_nothing_durable():
+    from ray_elastic.driver.durability import DurableChanges
+
+    s = Script(min_workers=1)
+    s.start({"A": 2, "B": 2})
+    changes = DurableChanges()
+
+    def seen(hosts: dict) -> bool:
+        msg = m.HostsDiscovered(hosts)
+        return changes.seen([msg], s.send(msg))
+
+    assert seen({"A": 2, "B": 2}) is True  # the first poll this shell sees
+    assert seen({"A": 2, "B": 2}) is False
+    assert seen({"A": 2}) is True  # a host missing: kept for one more poll, and recorded so
+    assert seen({"A": 2, "B": 2}) is True

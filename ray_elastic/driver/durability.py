@@ -113,13 +113,15 @@ class DurableChanges:
     Ticks and the ranks' pace summaries never do by themselves (what they
     decide comes with actions, or with an event the next batch writes); a
     liveness round does only when a member missed it or answers again
-    after missing one (the core's record of its silence). The members silent
-    so far are followed here from the rounds themselves, so telling costs
-    the round's misses, not its members.
+    after missing one (the core's record of its silence); discovery, every
+    `discovery_interval`, only when it offers other hosts than its last
+    poll. The members silent so far are followed here from the rounds
+    themselves, so telling costs the round's misses, not its members.
     """
 
     def __init__(self) -> None:
         self._silent: set[str] = set()
+        self._offered: Any = None  # the hosts discovery's last poll offered
 
     def seen(self, batch: list[Any], actions: list[Any]) -> bool:
         changed = bool(actions)
@@ -128,6 +130,10 @@ class DurableChanges:
                 if msg.timed_out or any(w in msg.answered for w in self._silent):
                     changed = True
                 self._silent = set(msg.timed_out)  # one silent before and in neither list now is gone
+            elif isinstance(msg, m.HostsDiscovered):
+                if msg.hosts != self._offered:
+                    changed = True
+                    self._offered = msg.hosts
             elif not isinstance(msg, _QUIET):
                 changed = True
         return changed
