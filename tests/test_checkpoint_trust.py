@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import ray_elastic as elastic
@@ -157,6 +157,7 @@ def _same(written: object, read: object) -> bool:
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=_UNHEALTHY_OK)
+@example(values={"a": b"", "b": [b"", frozenset()]}, torch_objects={"a", "b"})  # b"" pickles as a call of bytes()
 @given(values=st.dictionaries(st.sampled_from(["a", "b", "c", "d"]), _values, min_size=1, max_size=4),
        torch_objects=st.sets(st.sampled_from(["a", "b", "c", "d"])))
 def test_whatever_a_state_holds_every_pt_loads_with_weights_only_and_reads_back(tmp_path_factory, values,

@@ -74,6 +74,8 @@ def _weights_only_form(value: Any) -> Any:
     not plain raises, and the entry goes to the pickled ones.
     """
     kind = type(value)
+    if kind is bytes and not value:
+        raise _Unsafe  # protocol 2 pickles b"" as a call of `bytes`, which the safe unpickler refuses
     if kind in _PLAIN or kind in (bytes, bytearray, complex):
         return value
     torch = _torch()
