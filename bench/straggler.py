@@ -244,11 +244,11 @@ def run_arm(
             time.sleep(0.05)  # polling rank 0's progress file
             rows = _progress(workdir)
             step = rows[-1][0] if rows else 0
+            slows = arm not in ("healthy3", "calm", "duties")
             if calibration is None and step >= 40:
-                if per_node > 1:
+                if per_node > 1 and slows:
                     pids = [int(Path(workdir, "pid-3").read_text())]
                 calibration = (_cpu_s(pids), time.monotonic())
-            slows = arm not in ("healthy3", "calm", "duties")
             if slows and slowed_at is None and step >= SLOW_AT and calibration is not None:
                 share = (_cpu_s(pids) - calibration[0]) / (time.monotonic() - calibration[1])
                 quota = CpuQuota()
