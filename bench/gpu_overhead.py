@@ -105,7 +105,7 @@ class Arm:
         if kind == "plain_ddp":
             model = torch.nn.parallel.DistributedDataParallel(model)
         elif kind == "elastic_ddp":
-            model = prepare_model(model)
+            model = prepare_model(model, move_to_device=False)  # no Ray worker here to say which GPU
         self.model = model
         opt: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
         if kind == "elastic_opt":

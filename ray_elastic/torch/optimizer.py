@@ -286,8 +286,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
                         p.grad = None
                 offset += n
             if bucket is self._buckets[-1]:
-                bucket.flat[-1] = 1.0 if ctx.notice > ctx.generation else 0.0
-        bucket.work = ctx.group.allreduce_async(bucket.flat, Sum)
+                # fill_ takes the value as a kernel argument; item assignment copies it from pageable host memory,
+                # which makes the CPU wait for the device
+                bucket.flat[-1:].fill_(1.0 if ctx.notice > ctx.generation else 0.0)
+        # alone in the world the bucket already holds the sum (and the notice its agreement): a collective
+        # would only make synchronize() wait for the device, ending the overlap of launches and kernels
+        bucket.work = ctx.group.allreduce_async(bucket.flat, Sum) if size > 1 else None
 
     # ---- step ------------------------------------------------------------
     def synchronize(self) -> None:
