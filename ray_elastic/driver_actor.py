@@ -312,6 +312,10 @@ class DriverActor:
         """Rank 0 loaded the durable checkpoint before its first sync."""
         await self._take(m.WorkerResumed(worker_id, meta))
 
+    async def backend_note(self, reason: str) -> None:
+        """Rank 0: its ring runs another backend than asked (ranks sharing a GPU): an event says why."""
+        await self._take(m.BackendNote(reason))
+
     async def data_slow(self, dataset: str, block: int, seconds: float) -> None:
         """The feed actor: a block came late, its pipeline running (an event, not a failure)."""
         await self._take(m.DataSlow(dataset, block, seconds))

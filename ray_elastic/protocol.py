@@ -40,6 +40,7 @@ class EventKind(_StrEnum):
     RESUMED = "resumed"  # rank 0 loaded the durable checkpoint
     KV_RESTARTED = "kv_restarted"  # the rendezvous (KV) actor died and Ray restarted it: the generation was restored
     DRIVER_RESTARTED = "driver_restarted"  # the driver actor died and Ray restarted it: it resumed from its snapshot
+    BACKEND_CHANGED = "backend_changed"  # ranks share a GPU: their ring runs Gloo with host staging, not NCCL
     DATA_SLOW = "data_slow"  # a dataset's block took as long as data_starvation_timeout, its pipeline running
     SNAPSHOT_REFUSED = "snapshot_refused"  # a restarted driver found an older snapshot than the run's: the run fails
     STRAGGLER_EVICTED = "straggler_evicted"  # a persistently slow worker left gracefully; its host cools down

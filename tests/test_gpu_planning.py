@@ -192,9 +192,10 @@ def on_gpu_0(monkeypatch):
 
 def test_a_rank_posts_its_seat_and_plans_from_everyones_before_its_ring_forms(on_gpu_0, caplog):
     kv = _SeatKV({1: GpuSeat("w2", NODE, ("0",))})
+    told: list[str] = []  # what rank 0 hands the driver, which makes it the run's backend_changed event
     with caplog.at_level("WARNING", logger="ray_elastic.collective.factory"):
-        assert on_gpu_0._plan_gpu_ring(kv, 3, 0, 2, 30.0, "auto", "w1") == "gloo"
-        assert on_gpu_0._plan_gpu_ring(kv, 4, 0, 2, 30.0, "auto", "w1") == "gloo"
+        assert on_gpu_0._plan_gpu_ring(kv, 3, 0, 2, 30.0, "auto", "w1", told.append) == "gloo"
+        assert on_gpu_0._plan_gpu_ring(kv, 4, 0, 2, 30.0, "auto", "w1", told.append) == "gloo"
     generation, prefix, count, timeout, (key, value) = kv.calls[0]
     assert (generation, count, timeout, key) == (3, 2, 30.0, f"{prefix}0")
     assert GpuSeat.decode(value) == GpuSeat("w1", NODE, ("0",))
@@ -203,6 +204,19 @@ def test_a_rank_posts_its_seat_and_plans_from_everyones_before_its_ring_forms(on
         "generation 3: w1 (rank 0), w2 (rank 1) share GPU 0 of node a1b2c3d4e5f6 and NCCL allows one rank per GPU: "
         "this ring runs torch Gloo, its CUDA tensors staged through host memory (whole GPUs per worker give NCCL)"
     ]
+    assert told == [caplog.records[0].getMessage().removeprefix("generation 3: ")]
     with pytest.raises(DeviceConflictError):
         on_gpu_0._plan_gpu_ring(kv, 5, 0, 2, 30.0, "nccl", "w1")
     assert on_gpu_0._plan_gpu_ring(_SeatKV({1: GpuSeat("w2", NODE, ("1",))}), 6, 0, 2, 30.0, "nccl", "w1") == "nccl"
+
+
+def test_the_driver_makes_rank_0s_backend_reason_one_event_the_user_sees():
+    from ray_elastic.config import RunConfig
+    from ray_elastic.driver import messages as m
+    from ray_elastic.driver.core import DriverCore
+
+    core = DriverCore(RunConfig(min_workers=1, max_workers=2, resources_per_worker={"CPU": 1.0}))
+    reason = "w1 (rank 0), w2 (rank 1) share GPU 0 ...: this ring runs torch Gloo"
+    core.handle([m.BackendNote(reason)], 1.0)
+    core.handle([m.BackendNote(reason)], 2.0)  # every generation plans the same: one event
+    assert [(e.kind, e.detail) for e in core.events] == [("backend_changed", reason)]

@@ -8,6 +8,7 @@ at module level: a numpy-only worker never loads torch.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import ray
 
@@ -59,6 +60,7 @@ def make_group(
     local_rank: int = 0,
     requested: str = "auto",
     worker_id: str = "",
+    note: Callable[[str], None] | None = None,
 ) -> CollectiveGroup:
     """Build the ring for `generation` with the chosen backend (`local_rank` picks an NCCL worker's GPU).
 
@@ -70,7 +72,7 @@ def make_group(
     listened.
     """
     if backend == "nccl" and size > 1:
-        backend = _plan_gpu_ring(kv, generation, rank, size, timeout, requested, worker_id)
+        backend = _plan_gpu_ring(kv, generation, rank, size, timeout, requested, worker_id, note)
     if backend == "nccl":
         # optional dependency (torch)
         from ray_elastic.collective.nccl import TorchNcclGroup
@@ -101,9 +103,20 @@ def make_group(
 
 
 def _plan_gpu_ring(
-    kv: KVClient, generation: int, rank: int, size: int, timeout: float, requested: str, worker_id: str
+    kv: KVClient,
+    generation: int,
+    rank: int,
+    size: int,
+    timeout: float,
+    requested: str,
+    worker_id: str,
+    note: Callable[[str], None] | None = None,
 ) -> str:
-    """The backend of an NCCL run's ring for `generation`, from every rank's GPUs (one KV call per rank)."""
+    """The backend of an NCCL run's ring for `generation`, from every rank's GPUs (one KV call per rank).
+
+    A plan that departs from NCCL is logged once per process, and rank 0
+    hands its reason to `note` (the run's driver makes it an event the user sees).
+    """
     seat = devices.GpuSeat(
         worker_id or f"rank {rank}", ray.get_runtime_context().get_node_id(), tuple(devices.ray_gpu_ids())
     )
@@ -112,6 +125,8 @@ def _plan_gpu_ring(
     if plan.reason and plan.reason not in _said:
         _said.add(plan.reason)  # once per process: every generation of this placement plans the same
         logger.log(logging.WARNING if rank == 0 else logging.INFO, "generation %d: %s", generation, plan.reason)
+        if rank == 0 and note is not None:
+            note(plan.reason)
     return plan.backend
 
 

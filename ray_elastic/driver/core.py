@@ -239,7 +239,7 @@ class DriverCore:
             # declared dead (killed as hung, or cut off and healed): its death is recorded, its word is void
             logger.info("ignored %s from worker %s, declared dead", type(msg).__name__, sender)
             return
-        if not isinstance(msg, (m.Tick, m.PingResults, m.HostsDiscovered, m.PacesReported, m.DataSlow)):
+        if not isinstance(msg, (m.Tick, m.PingResults, m.HostsDiscovered, m.PacesReported, m.DataSlow, m.BackendNote)):
             self._replan = True  # the others change the plan's inputs only through statuses and benched hosts
         if isinstance(msg, m.HostsDiscovered):
             self._replan |= self.scaling.update_hosts(msg.hosts, now)
@@ -283,6 +283,9 @@ class DriverCore:
                 "was running (slow, not starved of CPUs)"
             )
             record.events.append(gens.event(EventKind.DATA_SLOW, detail, now))
+        elif isinstance(msg, m.BackendNote):
+            if not any(e.kind is EventKind.BACKEND_CHANGED and e.detail == msg.reason for e in record.events):
+                record.events.append(gens.event(EventKind.BACKEND_CHANGED, msg.reason, now))
         elif isinstance(msg, m.Tick):
             self.paces.release(now)
             if not gens.check_wait(now, cooling=len(self.failures.cooldown.cooling(now))):

@@ -176,6 +176,13 @@ class DataSlow:
 
 
 @dataclass(frozen=True)
+class BackendNote:
+    """Rank 0's ring runs another backend than the run asked for (ranks sharing a GPU), and why."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
 class Tick:
     """Periodic: deadlines, cool-downs ending."""
 
@@ -204,6 +211,7 @@ Message = (
     | KVRestarted
     | PacesReported
     | DataSlow
+    | BackendNote
     | Tick
     | Stop
 )

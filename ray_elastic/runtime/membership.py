@@ -158,6 +158,7 @@ class Membership:
                     local_rank=slot.local_rank,
                     requested=self.settings.backend_requested,
                     worker_id=self.worker_id,
+                    note=lambda reason: self.driver.backend_note.remote(reason),
                 )
             except (HorovodInternalError, GenerationSupersededError, RendezvousTimeoutError) as e:
                 # a peer died while the ring formed: the driver publishes a newer generation
