@@ -203,7 +203,11 @@ class _ElasticTrainer:
         trainer.push_to_hub = _refuse_push_to_hub
         handler = trainer.callback_handler
         begin = handler.on_train_begin
-        handler.on_train_begin = lambda *a, **k: begin(*a, **k) if self._first_begin() else k.get("control", a[-1])
+
+        def on_train_begin(args: Any, state: Any, control: Any) -> Any:
+            return begin(args, state, control) if self._first_begin() else control
+
+        handler.on_train_begin = on_train_begin
 
     # ---- entry points ------------------------------------------------------------------------
 
