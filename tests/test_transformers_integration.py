@@ -28,6 +28,7 @@ from conftest import wait_until
 from ray_elastic import ElasticTrainer
 
 pytestmark = pytest.mark.integration
+pytest.importorskip("transformers")  # the `transformers` extra
 
 N_SAMPLES = 96
 SEQ = 16
