@@ -183,6 +183,9 @@ def test_two_workers_sharing_one_gpu_train_on_gloo_through_a_sigkill_and_end_equ
     ).fit()
     assert marker.exists()
     assert "worker_failed" in [e.kind for e in result.events]
+    changed = [e.detail for e in result.events if e.kind == "backend_changed"]
+    if backend == "auto":  # the user sees why the ring is not NCCL: once per pair of ranks (the replacement's too)
+        assert 1 <= len(changed) <= 2 and all("NCCL allows one rank per GPU" in c for c in changed), changed
     out = result.return_value
     assert out["backend"] == "gloo"
     assert out["steps"] == 52  # 40 steps after the kill at step 12
