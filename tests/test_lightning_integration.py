@@ -72,7 +72,8 @@ def lightning_train_fn(config: dict) -> dict:
             self.log("train_loss", loss, sync_dist=True)
             self.log("train_mse", self.mse, on_step=False, on_epoch=True)
             if self.global_rank == 0:
-                (out / "progress").write_text(json.dumps([self.global_step, self.trainer.world_size]))
+                (out / "progress.tmp").write_text(json.dumps([self.global_step, self.trainer.world_size]))
+                os.replace(out / "progress.tmp", out / "progress")  # the test never reads half a file
             return loss
 
         def on_save_checkpoint(self, checkpoint):
@@ -142,7 +143,7 @@ def test_a_lightning_trainer_goes_on_through_a_sigkill_a_join_and_a_graceful_lea
     out = tmp_path / "out"
     out.mkdir()
     marker = tmp_path / "killed"
-    config = {"out": str(out), "step_s": 0.06, "fault": {"rank": 1, "step": 10, "marker": str(marker)}}
+    config = {"out": str(out), "step_s": 0.15, "fault": {"rank": 1, "step": 10, "marker": str(marker)}}
     fut = fit_in_thread(
         elastic.ElasticTrainer(
             lightning_train_fn, min_workers=2, max_workers=4, config=config,

@@ -256,6 +256,14 @@ def build(pl: Any) -> SimpleNamespace:
                 module.rank_zero_only.rank = elastic.rank()
 
         @property
+        def root_device(self) -> torch.device:
+            # one device per worker (Lightning indexes its devices by the local rank, which counts workers)
+            return self.parallel_devices[0]
+
+        def _configure_launcher(self) -> None:
+            self._launcher = None  # Ray started the processes
+
+        @property
         def distributed_sampler_kwargs(self) -> dict[str, Any]:
             # for validation and test loaders; the training loader gets an ElasticSampler
             return {"num_replicas": elastic.size(), "rank": elastic.rank()}
@@ -282,14 +290,14 @@ def build(pl: Any) -> SimpleNamespace:
             super().teardown()
 
         # ---- the commit ---------------------------------------------------------------------
-        def load_checkpoint(self, checkpoint_path: Any) -> dict[str, Any]:
+        def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
             if checkpoint_path == COMMIT_PATH:
                 if self.pending_commit is None:
                     raise RuntimeError("no in-memory commit to resume from")
                 self._resumed = True
                 return self.pending_commit
             self._resumed = True  # a user's checkpoint file: every rank loads the same one
-            return super().load_checkpoint(checkpoint_path)
+            return super().load_checkpoint(checkpoint_path, *args, **kwargs)
 
         # ---- data -------------------------------------------------------------------------
         def process_dataloader(self, dataloader: Any) -> Any:
