@@ -57,20 +57,19 @@ class BrokenRings:
     def on_pings(self, msg: m.PingResults, now: float) -> None:
         """Kill the members that stopped answering, unless their CPU time shows them computing (`judge_missed_ping`)."""
         roster, config = self.record.roster, self.record.config
-        for worker_id in msg.answered:
+        # only an answer from a worker not yet heard from, or silent, changes its record
+        for worker_id in roster.unsettled.intersection(msg.answered):
             rec = roster.get(worker_id)
             if rec is not None:
-                rec.answered = True
                 if rec.spared:
                     logger.info("worker %s answers again after %.1f s busy", worker_id, now - rec.silent_since)
-                rec.silent_since, rec.spared = None, False
+                rec.heard()
         for worker_id in sorted(msg.timed_out):
             rec = roster.get(worker_id)
             # a process still starting (runtime env, imports) is bounded by the boot deadline instead
             if rec is None or rec.status not in ALIVE or not rec.answered:
                 continue
-            if rec.silent_since is None:
-                rec.silent_since = msg.sent_at
+            rec.went_silent(msg.sent_at)
             busy, reason = judge_missed_ping(
                 msg.samples.get(worker_id, "no reading was taken"),
                 silent_for=now - rec.silent_since,

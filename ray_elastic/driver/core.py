@@ -249,7 +249,7 @@ class DriverCore:
             rec = record.roster.get(msg.worker_id)
             if rec is not None and rec.status is WorkerStatus.STARTING:
                 rec.status = WorkerStatus.READY
-                rec.answered = True  # its process is up: from now on the liveness check applies
+                rec.heard()  # its process is up: from now on the liveness check applies
         elif isinstance(msg, m.WorkerExited):
             if isinstance(msg.outcome, UserError):
                 self.failures.on_user_error(msg, now)

@@ -67,6 +67,17 @@ class WorkerRecord:
             self._roster._move(self, self._status, status)
             self._status = status
 
+    def heard(self) -> None:
+        """It answered (a ping, or said it is ready): its process is up, and any silence is over."""
+        self.answered, self.silent_since, self.spared = True, None, False
+        self._roster.unsettled.discard(self.worker_id)
+
+    def went_silent(self, since: float) -> None:
+        """It missed a ping; its silence counts from `since` until it answers again."""
+        if self.silent_since is None:
+            self.silent_since = since
+        self._roster.unsettled.add(self.worker_id)
+
     @property
     def holds_state(self) -> bool:
         """Whether it finished a sync, so it holds the trained state (the newest commit, with its generation)."""
@@ -89,6 +100,9 @@ class Roster:
         self._by_status: dict[WorkerStatus, dict[str, WorkerRecord]] = {s: {} for s in _STATUSES}
         # workers declared dead and still on record; one no longer on record (pruned) is just as void
         self.fenced: set[str] = set()
+        # workers whose record an answer changes (not answered yet, or silent): a liveness round where
+        # everyone answered touches only these, not every worker
+        self.unsettled: set[str] = set()
         self._seq = 0
         self.version = 0  # bumped by every change the core plans from
 
@@ -98,6 +112,7 @@ class Roster:
         rec = WorkerRecord(self, f"w{self._seq}", host, self._seq, WorkerStatus.STARTING, now)
         self.workers[rec.worker_id] = rec
         self._by_status[WorkerStatus.STARTING][rec.worker_id] = rec
+        self.unsettled.add(rec.worker_id)
         self.version += 1
         return rec
 
@@ -150,6 +165,7 @@ class Roster:
         for worker_id in gone:
             del self.workers[worker_id], self._by_status[WorkerStatus.GONE][worker_id]
             self.fenced.discard(worker_id)
+            self.unsettled.discard(worker_id)
         return bool(gone)
 
     # ---- the snapshot: columns, not one pickled object per worker ---------------------
@@ -178,6 +194,8 @@ class Roster:
         for (worker_id, host, seq, status, started), (answered, holds) in zip(columns, flags, strict=True):
             rec = WorkerRecord(self, worker_id, host, seq, _STATUSES[status], started)
             rec.answered = bool(answered)
+            if not answered or worker_id in state["silent"]:
+                self.unsettled.add(worker_id)
             if holds:
                 rec.took_state()
             rec.silent_since = state["silent"].get(worker_id)
