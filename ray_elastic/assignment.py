@@ -60,7 +60,11 @@ def assign_ranks(workers: Sequence[LiveWorker]) -> dict[str, WorkerSlot]:
     number of such hosts, as in Horovod.
     """
     by_host: dict[str, list[str]] = {}
-    for w in sorted(workers, key=_holders_first):
+    ordered = sorted(workers, key=_BY_AGE)
+    # holders first, each group still oldest first: a second, stable sort on a bool key (reverse keeps the
+    # order of equals) costs a third of one tuple-keyed sort, which at thousands of workers is a death's cost
+    ordered.sort(key=_HOLDS, reverse=True)
+    for w in ordered:
         by_host.setdefault(w.host, []).append(w.worker_id)
     # dicts keep insertion order: hosts come in the order of their oldest worker
     size = len(workers)
@@ -88,8 +92,7 @@ def assign_ranks(workers: Sequence[LiveWorker]) -> dict[str, WorkerSlot]:
 _BY_AGE = attrgetter("seq")  # oldest first; seq is unique, so no tie-break is needed
 
 
-def _holders_first(w: LiveWorker) -> tuple[bool, int]:
-    return not w.holds, w.seq
+_HOLDS = attrgetter("holds")
 
 
 @dataclass(frozen=True)
