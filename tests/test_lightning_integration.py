@@ -58,7 +58,9 @@ def lightning_train_fn(config: dict) -> dict:
 
         def training_step(self, batch, batch_idx):
             ids, x, y = batch
-            self.seen.append((self.current_epoch, self.global_step, self.trainer.world_size, ids.tolist()))
+            # every rank's ids of this step (over the ring), so any survivor's record covers the ranks that left
+            step_ids = self.all_gather(ids).flatten().tolist()
+            self.seen.append((self.current_epoch, self.global_step, self.trainer.world_size, step_ids))
             fault = config.get("fault")
             if fault and self.global_step == fault["step"] and self.global_rank == fault["rank"]:
                 if not os.path.exists(fault["marker"]):
@@ -177,13 +179,13 @@ def test_a_lightning_trainer_goes_on_through_a_sigkill_a_join_and_a_graceful_lea
     started = {int(p.name.split("-")[1]) for p in out.glob("pid-*")}
     assert len(started) == 5 and {r["pid"] for r in ranks} <= started
     # every sample of each epoch trained exactly once (padding to an even split aside)
-    seen = [s for r in ranks for s in r["seen"]]
+    rank0 = next(r for r in ranks if r["rank"] == 0)["seen"]
+    seen = rank0
     for epoch in range(EPOCHS):
         ids = [i for s in seen if s[0] == epoch for i in s[3]]
         assert set(ids) == set(range(N)), epoch
         assert len(ids) - N <= 3 * 4, (epoch, len(ids))  # at most one padded split per resize
     # global_step: the steps the run's world sizes imply, none lost, none counted twice
-    rank0 = next(r for r in ranks if r["rank"] == 0)["seen"]
     assert [s[1] for s in rank0] == list(range(len(rank0)))
     assert result.return_value["global_step"] == implied_steps(rank0)
     # the torchmetrics metric synced through the resizes
