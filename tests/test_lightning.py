@@ -79,21 +79,24 @@ def test_lightnings_reduce_ops_map_to_the_librarys():
         _op_name("product")
 
 
-def test_a_resumed_epochs_loader_counts_the_committed_batches_and_records_what_it_hands_out():
+def test_a_batch_counts_as_trained_when_its_step_ends_not_when_lightning_fetches_it_ahead():
+    """Lightning fetches one batch ahead: counting batches as handed out skipped one batch per rank at a rollback."""
     data = TensorDataset(torch.arange(40))
     sampler = ElasticSampler(data, shuffle=False)
     sampler.set_world(0, 2)
     loader = EpochLoader(DataLoader(data, batch_size=4, sampler=sampler), sampler, offset=0)
     assert len(loader) == 5  # 20 indices for rank 0 of 2, batches of 4
     it = iter(loader)
-    next(it), next(it)
-    sampler.record_pending()  # a commit after the second step
-    committed = sampler.state_dict()
-    assert sampler.num_processed == 16  # two batches on each of 2 ranks
+    next(it), next(it), next(it)  # batches 0 and 1 stepped on, batch 2 fetched ahead
+    loader.trained(0), loader.trained(1)
+    committed = sampler.state_dict()  # a commit after the second step
+    assert sampler.num_processed == 16, "two batches on each of 2 ranks; the batch fetched ahead is not trained"
 
     fresh = ElasticSampler(data, shuffle=False)
     fresh.load_state_dict(committed)
     fresh.set_world(0, 3)  # resumed on a smaller ring
     resumed = EpochLoader(DataLoader(data, batch_size=4, sampler=fresh), fresh, offset=2)
     assert len(resumed) == 2 + 2  # 24 left over 3 ranks: 8 each, 2 batches, after the 2 committed
-    assert sum(1 for _ in resumed) == 2 and fresh.num_remaining == 0
+    for batch_idx, _ in enumerate(resumed, start=2):  # Lightning numbers the resumed epoch's batches from 2
+        resumed.trained(batch_idx)
+    assert fresh.num_remaining == 0

@@ -82,8 +82,9 @@ class EpochLoader:
     Lightning counts a resumed epoch's batches from where the commit left it
     (`offset`) and ends the epoch when that count reaches the loader's
     length, so the length is `offset` plus the batches this rank still has.
-    Each batch is held by the sampler as it is handed out and counts as
-    trained when the loop comes back for the next one or at a commit.
+    A batch counts as trained only when the loop says its step ended
+    (`trained`, from the commit callback's `on_train_batch_end`): Lightning
+    fetches one batch ahead, so a batch handed out is not yet trained.
     """
 
     def __init__(self, loader: DataLoader, sampler: ElasticSampler, offset: int) -> None:
@@ -95,11 +96,11 @@ class EpochLoader:
         return self.offset + len(self.loader)
 
     def __iter__(self) -> Iterator[Any]:
-        batch_size = self.loader.batch_size
-        for i, batch in enumerate(self.loader):
-            self.sampler.hold_batch(i, batch_size)
-            yield batch
-        self.sampler.record_pending()
+        return iter(self.loader)
+
+    def trained(self, batch_idx: int) -> None:
+        """Lightning's batch `batch_idx` of the epoch ended its step: its samples are trained."""
+        self.sampler.record_batch(batch_idx - self.offset, self.loader.batch_size)
 
     def __getattr__(self, name: str) -> Any:
         loader = self.__dict__.get("loader")
@@ -182,8 +183,6 @@ def build(pl: Any) -> SimpleNamespace:
 
         def state_dict(self) -> dict[str, Any]:
             sampler = self.strategy.train_sampler
-            if sampler is not None:
-                sampler.record_pending()  # the batch just stepped on is trained
             return {"sampler": None if sampler is None else sampler.state_dict(), "lr_world": self.lr_world}
 
         def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -199,6 +198,8 @@ def build(pl: Any) -> SimpleNamespace:
             self._last_step = trainer.global_step
 
         def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            if self.strategy.train_loader is not None:
+                self.strategy.train_loader.trained(batch_idx)
             step = trainer.global_step
             if step == self._last_step or self.state is None:
                 return  # gradient accumulation: no optimizer step, so nothing new to commit
@@ -239,6 +240,7 @@ def build(pl: Any) -> SimpleNamespace:
             self.scale_lr = bool(scale_lr)
             self.commits = ElasticCommits(self)
             self.train_sampler: ElasticSampler | None = None
+            self.train_loader: EpochLoader | None = None  # told which batches ended their step
             self.pending_sampler_state: dict[str, Any] | None = None
             self.pending_commit: dict[str, Any] | None = None  # the commit the next fit resumes from
             self._resumed = False
@@ -327,7 +329,8 @@ def build(pl: Any) -> SimpleNamespace:
                 elastic_sampler.load_state_dict(self.train_sampler.state_dict())
             self.train_sampler = elastic_sampler
             rebuilt = update_dataloader(dataloader, elastic_sampler, mode=None)
-            return EpochLoader(rebuilt, elastic_sampler, offset)
+            self.train_loader = EpochLoader(rebuilt, elastic_sampler, offset)
+            return self.train_loader
 
         # ---- collectives over the current ring ----------------------------------------------
         def barrier(self, name: str | None = None) -> None:
