@@ -22,6 +22,7 @@ import uuid
 import fsspec
 import pytest
 from fsspec.implementations.memory import MemoryFileSystem
+from test_checkpoint import FlakyStore
 
 from ray_elastic.checkpoint import CheckpointStore, CheckpointWriter
 
@@ -89,8 +90,10 @@ def test_two_writers_never_share_a_directory(root):
     store = CheckpointStore(root, keep=5)
     other = CheckpointStore(root, keep=5)
     # the other writer lists the directory and writes while this one's first file is still being written
-    store.write({"x": Hook(lambda: other.write({"x": 2}, {"generation": 2, "commit": 9})), "y": 1},
-                {"generation": 2, "commit": 9})
+    store.write(
+        {"x": Hook(lambda: other.write({"x": 2}, {"generation": 2, "commit": 9})), "y": 1},
+        {"generation": 2, "commit": 9},
+    )
     contents = sorted(store.read(p, allow_pickle=True)[0]["x"] for p in store.checkpoints())
     assert contents == [2, 7], "each write is whole in a directory of its own"
     assert len({p.rsplit("/", 1)[-1] for p in store.checkpoints()}) == 2
@@ -101,8 +104,9 @@ def test_pruning_never_removes_a_newer_checkpoint_another_writer_is_still_writin
     stale = CheckpointStore(root, keep=1)
     stale.write({"x": 0}, {"generation": 3, "commit": 90})
     # the new rank 0 is writing generation 4's checkpoint when the stale one's write lands and prunes
-    new.write({"x": Hook(lambda: stale.write({"x": 1}, {"generation": 3, "commit": 95}))},
-              {"generation": 4, "commit": 100})
+    new.write(
+        {"x": Hook(lambda: stale.write({"x": 1}, {"generation": 3, "commit": 95}))}, {"generation": 4, "commit": 100}
+    )
     assert new.read(allow_pickle=True)[0] == {"x": 7}
     assert new.meta()["commit"] == 100
     assert len(new.checkpoints()) == 1, "the stale ones went at the next write"
@@ -130,20 +134,6 @@ def test_a_torn_write_older_than_the_newest_is_removed_a_newer_one_is_left(root)
     left = sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(store.root, detail=False))
     assert len(left) == 2 and "-g000005-" in left[0] and "-g000009-" in left[1], left
     assert store.read()[0] == {"a": 5}
-
-
-class FlakyStore(CheckpointStore):
-    """A real store whose first `failures` writes fail, as a throttled bucket's would."""
-
-    def __init__(self, url: str, failures: int) -> None:
-        super().__init__(url)
-        self.failures = failures
-
-    def write(self, entries, meta, fence=None) -> str:
-        if self.failures:
-            self.failures -= 1
-            raise OSError("503 Slow Down")
-        return super().write(entries, meta, fence=fence)
 
 
 def test_a_writer_superseded_during_its_back_off_does_not_write_on_the_retry(root):

@@ -13,14 +13,13 @@ from __future__ import annotations
 import json
 import os
 import signal
-import threading
 import time
-from concurrent.futures import Future
 from pathlib import Path
 
 import numpy as np
 import pytest
 from conftest import wait_until
+from test_integration import fit_in_thread
 from workloads import FileDiscovery
 
 import ray_elastic as elastic
@@ -94,15 +93,7 @@ def test_a_newcomer_held_back_until_every_holder_is_gone_does_not_overwrite_the_
         config={"folder": str(tmp_path), "held": "w3"},
         verbose=0,
     )
-    fut: Future = Future()
-
-    def fit() -> None:
-        try:
-            fut.set_result(trainer.fit())
-        except BaseException as e:  # noqa: BLE001 - handed to the test
-            fut.set_exception(e)
-
-    threading.Thread(target=fit, daemon=True).start()
+    fut = fit_in_thread(trainer)
 
     def until(predicate, what: str) -> None:
         """Wait for `predicate`, or for fit() to end early (then its error is the test's)."""

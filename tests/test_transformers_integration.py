@@ -17,13 +17,12 @@ import json
 import math
 import os
 import signal
-import threading
 import time
-from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
 from conftest import wait_until
+from test_integration import fit_in_thread
 
 from ray_elastic import ElasticTrainer
 
@@ -136,19 +135,6 @@ def hf_train_fn(config: dict) -> dict:
     }
 
 
-def _fit_in_thread(trainer: ElasticTrainer) -> Future:
-    fut: Future = Future()
-
-    def target() -> None:
-        try:
-            fut.set_result(trainer.fit())
-        except BaseException as e:  # noqa: BLE001 - handed to the test
-            fut.set_exception(e)
-
-    threading.Thread(target=target, daemon=True).start()
-    return fut
-
-
 def _config(tmp_path: Path, name: str, max_steps: int) -> dict:
     starts = tmp_path / f"{name}-starts"
     starts.mkdir()
@@ -160,7 +146,7 @@ def test_trainer_goes_on_through_a_sigkill_and_a_node_added(cluster, no_leaks, t
     config = _config(tmp_path, "faulty", max_steps)
     config["kill"] = {"rank": 2, "step": 12, "marker": str(tmp_path / "killed")}
     config["signal"] = str(tmp_path / "shrunk")
-    fut = _fit_in_thread(
+    fut = fit_in_thread(
         ElasticTrainer(hf_train_fn, min_workers=2, max_workers=4, config=config, cooldown_range=(60, 120), verbose=0)
     )
     wait_until(Path(config["signal"]).exists, 180, "the survivors to train on 3 workers after the SIGKILL")
