@@ -43,7 +43,7 @@ def held_newcomer_train_fn(config: dict) -> dict:
     me = current().worker_id
     if me == config["held"]:
         (folder / f"holding-{me}").touch()
-        _wait_for(folder / "release", 120)
+        _wait_for(folder / "release", 600)  # the test's own waits bound the run; a loaded machine is slow
     state = elastic.ObjectState(step=0, weights=np.zeros(4))
 
     @elastic.run
