@@ -25,7 +25,8 @@ Where it differs, and why:
   `--log-dir/scalars.jsonl` where horovod's writes TensorBoard scalars
   (tensorboard is not a dependency of this project);
 - for the tests only: `--samples`, `--min-hosts`/`--max-hosts` (horovod:
-  2 and 5), `--kill-at EPOCH,BATCH` (rank 1 SIGKILLs itself there, once)
+  2 and 5), `--kill-at EPOCH,BATCH` (rank 1 SIGKILLs itself there or at the first batch after it where there is a
+  rank 1, once)
   and a `RESULTS` line with `executor.run()`'s value.
 
 As in horovod's script, batches are not recorded in the sampler and each
@@ -139,7 +140,8 @@ class ScalarsCallback:
 
 
 def maybe_kill(epoch, batch):
-    if args.kill_at is None or hvd.rank() != 1 or (epoch, batch) != tuple(map(int, args.kill_at.split(","))):
+    # at the first batch from there on where a rank 1 exists: the world may be 1 then, as discovery changes it
+    if args.kill_at is None or hvd.rank() != 1 or (epoch, batch) < tuple(map(int, args.kill_at.split(","))):
         return
     marker = args.checkpoint_format.format(epoch="killed")
     try:  # once per run, whoever holds rank 1 then
