@@ -158,10 +158,13 @@ def _same(written: object, read: object) -> bool:
 
 @settings(max_examples=150, deadline=None, suppress_health_check=_UNHEALTHY_OK)
 @example(values={"a": b"", "b": [b"", frozenset()]}, torch_objects={"a", "b"})  # b"" pickles as a call of bytes()
-@given(values=st.dictionaries(st.sampled_from(["a", "b", "c", "d"]), _values, min_size=1, max_size=4),
-       torch_objects=st.sets(st.sampled_from(["a", "b", "c", "d"])))
-def test_whatever_a_state_holds_every_pt_loads_with_weights_only_and_reads_back(tmp_path_factory, values,
-                                                                                 torch_objects):
+@given(
+    values=st.dictionaries(st.sampled_from(["a", "b", "c", "d"]), _values, min_size=1, max_size=4),
+    torch_objects=st.sets(st.sampled_from(["a", "b", "c", "d"])),
+)
+def test_whatever_a_state_holds_every_pt_loads_with_weights_only_and_reads_back(
+    tmp_path_factory, values, torch_objects
+):
     root = str(tmp_path_factory.mktemp("ckpt"))
     store = CheckpointStore(root)
     path = store.write(Entries(values, frozenset(torch_objects) & set(values)), {"commit": 1})
@@ -173,8 +176,10 @@ def test_whatever_a_state_holds_every_pt_loads_with_weights_only_and_reads_back(
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=_UNHEALTHY_OK)
-@given(lr=st.one_of(st.floats(1e-6, 1.0), _numpy_scalars.filter(lambda v: isinstance(v, np.floating) and 0 < v < 1)),
-       extra=_values)
+@given(
+    lr=st.one_of(st.floats(1e-6, 1.0), _numpy_scalars.filter(lambda v: isinstance(v, np.floating) and 0 < v < 1)),
+    extra=_values,
+)
 def test_a_torch_state_round_trips_through_the_store_whatever_its_values(tmp_path_factory, lr, extra):
     torch.manual_seed(0)
     model = torch.nn.Linear(2, 2)
@@ -219,8 +224,17 @@ def test_load_checkpoint_unpickles_nothing_unless_allowed_and_names_the_entries(
     assert load_checkpoint(plain)["epoch"] == 4, "a checkpoint without pickles opens as before"
 
 
-@pytest.mark.parametrize("named", ["../elsewhere.pkl", "/tmp/elsewhere.pkl", "sub/hook.pkl", "..\\hook.pkl",
-                                   "values.json/../../elsewhere.pkl", "other.pt"])
+@pytest.mark.parametrize(
+    "named",
+    [
+        "../elsewhere.pkl",
+        "/tmp/elsewhere.pkl",
+        "sub/hook.pkl",
+        "..\\hook.pkl",
+        "values.json/../../elsewhere.pkl",
+        "other.pt",
+    ],
+)
 def test_a_manifest_naming_a_file_outside_its_directory_is_refused(tmp_path, named):
     path = _checkpoint_with_pickles(tmp_path)
     outside = tmp_path / "ckpt" / "elsewhere.pkl"

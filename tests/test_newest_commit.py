@@ -1,7 +1,7 @@
 """Rank 0 holds the newest commit, on a real cluster: a newcomer held back until every holder is gone.
 
 The sequence: w1 and w2 train; w3 boots and is held before its run loop;
-w4 boots and is admitted when w2 dies, and syncs; then w1 dies. Only w4
+w4 boots, joins and syncs; then w2 dies, then w1. Only w4
 holds the trained state when w3 finally says it is ready. w3 is older
 (spawned first), and ranks used to follow spawn age: w3 became rank 0 and
 its untrained state overwrote w4's, sending the step counter back to 0.
@@ -38,7 +38,10 @@ def _wait_for(path: Path, timeout: float) -> None:
 
 
 def held_newcomer_train_fn(config: dict) -> dict:
-    """Counts steps in lockstep; `kill-<id>` files SIGKILL a worker, w3 waits for `release` before its loop."""
+    """Counts steps in lockstep; `kill-<id>` files SIGKILL a worker, w3 waits for `release` before its loop.
+
+    `finish` ends the run once two workers are left; `abort` ends it whatever the world (a failed test).
+    """
     folder = Path(config["folder"])
     me = current().worker_id
     if me == config["held"]:
@@ -51,7 +54,7 @@ def held_newcomer_train_fn(config: dict) -> dict:
         while True:
             if (folder / f"kill-{me}").exists():
                 os.kill(os.getpid(), signal.SIGKILL)
-            finish = elastic.size() == 2 and (folder / "finish").exists()
+            finish = (folder / "abort").exists() or (elastic.size() == 2 and (folder / "finish").exists())
             if elastic.allreduce(np.array([float(finish)]), elastic.Max)[0]:
                 return {"worker": me, "rank": elastic.rank(), "step": state.step, "weights": state.weights.tolist()}
             state.weights = state.weights + elastic.allreduce(np.ones(4), elastic.Average)
@@ -106,7 +109,9 @@ def test_a_newcomer_held_back_until_every_holder_is_gone_does_not_overwrite_the_
         until(lambda: progress().get("step", 0) >= 20, "w1 and w2 to train 20 steps")
         hosts.write_text(json.dumps({a: 2, b: 1}))  # w3 boots on a, and is held
         until((tmp_path / "holding-w3").exists, "w3 to boot and be held")
-        hosts.write_text(json.dumps({a: 2, b: 2}))  # w4 boots on b; admitted once w2 dies
+        hosts.write_text(json.dumps({a: 2, b: 2}))  # w4 boots on b and joins w1 and w2
+        # w2's death cools node b down: w4 must have started there before it, or it never would
+        until(lambda: progress().get("world_size") == 3, "w4 to boot and join w1 and w2")
         at_kill = progress()["step"]
         (tmp_path / "kill-w2").touch()
         until(lambda: progress().get("world_size") == 2 and progress()["step"] >= at_kill + 20, "w1 and w4 to train")
@@ -115,8 +120,12 @@ def test_a_newcomer_held_back_until_every_holder_is_gone_does_not_overwrite_the_
         (tmp_path / "kill-w1").touch()  # every worker that trained since the start is gone; w4 holds the state
         (tmp_path / "release").touch()  # now w3 says it is ready: w3 and w4 form the next generation
         until(lambda: progress().get("rank0") not in (None, "w1"), "w3 and w4 to train")
-    finally:
-        (tmp_path / "finish").touch()
+    except BaseException:
+        (tmp_path / "release").touch()  # end the run, so that its actors do not outlive this test
+        (tmp_path / "abort").touch()
+        fut.exception(timeout=120)
+        raise
+    (tmp_path / "finish").touch()
     result = fut.result(timeout=90)
     after = [m for m in result.metrics if m["rank0"] != "w1" and m["world_size"] == 2][-40:]
     assert after and {m["rank0"] for m in after} == {"w4"}, "the holder of the trained state is rank 0, not w3"

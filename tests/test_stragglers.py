@@ -142,13 +142,15 @@ def test_a_slow_node_is_evicted_the_run_keeps_the_healthy_pace_and_the_node_come
     )
     assert after > 1.5 * slow, "without the straggler the run is back to a healthy pace"
     assert after > 0.7 * healthy, "two healthy workers step at least about as fast as three"
-    kinds = [e.kind for e in result.events]
+    # it may be reported first, kept while the prediction does not pay yet (a loaded machine slows every rank)
+    events = [e for e in result.events if e.kind != "straggler_found"]
+    kinds = [e.kind for e in events]
     assert kinds == ["start", "straggler_evicted", "hosts_added"], kinds
-    evicted = result.events[1]
+    evicted = events[1]
     assert f"on node {slow_node.node_id[:8]}" in evicted.detail
     assert "per step" in evicted.detail and "as fast without it" in evicted.detail  # the paces and the prediction
     assert (evicted.previous_world_size, evicted.world_size) == (3, 2) and evicted.reset_duration is not None
-    readmitted = result.events[2]
+    readmitted = events[2]
     assert readmitted.time - evicted.time >= 8.0, "offered again only after its cool-down"
     steps = [r[0] for r in progress(tmp_path)]
     assert steps == sorted(steps) and len(set(steps)) == len(steps), "a graceful leave redoes no step"
