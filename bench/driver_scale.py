@@ -26,7 +26,7 @@ Each figure is the median (and max) of `--rounds` batches. Prints a table
 and writes bench/results/driver_scale.json (or `--out`). Reports, never
 asserts. Run it against an older tree with `PYTHONPATH=that/tree` to compare
 side by side: the shell's call handling is taken from
-`ray_elastic.driver.durability` when it offers it (`MetricSeqs`,
+`ray_elastic.driver.shell.durability` when it offers it (`MetricSeqs`,
 `DurableChanges`), else mirrored from the older driver actor.
 
     .venv/bin/python bench/driver_scale.py [--workers 128,1024,8192] [--rounds 15] [--flow-s 6]
@@ -52,12 +52,15 @@ from results_file import write_results  # noqa: E402
 
 from ray_elastic.auth import RunToken  # noqa: E402
 from ray_elastic.config import RunConfig  # noqa: E402
-from ray_elastic.driver import durability, snapshot  # noqa: E402
-from ray_elastic.driver import messages as m  # noqa: E402
-from ray_elastic.driver.core import DriverCore  # noqa: E402
-from ray_elastic.driver.durability import CallLedger  # noqa: E402
-from ray_elastic.driver.metrics_log import MetricsLog  # noqa: E402
-from ray_elastic.driver.stragglers import WINDOW  # noqa: E402
+from ray_elastic.driver.core import messages as m  # noqa: E402
+from ray_elastic.driver.core.driver_core import DriverCore  # noqa: E402
+from ray_elastic.driver.core.stragglers import WINDOW  # noqa: E402
+from ray_elastic.driver.shell import (
+    durability,  # noqa: E402
+    snapshot,  # noqa: E402
+)
+from ray_elastic.driver.shell.durability import CallLedger  # noqa: E402
+from ray_elastic.driver.shell.metrics_log import MetricsLog  # noqa: E402
 from ray_elastic.runtime.pace import INTERVAL_S, PaceSummary  # noqa: E402
 
 REPORTS_EVERY_S = 0.25  # the metrics shipper's flush

@@ -73,9 +73,9 @@ class DriverHost:
 
     def measure(self, ranks: int, metric_steps: int) -> dict:
         from ray_elastic.config import RunConfig
-        from ray_elastic.driver import messages as m
-        from ray_elastic.driver.core import DriverCore
-        from ray_elastic.driver.metrics_log import MetricsLog
+        from ray_elastic.driver.core import messages as m
+        from ray_elastic.driver.core.driver_core import DriverCore
+        from ray_elastic.driver.shell.metrics_log import MetricsLog
 
         base = rss_mb()
         config = RunConfig(min_workers=1, max_workers=ranks, resources_per_worker={"CPU": 1.0})
@@ -106,7 +106,7 @@ class LongRunHost:
     """A fresh process that takes N reports the way a long run does, bounded as ray-elastic holds them, or all."""
 
     def measure(self, reports: int, bounded: bool) -> dict:
-        from ray_elastic.driver.metrics_log import MetricsLog
+        from ray_elastic.driver.shell.metrics_log import MetricsLog
         from ray_elastic.following import Reports
 
         base = rss_mb()
@@ -135,8 +135,8 @@ class Churn:
 
     def __init__(self) -> None:
         from ray_elastic.config import RunConfig
-        from ray_elastic.driver import messages as m
-        from ray_elastic.driver.core import DriverCore
+        from ray_elastic.driver.core import messages as m
+        from ray_elastic.driver.core.driver_core import DriverCore
 
         self.m = m
         config = RunConfig(min_workers=1, max_workers=8, resources_per_worker={"CPU": 1.0}, cooldown_range=(0, 0))

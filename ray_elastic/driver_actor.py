@@ -3,19 +3,18 @@
 Everything that happens reaches one queue as a typed message (a worker
 ready, exited or dead, a discovery result, a reset request, a liveness
 round, a tick). The loop takes what is queued as one batch, hands it to the
-core, and carries out the actions that come back. Its parts, under `driver/`:
+core, and carries out the actions that come back. Its parts, under `driver/shell/`:
 
 - `worker_pool.py`: placement groups and worker actors, started, watched,
   killed and found again;
 - `liveness.py`: the rounds of pings and the node probes that read the CPU
   time of a worker that missed one;
-- `sources.py`: discovery, draining nodes, and the questions that take time
-  (activity, checkpoint, node table), each answered by a message;
+- `cluster_facts.py`: discovery, draining nodes, and the questions that
+  take time (activity, checkpoint, node table), each answered by a message;
 - `kv_link.py`: generations published to the KV actor, and its restarts;
 - `autoscale_share.py`: the run's share of the autoscaler request;
 - `durability.py`: the snapshot after each batch, and calls answered only
-  once a snapshot holds them, so the driver survives its own death.
-
+  once a snapshot holds them, so the driver survives its own death;
 - `inbox.py`: the queue, taken as batches; deaths completed by their
   node's fate once per batch, so deaths that arrive together join one reset.
 
@@ -47,11 +46,11 @@ from ray_elastic import metrics
 from ray_elastic.auth import Authed, RunToken, with_token_check
 from ray_elastic.config import RunConfig
 from ray_elastic.discovery import DiscoveryError
-from ray_elastic.driver import messages as m
-from ray_elastic.driver import snapshot, sources
-from ray_elastic.driver.autoscale_share import AutoscaleShare
-from ray_elastic.driver.core import DriverCore, WorkerStatus
-from ray_elastic.driver.durability import (
+from ray_elastic.driver.core import messages as m
+from ray_elastic.driver.core.driver_core import DriverCore, WorkerStatus
+from ray_elastic.driver.shell import cluster_facts, snapshot
+from ray_elastic.driver.shell.autoscale_share import AutoscaleShare
+from ray_elastic.driver.shell.durability import (
     CallLedger,
     DurableChanges,
     MetricSeqs,
@@ -59,11 +58,11 @@ from ray_elastic.driver.durability import (
     judge_snapshot,
     within,
 )
-from ray_elastic.driver.inbox import TICK_S, Inbox
-from ray_elastic.driver.kv_link import KVLink
-from ray_elastic.driver.liveness import LivenessRounds
-from ray_elastic.driver.metrics_log import MetricsLog
-from ray_elastic.driver.worker_pool import WorkerPool
+from ray_elastic.driver.shell.inbox import TICK_S, Inbox
+from ray_elastic.driver.shell.kv_link import KVLink
+from ray_elastic.driver.shell.liveness import LivenessRounds
+from ray_elastic.driver.shell.metrics_log import MetricsLog
+from ray_elastic.driver.shell.worker_pool import WorkerPool
 from ray_elastic.logs import keep_in_session_log
 from ray_elastic.payload import unpack
 from ray_elastic.protocol import DriverStatus, RunOutcome
@@ -172,12 +171,12 @@ class DriverActor:
         """Start or resume the run, then apply what happens, batch by batch, until it ends."""
         loop = asyncio.get_running_loop()
         resumed = await within("ask the GCS whether Ray restarted it", loop.run_in_executor(None, _restarted))
-        poller = sources.make_poller(self._discovery_spec, self.config, resumed)
+        poller = cluster_facts.make_poller(self._discovery_spec, self.config, resumed)
         if resumed:
             actions = await self._resume()
         else:
             try:
-                first = [m.HostsDiscovered(await sources.poll(poller))]
+                first = [m.HostsDiscovered(await cluster_facts.poll(poller))]
             except DiscoveryError as e:
                 first = [m.DiscoveryFailed(str(e))]
             actions = self.core.handle(first, time.monotonic())
@@ -187,11 +186,11 @@ class DriverActor:
         if not self.core.state.is_final:
             report = self.inbox.put
             for coro in (
-                sources.discovery_loop(poller, self.config, report),
+                cluster_facts.discovery_loop(poller, self.config, report),
                 self.liveness.run(),
                 self.kv.watch(lambda: self.core.generation),
                 self.autoscale.renew(),
-                sources.drain_loop(self.config, report),
+                cluster_facts.drain_loop(self.config, report),
             ):
                 self._tasks.append(asyncio.create_task(coro))
         last_tick = time.monotonic()
@@ -278,9 +277,9 @@ class DriverActor:
             elif isinstance(action, m.Abandon):
                 self.pool.abandon(action)
             elif isinstance(action, m.QueryActivity):
-                self._background(sources.query_activity(action, self.pool.handles, self.config, self.inbox.put))
+                self._background(cluster_facts.query_activity(action, self.pool.handles, self.config, self.inbox.put))
             elif isinstance(action, m.LookForCheckpoint):
-                self._background(sources.look_for_checkpoint(self.config, self.inbox.put))
+                self._background(cluster_facts.look_for_checkpoint(self.config, self.inbox.put))
             elif isinstance(action, m.RequestResources):
                 await self.autoscale.set(action.count)
             elif isinstance(action, m.RecordMetric):

@@ -21,7 +21,7 @@ from typing import Any
 import ray
 
 from ray_elastic import autoscale
-from ray_elastic.driver import snapshot
+from ray_elastic.driver.shell import snapshot
 from ray_elastic.leftovers import remove_run_actors, remove_run_placement_groups
 from ray_elastic.logs import worker_death_dumps_hidden
 from ray_elastic.progress import Progress

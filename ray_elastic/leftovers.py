@@ -5,7 +5,7 @@ groups are named after it. The workers and their placement groups are
 detached (they outlive a driver actor that Ray restarts), so they are
 removed by name: by `fit()`'s clean-up, and by the workers themselves when
 they find the run's driver dead for good (`fit()`'s caller died with it).
-The driver's snapshot (`driver/snapshot.py`) goes the same way.
+The driver's snapshot (`driver/shell/snapshot.py`) goes the same way.
 """
 
 from __future__ import annotations

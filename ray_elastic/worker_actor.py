@@ -34,7 +34,7 @@ from ray import cloudpickle
 from ray_elastic import autoscale
 from ray_elastic.auth import with_token_check
 from ray_elastic.config import WorkerConfig
-from ray_elastic.driver import snapshot
+from ray_elastic.driver.shell import snapshot
 from ray_elastic.exceptions import (
     CollectiveMismatchError,
     CoordinatorDiedError,

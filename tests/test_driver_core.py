@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 
 from ray_elastic.config import RunConfig
-from ray_elastic.driver import messages as m
-from ray_elastic.driver.core import DriverCore, WorkerStatus
+from ray_elastic.driver.core import messages as m
+from ray_elastic.driver.core.driver_core import DriverCore, WorkerStatus
 from ray_elastic.protocol import DriverState, EventKind, Finished, Removed, UserError
 
 
@@ -908,8 +908,8 @@ def test_a_batch_that_changes_nothing_durable_writes_no_snapshot(monkeypatch):
     import asyncio
 
     from ray_elastic.auth import RunToken
-    from ray_elastic.driver import snapshot
-    from ray_elastic.driver.durability import CallLedger, DurableChanges
+    from ray_elastic.driver.shell import snapshot
+    from ray_elastic.driver.shell.durability import CallLedger, DurableChanges
 
     s = Script(min_workers=1)
     gen = s.start({"A": 2, "B": 2})
@@ -933,7 +933,7 @@ def test_a_batch_that_changes_nothing_durable_writes_no_snapshot(monkeypatch):
 
 
 def test_metric_sequence_numbers_are_kept_for_the_batches_that_carried_reports_only():
-    from ray_elastic.driver.durability import MetricSeqs, Seqs
+    from ray_elastic.driver.shell.durability import MetricSeqs, Seqs
 
     seqs = MetricSeqs()
     for i in range(1000):  # every rank's pace summaries alone, batch 1 of each
@@ -947,7 +947,7 @@ def test_metric_sequence_numbers_are_kept_for_the_batches_that_carried_reports_o
 
 
 def test_discovery_offering_the_same_hosts_again_changes_nothing_durable():
-    from ray_elastic.driver.durability import DurableChanges
+    from ray_elastic.driver.shell.durability import DurableChanges
 
     s = Script(min_workers=1)
     s.start({"A": 2, "B": 2})

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ray_elastic.driver.messages import ACTIVITY_ERROR, ACTIVITY_TIMEOUT, CpuSample
-from ray_elastic.driver.policies import (
+from ray_elastic.driver.core.messages import ACTIVITY_ERROR, ACTIVITY_TIMEOUT, CpuSample
+from ray_elastic.driver.core.policies import (
     PublishVerdict,
     Ring,
     decide_crash_loop,

@@ -16,16 +16,16 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError
 
 from ray_elastic.auth import RunToken
 from ray_elastic.config import RunConfig
-from ray_elastic.driver import durability, snapshot
-from ray_elastic.driver import messages as m
-from ray_elastic.driver.core import DriverCore
-from ray_elastic.driver.durability import CallLedger, DurableChanges, MetricSeqs
-from ray_elastic.driver.inbox import Inbox
-from ray_elastic.driver.metrics_log import MetricsLog
-from ray_elastic.driver.policies import Ring, judge_ring_failure
-from ray_elastic.driver.replies import read_activity, read_pings
-from ray_elastic.driver.sources import make_poller
-from ray_elastic.driver.worker_pool import WorkerPool
+from ray_elastic.driver.core import messages as m
+from ray_elastic.driver.core.driver_core import DriverCore
+from ray_elastic.driver.core.policies import Ring, judge_ring_failure
+from ray_elastic.driver.shell import durability, snapshot
+from ray_elastic.driver.shell.cluster_facts import make_poller
+from ray_elastic.driver.shell.durability import CallLedger, DurableChanges, MetricSeqs
+from ray_elastic.driver.shell.inbox import Inbox
+from ray_elastic.driver.shell.metrics_log import MetricsLog
+from ray_elastic.driver.shell.replies import read_activity, read_pings
+from ray_elastic.driver.shell.worker_pool import WorkerPool
 from ray_elastic.driver_actor import DriverActor
 from ray_elastic.protocol import DriverState, EventKind
 

@@ -7,7 +7,7 @@ and what the driver says when a ring fails the same way generation after generat
   workers, the GPU and NCCL's rule.
 - `collective/devices.device_index`: the GPU Ray gave the worker, not its
   local rank.
-- `driver/policies.judge_ring_failure` and the driver core: an error that
+- `driver/core/policies.judge_ring_failure` and the driver core: an error that
   repeats in consecutive generations is quoted with its rank; "deadlock" is
   said only of collectives that timed out.
 """
@@ -18,9 +18,9 @@ import pytest
 
 from ray_elastic.collective.devices import GpuSeat, device_index, plan_backend, shared_gpus
 from ray_elastic.config import RunConfig
-from ray_elastic.driver import messages as m
-from ray_elastic.driver.core import DriverCore
-from ray_elastic.driver.policies import Ring, RingError, judge_ring_failure
+from ray_elastic.driver.core import messages as m
+from ray_elastic.driver.core.driver_core import DriverCore
+from ray_elastic.driver.core.policies import Ring, RingError, judge_ring_failure
 from ray_elastic.exceptions import DeviceConflictError
 from ray_elastic.protocol import DriverState
 
@@ -212,8 +212,8 @@ def test_a_rank_posts_its_seat_and_plans_from_everyones_before_its_ring_forms(on
 
 def test_the_driver_makes_rank_0s_backend_reason_one_event_the_user_sees():
     from ray_elastic.config import RunConfig
-    from ray_elastic.driver import messages as m
-    from ray_elastic.driver.core import DriverCore
+    from ray_elastic.driver.core import messages as m
+    from ray_elastic.driver.core.driver_core import DriverCore
 
     core = DriverCore(RunConfig(min_workers=1, max_workers=2, resources_per_worker={"CPU": 1.0}))
     reason = "w1 (rank 0), w2 (rank 1) share GPU 0 ...: this ring runs torch Gloo"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ray_elastic.driver.metrics_log import MetricsLog
+from ray_elastic.driver.shell.metrics_log import MetricsLog
 from ray_elastic.following import Reports
 
 

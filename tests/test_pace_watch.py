@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from test_driver_core import Script
 
-from ray_elastic.driver import messages as m
-from ray_elastic.driver.stragglers import WINDOW
+from ray_elastic.driver.core import messages as m
+from ray_elastic.driver.core.stragglers import WINDOW
 from ray_elastic.protocol import EventKind, Removed
 from ray_elastic.runtime.pace import PaceSummary
 
@@ -187,7 +187,7 @@ def test_the_pace_windows_stay_out_of_the_snapshot_and_a_restarted_driver_refill
 
 
 def test_a_pace_message_looks_at_its_own_worker_only_while_the_windows_fill(monkeypatch):
-    from ray_elastic.driver.roster import Roster
+    from ray_elastic.driver.core.roster import Roster
 
     s, gen = big_run(1024)
     looked = []

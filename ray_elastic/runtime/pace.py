@@ -22,7 +22,7 @@ measuring slows no one. Every `INTERVAL_S` of training (and at least one
 step) the meter closes a `PaceSummary` and hands it to its sink, the
 worker's `MetricsShipper`, which ships it in the metrics batches it already
 sends (no call of its own, no collective). The driver's straggler policy
-(`driver/stragglers.py`) reads the summaries.
+(`driver/core/stragglers.py`) reads the summaries.
 
 This module imports nothing of the package: the torch helpers mark it, the
 runtime sets its sink (as `collective/activity.py` for the activity marks).
@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 INTERVAL_S = 1.5
 """The span of one summary. Long enough that a step of ~1 s still counts once or twice in most intervals, short
-enough that the driver's window of several intervals (`driver/stragglers.py`) fills within tens of seconds."""
+enough that the driver's window of several intervals (`driver/core/stragglers.py`) fills within tens of seconds."""
 
 
 @dataclass(frozen=True)

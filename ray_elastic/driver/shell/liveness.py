@@ -1,7 +1,7 @@
 """Liveness rounds: every live worker pinged, and the CPU time of those that did not answer read on their node.
 
 A worker that did not answer in time is judged (by the core) on its CPU
-time, read by its node's `ProcessProbe` (`progress.py`); when that probe did
+time, read by its node's `ProcessProbe` (`cpu_probe.py`); when that probe did
 not answer the same round either, its node is unreachable (cut off, or lost
 without a word) and there is nothing to wait for. So a silent node costs at
 most one round: a third of `liveness_timeout` plus `liveness_timeout`.
@@ -18,10 +18,10 @@ from typing import Any
 import ray
 
 from ray_elastic.config import RunConfig
-from ray_elastic.driver import messages as m
-from ray_elastic.driver.progress import start_probe
-from ray_elastic.driver.replies import read_pings
-from ray_elastic.driver.worker_pool import WorkerPool, first_line
+from ray_elastic.driver.core import messages as m
+from ray_elastic.driver.shell.cpu_probe import start_probe
+from ray_elastic.driver.shell.replies import read_pings
+from ray_elastic.driver.shell.worker_pool import WorkerPool, first_line
 
 
 class LivenessRounds:

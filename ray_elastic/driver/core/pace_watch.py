@@ -31,11 +31,11 @@ import logging
 from collections import deque
 from typing import Any
 
-from ray_elastic.driver import messages as m
-from ray_elastic.driver.generations import Generations
-from ray_elastic.driver.record import RunRecord
-from ray_elastic.driver.roster import WorkerStatus
-from ray_elastic.driver.stragglers import WINDOW, Probation, Straggler, StragglerVerdict, judge_stragglers
+from ray_elastic.driver.core import messages as m
+from ray_elastic.driver.core.generations import Generations
+from ray_elastic.driver.core.roster import WorkerStatus
+from ray_elastic.driver.core.run_record import RunRecord
+from ray_elastic.driver.core.stragglers import WINDOW, Probation, Straggler, StragglerVerdict, judge_stragglers
 from ray_elastic.protocol import EventKind
 from ray_elastic.runtime.pace import INTERVAL_S, PaceSummary
 

@@ -22,7 +22,7 @@ import time
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from ray_elastic.driver.messages import CpuSample
+from ray_elastic.driver.core.messages import CpuSample
 
 
 def _threads(pid: int) -> dict[str, tuple[str, int]]:

@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import logging
 
-from ray_elastic.driver import messages as m
-from ray_elastic.driver.failures import Failures
-from ray_elastic.driver.finishing import Finishing
-from ray_elastic.driver.generations import Generations
-from ray_elastic.driver.policies import Ring, RingError, judge_missed_ping, judge_ring_failure
-from ray_elastic.driver.record import RunRecord
-from ray_elastic.driver.roster import ALIVE
+from ray_elastic.driver.core import messages as m
+from ray_elastic.driver.core.failures import Failures
+from ray_elastic.driver.core.finishing import Finishing
+from ray_elastic.driver.core.generations import Generations
+from ray_elastic.driver.core.policies import Ring, RingError, judge_missed_ping, judge_ring_failure
+from ray_elastic.driver.core.roster import ALIVE
+from ray_elastic.driver.core.run_record import RunRecord
 from ray_elastic.protocol import EventKind
 
 logger = logging.getLogger(__name__)

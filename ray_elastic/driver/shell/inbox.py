@@ -16,10 +16,10 @@ from collections.abc import Callable
 from typing import Any
 
 from ray_elastic.config import RunConfig
-from ray_elastic.driver import messages as m
-from ray_elastic.driver import sources
-from ray_elastic.driver.durability import CallLedger
-from ray_elastic.driver.worker_pool import Died
+from ray_elastic.driver.core import messages as m
+from ray_elastic.driver.shell import cluster_facts
+from ray_elastic.driver.shell.durability import CallLedger
+from ray_elastic.driver.shell.worker_pool import Died
 
 TICK_S = 0.5
 
@@ -51,7 +51,7 @@ class Inbox:
         raw.extend(self.drain())
         if not any(isinstance(x, Died) for x in raw):
             return self.ledger.unwrap(raw)
-        alive = await sources.alive_nodes(self.config)
+        alive = await cluster_facts.alive_nodes(self.config)
         raw = self.ledger.unwrap(raw + self.drain())
         return [
             m.WorkerDied(x.worker_id, x.reason, alive is None or self.host_of(x.worker_id) in alive)

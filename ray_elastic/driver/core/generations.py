@@ -17,10 +17,10 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from ray_elastic.assignment import WorkerSlot, assign_ranks
-from ray_elastic.driver import messages as m
-from ray_elastic.driver.policies import PublishVerdict, decide_publish
-from ray_elastic.driver.record import RunRecord
-from ray_elastic.driver.roster import ALIVE, WorkerRecord, WorkerStatus
+from ray_elastic.driver.core import messages as m
+from ray_elastic.driver.core.policies import PublishVerdict, decide_publish
+from ray_elastic.driver.core.roster import ALIVE, WorkerRecord, WorkerStatus
+from ray_elastic.driver.core.run_record import RunRecord
 from ray_elastic.events import Event
 from ray_elastic.protocol import EventKind
 

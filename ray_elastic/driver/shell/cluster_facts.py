@@ -22,9 +22,9 @@ import ray
 from ray_elastic.checkpoint import CheckpointStore
 from ray_elastic.config import RunConfig
 from ray_elastic.discovery import DiscoveryError, DiscoveryPoller, alive_ray_nodes, make_discovery
-from ray_elastic.driver import messages as m
-from ray_elastic.driver.replies import read_activity
-from ray_elastic.driver.worker_pool import first_line
+from ray_elastic.driver.core import messages as m
+from ray_elastic.driver.shell.replies import read_activity
+from ray_elastic.driver.shell.worker_pool import first_line
 
 logger = logging.getLogger(__name__)
 

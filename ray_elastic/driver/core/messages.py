@@ -110,7 +110,7 @@ class ActivityReport:
 
 @dataclass(frozen=True)
 class CpuSample:
-    """A worker process's CPU use over a short window, read from /proc on its node (`progress.py`)."""
+    """A worker process's CPU use over a short window, read from /proc on its node (`shell/cpu_probe.py`)."""
 
     busiest_thread_s: float  # CPU seconds its busiest thread used in the window
     window_s: float

@@ -12,10 +12,10 @@ from __future__ import annotations
 import logging
 
 from ray_elastic.config import RunConfig
-from ray_elastic.driver import messages as m
-from ray_elastic.driver.event_log import EventLog
-from ray_elastic.driver.roster import Roster, WorkerRecord, WorkerStatus
-from ray_elastic.driver.stragglers import Bench
+from ray_elastic.driver.core import messages as m
+from ray_elastic.driver.core.event_log import EventLog
+from ray_elastic.driver.core.roster import Roster, WorkerRecord, WorkerStatus
+from ray_elastic.driver.core.stragglers import Bench
 from ray_elastic.events import Event
 from ray_elastic.protocol import DriverState, EventKind
 

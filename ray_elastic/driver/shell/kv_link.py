@@ -15,9 +15,9 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from ray_elastic.driver import messages as m
-from ray_elastic.driver.durability import KV_BACK_S
-from ray_elastic.driver.worker_pool import WorkerPool, first_line
+from ray_elastic.driver.core import messages as m
+from ray_elastic.driver.shell.durability import KV_BACK_S
+from ray_elastic.driver.shell.worker_pool import WorkerPool, first_line
 
 logger = logging.getLogger(__name__)
 

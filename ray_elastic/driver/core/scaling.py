@@ -17,10 +17,10 @@ from collections.abc import Mapping
 from operator import attrgetter
 
 from ray_elastic.assignment import Cooldown, plan_scaling
-from ray_elastic.driver import messages as m
-from ray_elastic.driver.generations import Generations
-from ray_elastic.driver.record import RunRecord
-from ray_elastic.driver.roster import IN_RING, WorkerRecord, WorkerStatus
+from ray_elastic.driver.core import messages as m
+from ray_elastic.driver.core.generations import Generations
+from ray_elastic.driver.core.roster import IN_RING, WorkerRecord, WorkerStatus
+from ray_elastic.driver.core.run_record import RunRecord
 from ray_elastic.protocol import EventKind
 
 logger = logging.getLogger(__name__)

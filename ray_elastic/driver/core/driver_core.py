@@ -36,16 +36,16 @@ from collections.abc import Iterable
 from typing import Any
 
 from ray_elastic.config import RunConfig
-from ray_elastic.driver import messages as m
-from ray_elastic.driver.broken_rings import BrokenRings
-from ray_elastic.driver.failures import Failures
-from ray_elastic.driver.finishing import Finishing
-from ray_elastic.driver.generations import Generations
-from ray_elastic.driver.pace_watch import PaceWatch
-from ray_elastic.driver.policies import PublishVerdict
-from ray_elastic.driver.record import RunRecord
-from ray_elastic.driver.roster import ALIVE, WorkerRecord, WorkerStatus
-from ray_elastic.driver.scaling import Scaling
+from ray_elastic.driver.core import messages as m
+from ray_elastic.driver.core.broken_rings import BrokenRings
+from ray_elastic.driver.core.failures import Failures
+from ray_elastic.driver.core.finishing import Finishing
+from ray_elastic.driver.core.generations import Generations
+from ray_elastic.driver.core.pace_watch import PaceWatch
+from ray_elastic.driver.core.policies import PublishVerdict
+from ray_elastic.driver.core.roster import ALIVE, WorkerRecord, WorkerStatus
+from ray_elastic.driver.core.run_record import RunRecord
+from ray_elastic.driver.core.scaling import Scaling
 from ray_elastic.protocol import DriverState, EventKind, RunOutcome, UserError
 
 __all__ = ["ALIVE", "DriverCore", "WorkerRecord", "WorkerStatus"]

@@ -24,7 +24,7 @@ import re
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, NamedTuple
 
-from ray_elastic.driver.messages import ACTIVITY_ERROR, ACTIVITY_TIMEOUT, CpuSample
+from ray_elastic.driver.core.messages import ACTIVITY_ERROR, ACTIVITY_TIMEOUT, CpuSample
 
 
 class PublishVerdict(enum.Enum):

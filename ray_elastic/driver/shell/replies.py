@@ -18,7 +18,7 @@ from typing import Any
 
 from ray.exceptions import ActorDiedError
 
-from ray_elastic.driver.messages import ACTIVITY_ERROR, ACTIVITY_TIMEOUT
+from ray_elastic.driver.core.messages import ACTIVITY_ERROR, ACTIVITY_TIMEOUT
 
 logger = logging.getLogger(__name__)
 

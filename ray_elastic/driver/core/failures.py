@@ -19,12 +19,12 @@ from collections.abc import Mapping
 from typing import Any
 
 from ray_elastic.assignment import Cooldown
-from ray_elastic.driver import messages as m
-from ray_elastic.driver.finishing import Finishing
-from ray_elastic.driver.generations import Generations
-from ray_elastic.driver.policies import CRASH_LOOP_REPEATS, decide_crash_loop, decide_user_error
-from ray_elastic.driver.record import RunRecord
-from ray_elastic.driver.roster import ALIVE, IN_RING, WorkerRecord, WorkerStatus
+from ray_elastic.driver.core import messages as m
+from ray_elastic.driver.core.finishing import Finishing
+from ray_elastic.driver.core.generations import Generations
+from ray_elastic.driver.core.policies import CRASH_LOOP_REPEATS, decide_crash_loop, decide_user_error
+from ray_elastic.driver.core.roster import ALIVE, IN_RING, WorkerRecord, WorkerStatus
+from ray_elastic.driver.core.run_record import RunRecord
 from ray_elastic.protocol import EventKind, UserError
 
 logger = logging.getLogger(__name__)

@@ -22,9 +22,9 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from ray_elastic.auth import RunToken
-from ray_elastic.driver import messages as m
-from ray_elastic.driver import snapshot
-from ray_elastic.driver.worker_pool import first_line
+from ray_elastic.driver.core import messages as m
+from ray_elastic.driver.shell import snapshot
+from ray_elastic.driver.shell.worker_pool import first_line
 
 KV_BACK_S = 60.0  # how long the GCS or a restarting KV actor may take to answer
 

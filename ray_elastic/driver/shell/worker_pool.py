@@ -21,7 +21,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from ray_elastic.auth import Authed, RunToken
 from ray_elastic.config import RunConfig
-from ray_elastic.driver import messages as m
+from ray_elastic.driver.core import messages as m
 from ray_elastic.leftovers import CONTROL_ACTORS, remove_run_actors, remove_run_placement_groups, run_placement_groups
 from ray_elastic.worker_actor import actor_class
 
