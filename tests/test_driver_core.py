@@ -41,7 +41,15 @@ class Script:
     def send(self, *messages, after: float = 0.01) -> list:
         self.now += after
         self.actions = self.core.handle(list(messages), self.now)
+        self.check_phase()
         return self.actions
+
+    def check_phase(self) -> None:
+        """The phase agrees with the membership: resetting exactly while a generation after the first syncs."""
+        gens, state = self.core.generations, self.core.state
+        if state in (DriverState.RUNNING, DriverState.RESETTING):
+            resetting = gens.generation > 1 and bool(gens.syncing)
+            assert (state is DriverState.RESETTING) == resetting, (state, gens.generation, sorted(gens.syncing))
 
     def of(self, kind) -> list:
         return [a for a in self.actions if isinstance(a, kind)]

@@ -109,7 +109,7 @@ def test_waiting_below_min_workers_past_elastic_timeout_fails_naming_what_there_
     p.record.hosts = {"A": 1}
     assert not p.gens.check_wait(4.0, cooling=0)
     assert p.gens.check_wait(6.0, cooling=1)
-    assert p.record.final is DriverState.FAILED
+    assert p.record.phase.current is DriverState.FAILED
     assert "min_workers=2 not reached within elastic_timeout=5 s" in p.record.failure
     assert "ready workers: 1; slots offered: 1; hosts cooling down: 1" in p.record.failure
 
@@ -121,9 +121,9 @@ def test_rank0_returning_ends_the_run_with_its_value_once_every_member_ended():
     p = Parts()
     w1, w2 = p.formed({"A": 1, "B": 1})
     p.finishing.on_exit(m.WorkerExited(w1, Finished(rank=0, value=b"model")))
-    assert p.finishing.active and p.record.final is None, "rank 1 still trains"
+    assert p.finishing.active and not p.record.phase.is_final, "rank 1 still trains"
     p.finishing.on_exit(m.WorkerExited(w2, Finished(rank=1, value=None)))
-    assert p.record.final is DriverState.DONE and p.finishing.return_value == b"model"
+    assert p.record.phase.current is DriverState.DONE and p.finishing.return_value == b"model"
 
 
 def test_a_ring_broken_after_a_rank_returned_fails_as_an_uneven_finish_naming_both_sides():
@@ -159,7 +159,7 @@ def test_failures_that_keep_resuming_from_the_same_commit_are_a_crash_loop():
         p.record.events.append(ev)
         p.failures.note_cause("worker w2: CUDA error")
         p.failures.check_crash_loop(generation, place=40)
-    assert p.record.final is DriverState.FAILED and "CUDA error" in p.record.failure
+    assert p.record.phase.current is DriverState.FAILED and "CUDA error" in p.record.failure
 
 
 def test_every_member_lost_without_checkpoint_dir_fails_naming_the_option_and_the_causes():

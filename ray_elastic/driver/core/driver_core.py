@@ -42,6 +42,7 @@ from ray_elastic.driver.core.failures import Failures
 from ray_elastic.driver.core.finishing import Finishing
 from ray_elastic.driver.core.generations import Generations
 from ray_elastic.driver.core.pace_watch import PaceWatch
+from ray_elastic.driver.core.phase import PhaseChange
 from ray_elastic.driver.core.policies import PublishVerdict
 from ray_elastic.driver.core.roster import ALIVE, WorkerRecord, WorkerStatus
 from ray_elastic.driver.core.run_record import RunRecord
@@ -77,14 +78,12 @@ class DriverCore:
 
     @property
     def state(self) -> DriverState:
-        if self.record.final is not None:
-            return self.record.final
-        gens = self.generations
-        if gens.waiting_since is not None:
-            return DriverState.WAITING
-        if gens.generation > 1 and gens.syncing:
-            return DriverState.RESETTING
-        return DriverState.RUNNING
+        """The run's phase (`phase.py` owns it and says what may come next)."""
+        return self.record.phase.current
+
+    def phase_changes(self) -> list[PhaseChange]:
+        """The newest moves between phases, oldest first, each with its reason: for debugging."""
+        return self.record.phase.history()
 
     @property
     def failure(self) -> str | None:
@@ -147,10 +146,12 @@ class DriverCore:
         return self.record.roster.is_void(worker_id)
 
     def fail(self, reason: str) -> None:
+        """The shell ends the run failed (its own error, or the user's stop)."""
         self.record.fail(reason)
 
     def refuse_snapshot(self, why: str, now: float) -> None:
         """A restarted driver found a snapshot older than the run's (written back): say so, and fail with it."""
+        self.record.now = now
         self.record.events.append(self.generations.event(EventKind.SNAPSHOT_REFUSED, why, now))
         self.record.fail(f"{why}; the restarted driver refused it, and the run cannot go on from it")
 
@@ -170,6 +171,7 @@ class DriverCore:
         as failed is already dead to the core, so it is not kept.
         """
         gens = self.generations
+        self.record.now = now
         ev = gens.event(EventKind.DRIVER_RESTARTED, f"the run's driver actor restarted ({why})", now)
         ev.reset_duration = 0.0
         self.record.events.append(ev)
@@ -196,13 +198,14 @@ class DriverCore:
         host's cool-down ending.
         """
         record = self.record
+        record.now = now
         for message in messages:
-            if record.final is not None:
+            if record.phase.is_final:
                 break
             self._apply(message, now)
         due = self._release_at is not None and now >= self._release_at
         changed = record.roster.version != self._planned or self._benched != record.benched.version
-        if record.final is None and (self._replan or due or changed):
+        if not record.phase.is_final and (self._replan or due or changed):
             if not self.finishing.active:
                 self.scaling.reconcile(now)
             self._maybe_publish(now)

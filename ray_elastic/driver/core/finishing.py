@@ -58,7 +58,9 @@ class Finishing:
     def end_if_done(self) -> None:
         """Once a worker returned and no member still trains, the run is done."""
         if self.active and not self.record.roster.count(*IN_RING):
-            self.record.done()
+            self.record.done(
+                f"a worker returned from train_fn and every member of generation {self.generations.generation} ended"
+            )
 
     def rank0_lost(self, rank0: WorkerRecord, reason: str) -> bool:
         """Rank 0 was lost after a peer returned: the run's result is gone, so it fails (True)."""

@@ -18,11 +18,12 @@ from typing import NamedTuple
 
 from ray_elastic.assignment import WorkerSlot, assign_ranks
 from ray_elastic.driver.core import messages as m
+from ray_elastic.driver.core.phase import RESETTING, RUNNING, WAITING
 from ray_elastic.driver.core.policies import PublishVerdict, decide_publish
 from ray_elastic.driver.core.roster import ALIVE, WorkerRecord, WorkerStatus
 from ray_elastic.driver.core.run_record import RunRecord
 from ray_elastic.events import Event
-from ray_elastic.protocol import EventKind
+from ray_elastic.protocol import DriverState, EventKind
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +43,6 @@ class Generations:
         self.generation = 0
         self.plan: dict[str, WorkerSlot] = {}
         self.syncing: set[str] = set()  # members of the newest generation still syncing
-        self.waiting_since: float | None = record.started_at  # below min_workers since then
         self._unbound: list[Event] = []  # changes not yet absorbed by a generation
         # hosts_added events and the newcomers each announces: bound to the generation that admits one of them
         self._booting: list[tuple[Event, frozenset[str]]] = []
@@ -90,9 +90,20 @@ class Generations:
         """Members withdrawn by discovery whose leaving no generation has carried out yet."""
         return [r for r in self.record.roster.live(WorkerStatus.LEAVING) if r.worker_id in self.plan]
 
-    def start_waiting(self, now: float) -> None:
-        if self.waiting_since is None:
-            self.waiting_since = now
+    @property
+    def waiting_since(self) -> float | None:
+        """Since when the run has been below `min_workers` (None: it is not waiting)."""
+        phase = self.record.phase
+        return phase.since if phase.current is WAITING else None
+
+    def start_waiting(self, now: float, reason: str) -> None:
+        """Wait for `min_workers` again (unless the run waits already): `elastic_timeout` runs from `now`."""
+        if self.record.phase.current is not WAITING:
+            self.record.phase.move(WAITING, reason, now)
+
+    def _trained_phase(self) -> DriverState:
+        """The phase of a run that is not waiting: resetting while a generation after the first still syncs."""
+        return RESETTING if self.generation > 1 and self.syncing else RUNNING
 
     def lost_holders(self) -> list[str]:
         """The members that held the trained state and are gone (all members, if none had synced yet)."""
@@ -103,7 +114,7 @@ class Generations:
     def restart_from_checkpoint(self, now: float) -> None:
         """Every member was lost: fresh workers form the next generation from the durable checkpoint."""
         self.plan = {}
-        self.start_waiting(now)
+        self.start_waiting(now, "every member was lost: fresh workers resume from the durable checkpoint")
 
     def check_wait(self, now: float, cooling: int) -> bool:
         """Below `min_workers` for longer than `elastic_timeout`: the run fails, saying what it had (True)."""
@@ -144,17 +155,17 @@ class Generations:
         if verdict is PublishVerdict.UNCHANGED:
             if self.waiting_since is not None and self.plan:
                 logger.info("driver: the current generation is whole again; no longer waiting")
-                self.waiting_since = None
+                self.record.phase.move(self._trained_phase(), f"generation {self.generation} is whole again", now)
         elif verdict is PublishVerdict.BELOW_MIN:
             if self.waiting_since is None:
                 logger.info("driver: waiting (%s)", reason)
-                self.waiting_since = now
+                self.start_waiting(now, reason)
         elif verdict is PublishVerdict.NOW:
             logger.info("driver: publishing generation %d (%s)", self.generation + 1, reason)
-            return Published(verdict, self._publish(ready_records, now))
+            return Published(verdict, self._publish(ready_records, now, reason))
         return Published(verdict)
 
-    def _publish(self, ready: Sequence[WorkerRecord], now: float) -> bool:
+    def _publish(self, ready: Sequence[WorkerRecord], now: float, reason: str) -> bool:
         """Form the next generation of `ready`; whether it absorbed a change other than a ring re-formed."""
         record, roster = self.record, self.record.roster
         self._tell_leavers(now)
@@ -170,7 +181,7 @@ class Generations:
         # arrives right after the publish finds them
         self.syncing = set(self.plan)
         self._synced_commits = None
-        self.waiting_since = None
+        record.phase.move(self._trained_phase(), f"generation {self.generation} published ({reason})", now)
         record.act(m.Publish(self.generation, self.plan, notify))
         size = len(self.plan)
         record.act(m.RecordMetric("world_size", size))
@@ -244,6 +255,8 @@ class Generations:
             self._synced_commits = max(self._synced_commits or 0, msg.commits)
         if self.syncing:
             return False, None
+        if self.record.phase.current is RESETTING:
+            self.record.phase.move(RUNNING, f"every member of generation {self.generation} synced", self.record.now)
         place, self._synced_commits = self._synced_commits, None
         for ev in self.record.events.of_generation(msg.generation):
             if ev.reset_duration is None:

@@ -4,7 +4,8 @@ The parts (`generations`, `finishing`, `failures`, `scaling`) each decide
 one thing and keep their own bookkeeping; what they all need lives here:
 the options, the clock, the workers (`Roster`), the hosts discovery offers
 and the nodes draining, the event log, the actions the shell is to carry
-out, and the run's fate (failed or done, and why). Nothing here decides.
+out, and the run's phase (`phase.py`: failed or done, and why, among the
+others). Nothing here decides.
 """
 
 from __future__ import annotations
@@ -14,10 +15,11 @@ import logging
 from ray_elastic.config import RunConfig
 from ray_elastic.driver.core import messages as m
 from ray_elastic.driver.core.event_log import EventLog
+from ray_elastic.driver.core.phase import DONE, FAILED, RunPhase
 from ray_elastic.driver.core.roster import Roster, WorkerRecord, WorkerStatus
 from ray_elastic.driver.core.stragglers import Bench
 from ray_elastic.events import Event
-from ray_elastic.protocol import DriverState, EventKind
+from ray_elastic.protocol import EventKind
 
 logger = logging.getLogger(__name__)
 
@@ -36,8 +38,9 @@ class RunRecord:
         self.benched = Bench()  # stragglers' slots (or whole nodes) cooling down: no worker may start there
         self.evicted: set[str] = set()  # stragglers let go, until the generation that leaves them out is published
         self.events = EventLog()
+        self.now = started_at  # the time of the batch being applied (the shell's monotonic clock)
+        self.phase = RunPhase(started_at, wall_offset)
         self.failure: str | None = None
-        self.final: DriverState | None = None
         self.actions: list[m.Action] = []
 
     def act(self, action: m.Action) -> None:
@@ -48,15 +51,16 @@ class RunRecord:
         return actions
 
     def fail(self, reason: str) -> None:
-        """The run ends failed with `reason` (the first reason given wins)."""
-        if self.final is None:
+        """The run ends failed with `reason` (the first reason given wins: a run already ended stays as it is)."""
+        if not self.phase.is_final:
             logger.error("run failed: %s", reason)
             self.failure = reason
-            self.final = DriverState.FAILED
+            self.phase.move(FAILED, reason, self.now)
 
-    def done(self) -> None:
-        if self.final is None:
-            self.final = DriverState.DONE
+    def done(self, reason: str) -> None:
+        """The run ends done, for `reason` (unless it ended already)."""
+        if not self.phase.is_final:
+            self.phase.move(DONE, reason, self.now)
 
     def let_go(self, rec: WorkerRecord) -> None:
         """Stop a worker that is not needed (left out, or the run is finishing)."""
