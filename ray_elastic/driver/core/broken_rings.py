@@ -15,15 +15,18 @@ it; a deadlock only when the collectives timed out):
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 from ray_elastic.driver.core import messages as m
-from ray_elastic.driver.core.failures import Failures
-from ray_elastic.driver.core.finishing import Finishing
-from ray_elastic.driver.core.generations import Generations
 from ray_elastic.driver.core.policies import Ring, RingError, judge_missed_ping, judge_ring_failure
 from ray_elastic.driver.core.roster import ALIVE
-from ray_elastic.driver.core.run_record import RunRecord
 from ray_elastic.protocol import EventKind
+
+if TYPE_CHECKING:
+    from ray_elastic.driver.core.failures import Failures
+    from ray_elastic.driver.core.finishing import Finishing
+    from ray_elastic.driver.core.generations import Generations
+    from ray_elastic.driver.core.run_record import RunRecord
 
 logger = logging.getLogger(__name__)
 

@@ -32,22 +32,25 @@ goes where is `assignment.py`'s.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ray_elastic.config import RunConfig
 from ray_elastic.driver.core import messages as m
 from ray_elastic.driver.core.broken_rings import BrokenRings
 from ray_elastic.driver.core.failures import Failures
 from ray_elastic.driver.core.finishing import Finishing
 from ray_elastic.driver.core.generations import Generations
 from ray_elastic.driver.core.pace_watch import PaceWatch
-from ray_elastic.driver.core.phase import PhaseChange
 from ray_elastic.driver.core.policies import PublishVerdict
 from ray_elastic.driver.core.roster import ALIVE, WorkerRecord, WorkerStatus
 from ray_elastic.driver.core.run_record import RunRecord
 from ray_elastic.driver.core.scaling import Scaling
 from ray_elastic.protocol import DriverState, EventKind, RunOutcome, UserError
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+    from ray_elastic.config import RunConfig
+    from ray_elastic.driver.core.phase import PhaseChange
 
 __all__ = ["ALIVE", "DriverCore", "WorkerRecord", "WorkerStatus"]
 

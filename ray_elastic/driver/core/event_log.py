@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
-from ray_elastic.events import Event
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+    from ray_elastic.events import Event
 
 logger = logging.getLogger(__name__)
 

@@ -15,17 +15,20 @@ member alive are judged in `broken_rings.py`.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ray_elastic.assignment import Cooldown
 from ray_elastic.driver.core import messages as m
-from ray_elastic.driver.core.finishing import Finishing
-from ray_elastic.driver.core.generations import Generations
 from ray_elastic.driver.core.policies import CRASH_LOOP_REPEATS, decide_crash_loop, decide_user_error
 from ray_elastic.driver.core.roster import ALIVE, IN_RING, WorkerRecord, WorkerStatus
-from ray_elastic.driver.core.run_record import RunRecord
 from ray_elastic.protocol import EventKind, UserError
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    from ray_elastic.driver.core.finishing import Finishing
+    from ray_elastic.driver.core.generations import Generations
+    from ray_elastic.driver.core.run_record import RunRecord
 
 logger = logging.getLogger(__name__)
 

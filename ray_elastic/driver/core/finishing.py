@@ -9,13 +9,15 @@ run's result, is gone with it. Both fail the run with words that say so.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ray_elastic.driver.core import messages as m
-from ray_elastic.driver.core.generations import Generations
 from ray_elastic.driver.core.roster import IN_RING, WorkerRecord, WorkerStatus
-from ray_elastic.driver.core.run_record import RunRecord
 from ray_elastic.protocol import CoordinatorLost, Finished
+
+if TYPE_CHECKING:
+    from ray_elastic.driver.core.generations import Generations
+    from ray_elastic.driver.core.run_record import RunRecord
 
 
 class Finishing:

@@ -13,17 +13,20 @@ ends when its last member synced: that is each event's `reset_duration`.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from ray_elastic.assignment import WorkerSlot, assign_ranks
 from ray_elastic.driver.core import messages as m
 from ray_elastic.driver.core.phase import RESETTING, RUNNING, WAITING
 from ray_elastic.driver.core.policies import PublishVerdict, decide_publish
 from ray_elastic.driver.core.roster import ALIVE, WorkerRecord, WorkerStatus
-from ray_elastic.driver.core.run_record import RunRecord
-from ray_elastic.events import Event
 from ray_elastic.protocol import DriverState, EventKind
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from ray_elastic.driver.core.run_record import RunRecord
+    from ray_elastic.events import Event
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +53,8 @@ class Generations:
         self._force = False  # re-form the ring at the end of this batch even with the same members
 
     def __getstate__(self) -> dict:
-        # the plan as plain tuples: pickle writes those in C, a NamedTuple per slot through Python (8192 slots: 9 ms)
+        # the plan as plain tuples: pickle writes those in C, a NamedTuple per slot through Python, which at
+        # thousands of slots would be most of the snapshot's time
         return {**self.__dict__, "plan": [tuple(slot) for slot in self.plan.values()]}
 
     def __setstate__(self, state: dict) -> None:

@@ -23,10 +23,12 @@ Any other move the table does not allow is a bug in the core: `PhaseError`.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Mapping
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from ray_elastic.protocol import DriverState
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
 
 WAITING, RUNNING, RESETTING, DONE, FAILED = (
     DriverState.WAITING,

@@ -203,7 +203,7 @@ def judge_ring_failure(
 
 BUSY_CPU_SHARE = 0.1
 """A thread using this share of a CPU is computing. A hung worker's threads (Ray's own, the
-control threads waiting for the GIL) use under 2% together (measured); a computing thread gets
+control threads waiting for the GIL) use under 2% together; a computing thread gets
 far more, even on a node whose CPUs run five times as many threads as they have cores."""
 
 _STATES = {"R": "running", "S": "sleeping", "D": "waiting on I/O", "T": "stopped", "t": "stopped", "Z": "a zombie"}

@@ -17,11 +17,13 @@ not as one object per worker.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
 from operator import attrgetter
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ray_elastic.assignment import LiveWorker
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 
 class WorkerStatus(enum.Enum):

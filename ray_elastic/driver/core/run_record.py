@@ -11,15 +11,18 @@ others). Nothing here decides.
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
-from ray_elastic.config import RunConfig
 from ray_elastic.driver.core import messages as m
 from ray_elastic.driver.core.event_log import EventLog
 from ray_elastic.driver.core.phase import DONE, FAILED, RunPhase
 from ray_elastic.driver.core.roster import Roster, WorkerRecord, WorkerStatus
 from ray_elastic.driver.core.stragglers import Bench
 from ray_elastic.events import Event
-from ray_elastic.protocol import EventKind
+
+if TYPE_CHECKING:
+    from ray_elastic.config import RunConfig
+    from ray_elastic.protocol import EventKind
 
 logger = logging.getLogger(__name__)
 

@@ -13,15 +13,19 @@ trained state at once, the oldest stays until the others have received it.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
 from operator import attrgetter
+from typing import TYPE_CHECKING
 
 from ray_elastic.assignment import Cooldown, plan_scaling
 from ray_elastic.driver.core import messages as m
-from ray_elastic.driver.core.generations import Generations
 from ray_elastic.driver.core.roster import IN_RING, WorkerRecord, WorkerStatus
-from ray_elastic.driver.core.run_record import RunRecord
 from ray_elastic.protocol import EventKind
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    from ray_elastic.driver.core.generations import Generations
+    from ray_elastic.driver.core.run_record import RunRecord
 
 logger = logging.getLogger(__name__)
 

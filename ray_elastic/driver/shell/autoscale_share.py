@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import TYPE_CHECKING
 
 from ray_elastic import autoscale
-from ray_elastic.config import RunConfig
+
+if TYPE_CHECKING:
+    from ray_elastic.config import RunConfig
 
 logger = logging.getLogger(__name__)
 

@@ -15,16 +15,18 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 
 from ray_elastic.checkpoint import CheckpointStore
-from ray_elastic.config import RunConfig
 from ray_elastic.discovery import DiscoveryError, DiscoveryPoller, alive_ray_nodes, make_discovery
 from ray_elastic.driver.core import messages as m
 from ray_elastic.driver.shell.replies import read_activity
 from ray_elastic.driver.shell.worker_pool import first_line
+
+if TYPE_CHECKING:
+    from ray_elastic.config import RunConfig
 
 logger = logging.getLogger(__name__)
 

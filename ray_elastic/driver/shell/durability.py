@@ -18,13 +18,16 @@ from __future__ import annotations
 
 import asyncio
 import pickle
-from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-from ray_elastic.auth import RunToken
 from ray_elastic.driver.core import messages as m
 from ray_elastic.driver.shell import snapshot
 from ray_elastic.driver.shell.worker_pool import first_line
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from ray_elastic.auth import RunToken
 
 KV_BACK_S = 60.0  # how long the GCS or a restarting KV actor may take to answer
 
@@ -187,7 +190,7 @@ class CallLedger:
         """Write the core and `rest` (if they changed), then answer the calls they hold; or why the GCS refused.
 
         Pickled on the loop, so it is one moment's state: the core only when
-        it changed (up to ~15 ms at the event log's cap), the rest (the
+        it changed (milliseconds at the event log's cap), the rest (the
         metrics: a few reports) when it changed; a thread would not help,
         pickling holds the GIL. When neither changed nothing is written:
         the last snapshot holds every call's effect. Written to the GCS off

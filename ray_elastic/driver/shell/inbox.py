@@ -12,14 +12,17 @@ node's workers die together) join the batch.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ray_elastic.config import RunConfig
 from ray_elastic.driver.core import messages as m
 from ray_elastic.driver.shell import cluster_facts
-from ray_elastic.driver.shell.durability import CallLedger
 from ray_elastic.driver.shell.worker_pool import Died
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from ray_elastic.config import RunConfig
+    from ray_elastic.driver.shell.durability import CallLedger
 
 TICK_S = 0.5
 

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ray_elastic.driver.core import messages as m
 from ray_elastic.driver.shell.durability import KV_BACK_S
 from ray_elastic.driver.shell.worker_pool import WorkerPool, first_line
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 logger = logging.getLogger(__name__)
 

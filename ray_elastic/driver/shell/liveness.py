@@ -12,16 +12,19 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 
-from ray_elastic.config import RunConfig
 from ray_elastic.driver.core import messages as m
 from ray_elastic.driver.shell.cpu_probe import start_probe
 from ray_elastic.driver.shell.replies import read_pings
 from ray_elastic.driver.shell.worker_pool import WorkerPool, first_line
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from ray_elastic.config import RunConfig
 
 
 class LivenessRounds:

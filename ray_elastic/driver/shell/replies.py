@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ray.exceptions import ActorDiedError
 
 from ray_elastic.driver.core.messages import ACTIVITY_ERROR, ACTIVITY_TIMEOUT
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
 
 logger = logging.getLogger(__name__)
 

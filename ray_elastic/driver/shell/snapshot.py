@@ -33,12 +33,13 @@ snapshot older than what the KV actor confirmed (`driver_actor._resume`).
 from __future__ import annotations
 
 import pickle
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import cloudpickle
 from ray.experimental import internal_kv
 
-from ray_elastic.auth import RunToken
+if TYPE_CHECKING:
+    from ray_elastic.auth import RunToken
 
 _NAMESPACE = "ray_elastic"
 _PURPOSE = "driver snapshot"
