@@ -132,10 +132,10 @@ def child_micro(args: argparse.Namespace) -> dict[str, Any]:
     import ray_elastic
     from ray_elastic.assignment import WorkerSlot
     from ray_elastic.collective.torch_gloo import TorchGlooGroup
-    from ray_elastic.config import WorkerConfig
+    from ray_elastic.protocol import WorkerConfig
     from ray_elastic.runtime import metrics_shipper
+    from ray_elastic.runtime.context import WorkerContext, set_current
     from ray_elastic.torch import DistributedOptimizer
-    from ray_elastic.worker_context import WorkerContext, set_current
 
     class NoDriver:
         def __getattr__(self, method: str) -> Any:

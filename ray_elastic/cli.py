@@ -37,6 +37,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ray_elastic import options
+
 # how long the launcher waits, after a script's run, for the last lines its workers printed
 OUTPUT_TIMEOUT_S = 10.0
 
@@ -73,20 +75,6 @@ def _key_value(text: str) -> tuple[str, Any]:
     except json.JSONDecodeError:
         value = raw
     return key.strip(), value
-
-
-def _resources(text: str) -> list[tuple[str, float]]:
-    """`CPU=1,GPU=0.5` as (name, amount) pairs."""
-    pairs = []
-    for item in text.split(","):
-        name, sep, amount = item.partition("=")
-        try:
-            if not sep or not name.strip():
-                raise ValueError
-            pairs.append((name.strip(), float(amount)))
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected NAME=AMOUNT[,NAME=AMOUNT...], got {text!r}") from None
-    return pairs
 
 
 def _target(text: str) -> str:
@@ -129,19 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
         "in every worker, taking the arguments after --",
     )
 
-    workers = run.add_argument_group("workers")
-    workers.add_argument("--min-workers", type=int, metavar="N", help="wait for at least N workers (required, or -np)")
-    workers.add_argument(
-        "--max-workers", type=int, metavar="N", help="never grow past N (default: -np, else --min-workers)"
-    )
-    workers.add_argument(
-        "--resources-per-worker",
-        type=_resources,
-        action="extend",
-        metavar="NAME=AMOUNT[,...]",
-        help="Ray resources of one worker, e.g. CPU=2,GPU=1 (repeatable; default CPU=1)",
-    )
-    workers.add_argument(
+    run_group = run.add_argument_group("what runs")
+    run_group.add_argument(
         "--config",
         type=_key_value,
         nargs="+",
@@ -150,129 +127,31 @@ def build_parser() -> argparse.ArgumentParser:
         help="entries of the config dict passed to FUNCTION; VALUE is parsed as JSON where it parses "
         "(5, 0.1, true, [1,2]), else taken as a string",
     )
-    workers.add_argument(
-        "--backend",
-        default="auto",
-        choices=("auto", "gloo", "pygloo", "nccl"),
-        help="collective backend: auto (NCCL for GPU workers, else torch Gloo, else pygloo), gloo, pygloo or nccl "
-        "(default: auto)",
-    )
-
-    hosts = run.add_argument_group("hosts and failures")
-    hosts.add_argument(
-        "--discovery-script",
-        metavar="PATH",
-        help="executable printing 'host' or 'host:slots' lines (default: every alive node of the Ray cluster)",
-    )
-    hosts.add_argument(
-        "--discovery-interval", type=float, default=1.0, metavar="S", help="seconds between discovery polls (1)"
-    )
-    hosts.add_argument(
-        "--discovery-timeout",
-        type=float,
-        default=30.0,
-        metavar="S",
-        help="seconds one discovery call may take; a script still running is killed (30)",
-    )
-    hosts.add_argument(
-        "--elastic-timeout",
-        type=float,
-        default=600.0,
-        metavar="S",
-        help="seconds to wait for --min-workers, a newcomer's boot or a placement (600)",
-    )
-    hosts.add_argument("--reset-limit", type=int, metavar="N", help="fail after N resets (default: unbounded)")
-    hosts.add_argument(
-        "--cooldown-range",
-        type=float,
-        nargs=2,
-        default=(10.0, 300.0),
-        metavar=("MIN", "MAX"),
-        help="seconds a host whose worker failed gets no new worker, doubling per failure (10 300)",
-    )
-    hosts.add_argument(
-        "--liveness-timeout",
-        type=float,
-        default=5.0,
-        metavar="S",
-        help="a worker not answering a ping within S seconds, and not computing, is killed as failed (5)",
-    )
-    hosts.add_argument(
-        "--collective-timeout",
-        type=float,
-        default=300.0,
-        metavar="S",
-        help="seconds one collective, or forming one ring, may take (300)",
-    )
-    hosts.add_argument(
-        "--max-failures",
-        type=int,
-        default=0,
-        metavar="N",
-        help="exceptions of FUNCTION to retry as that worker's failure; 0 fails at the first (0)",
-    )
-    hosts.add_argument(
-        "--evict-stragglers",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="let a persistently slow worker go gracefully when the run is predicted faster without it; "
-        "--no-evict-stragglers only reports it (on)",
-    )
-
-    horovodrun = run.add_argument_group(
-        "horovodrun's names", "horovodrun's elastic options, each the same as the option it names"
-    )
-    horovodrun.add_argument(
+    run_group.add_argument(
         "-np",
         "--num-proc",
         dest="num_proc",
         type=int,
         metavar="N",
-        help="the default of --min-workers and --max-workers, and within them",
+        help="horovodrun's: the default of --min-workers and --max-workers, and within them",
     )
-    aliases = (
-        ("--min-np", "--min-num-proc", "min_workers", {"type": int, "metavar": "N"}),
-        ("--max-np", "--max-num-proc", "max_workers", {"type": int, "metavar": "N"}),
-        ("--host-discovery-script", None, "discovery_script", {"metavar": "PATH"}),
-        ("--blacklist-cooldown-range", None, "cooldown_range", {"type": float, "nargs": 2, "metavar": ("MIN", "MAX")}),
+    hosts = run.add_argument_group("hosts")
+    hosts.add_argument(
+        "--discovery-script",
+        "--host-discovery-script",
+        dest="discovery_script",
+        metavar="PATH",
+        help="executable printing 'host' or 'host:slots' lines (default: every alive node of the Ray cluster); "
+        "--host-discovery-script is horovodrun's name",
     )
-    for name, long_name, dest, kwargs in aliases:
-        names = [name] + ([long_name] if long_name else [])
-        option = "--" + dest.replace("_", "-")
-        horovodrun.add_argument(*names, dest=dest, default=argparse.SUPPRESS, help=f"same as {option}", **kwargs)
-    horovodrun.add_argument(
+    hosts.add_argument(
         "--slots-per-host",
         type=int,
         metavar="N",
         help="slots of a host that --discovery-script prints without ':slots' (1)",
     )
-
-    durable = run.add_argument_group("durable checkpoints")
-    durable.add_argument(
-        "--checkpoint-dir",
-        metavar="DIR_OR_URL",
-        help="local path or fsspec URL: rank 0 writes every --checkpoint-every-th commit there, and a run "
-        "resumes from what it finds (default: in-memory commits only)",
-    )
-    durable.add_argument(
-        "--checkpoint-every", type=int, default=10, metavar="K", help="commits between durable checkpoints (10)"
-    )
-    durable.add_argument(
-        "--checkpoint-keep",
-        type=int,
-        default=2,
-        metavar="N",
-        help="how many of the newest durable checkpoints --checkpoint-dir keeps (2)",
-    )
-
-    results = run.add_argument_group("results")
-    results.add_argument(
-        "--keep-metrics",
-        type=int,
-        default=100_000,
-        metavar="N",
-        help="rank 0's newest N reports kept for the summary; older ones are only counted (100000)",
-    )
+    # the run's options, one group per concern, from the one table (ray_elastic/options.py)
+    options.add_cli_flags(run)
 
     ray_group = run.add_argument_group("Ray")
     ray_group.add_argument(
@@ -397,34 +276,18 @@ def make_trainer(args: argparse.Namespace) -> Any:
     min_workers, max_workers = world_bounds(args)
     return _trainer_class()(
         train_fn,
-        min_workers=min_workers,
-        max_workers=max_workers,
+        **{**options.cli_values(args), "min_workers": min_workers, "max_workers": max_workers},
         config=dict(args.config or []),
-        resources_per_worker=dict(args.resources_per_worker) if args.resources_per_worker else None,
         discovery=_discovery(args),
-        backend=args.backend,
-        elastic_timeout=args.elastic_timeout,
-        reset_limit=args.reset_limit,
-        cooldown_range=tuple(args.cooldown_range),
-        discovery_interval=args.discovery_interval,
-        discovery_timeout=args.discovery_timeout,
-        liveness_timeout=args.liveness_timeout,
-        collective_timeout=args.collective_timeout,
-        max_failures=args.max_failures,
-        evict_stragglers=args.evict_stragglers,
-        checkpoint_dir=args.checkpoint_dir,
-        checkpoint_every=args.checkpoint_every,
-        checkpoint_keep=args.checkpoint_keep,
-        keep_metrics=args.keep_metrics,
         verbose=args.verbose,
     )
 
 
 def _option_names(message: str) -> str:
-    """The trainer's messages name its arguments (`max_workers`); here they are options (`--max-workers`)."""
-    for name in inspect.signature(_trainer_class()).parameters:
-        if name not in ("train_fn", "config", "discovery", "verbose"):
-            message = re.sub(rf"\b{name}\b", "--" + name.replace("_", "-"), message)
+    """The trainer's messages name its options (`max_workers`); here they are flags (`--max-workers`)."""
+    for option in options.OPTIONS:
+        if option.help is not None:
+            message = re.sub(rf"\b{option.name}\b", option.flag, message)
     return message
 
 

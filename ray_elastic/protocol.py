@@ -8,7 +8,10 @@ here once, so no module compares loose strings with another's:
 - `WorkerOutcome`: how a worker's `run()` ended (`Finished`, `Removed`,
   `CoordinatorLost`, `UserError`);
 - `RunOutcome` and `DriverStatus`: what the driver hands the trainer at the
-  end and while it follows the run.
+  end and while it follows the run;
+- `WorkerConfig`: the run's options a worker is started with;
+- `PaceSummary`: one rank's pace over an interval, which the workers ship and
+  the driver's straggler watch reads.
 
 The enums are `str` enums: a user comparing `event.kind == "worker_failed"`
 keeps working, and they print as their value.
@@ -125,3 +128,55 @@ class RunOutcome:
     events: list[dict[str, Any]] = field(default_factory=list)
     resets: int = 0
     checkpoint_error: str | None = None  # why the last durable checkpoint was not written, if it was not
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """What every worker needs of the run's options (`RunConfig.worker` makes it; see `options.py`)."""
+
+    backend: str = "gloo"
+    backend_requested: str = "auto"  # what the user passed: "auto" may fall back from NCCL, "nccl" may not
+    rendezvous_timeout: float = 600.0  # waiting for a generation (covers elastic_timeout)
+    collective_timeout: float = 300.0  # one collective, and forming one ring
+    checkpoint_timeout: float = 300.0  # one durable checkpoint write, the final flush, a resume's read
+    checkpoint_dir: str | None = None  # durable checkpoints (local path or fsspec URL), written by rank 0
+    checkpoint_every: int = 10  # commits between two durable checkpoints
+    checkpoint_keep: int = 2  # how many of the newest durable checkpoints checkpoint_dir keeps
+    run_id: str = ""  # tags this worker's metrics
+    datasets: tuple[str, ...] = ()  # the names of the run's Ray Datasets (`get_dataset_shard`)
+    cpus: float = 1.0  # the CPUs reserved for each worker: its torch threads (`runtime/threads.py`)
+    omp_threads_set: bool = False  # the user set OMP_NUM_THREADS in fit()'s environment: it holds
+
+
+PACE_INTERVAL_S = 1.5
+"""The span of one summary. Long enough that a step of ~1 s still counts once or twice in most intervals, short
+enough that the driver's window of several intervals (`driver/core/stragglers.py`) fills within tens of seconds."""
+
+
+@dataclass(frozen=True)
+class PaceSummary:
+    """One rank's pace over one interval of one generation.
+
+    `start` and `end` are wall-clock seconds; `compute_s` and `wait_s` the
+    sums over the interval's `steps` completed steps; `typical_s` the median
+    step's compute (None: not measured), which tells a rank slow at every
+    step from one doing extra work every N steps; `aside_s` the framework's
+    own work this rank did in the interval, left out of `compute_s`.
+    """
+
+    generation: int
+    start: float
+    end: float
+    steps: int
+    compute_s: float
+    wait_s: float
+    typical_s: float | None = None
+    aside_s: float = 0.0
+
+    @property
+    def compute_per_step(self) -> float:
+        return self.compute_s / self.steps
+
+    @property
+    def wait_per_step(self) -> float:
+        return self.wait_s / self.steps

@@ -115,15 +115,15 @@ def _hangs(*args, **kwargs):
 def test_storage_that_hangs_ends_rank_0s_resume_naming_the_checkpoint_and_the_option(tmp_path, monkeypatch):
     from ray_elastic.assignment import WorkerSlot
     from ray_elastic.checkpoint import CheckpointError, CheckpointStore
-    from ray_elastic.config import WorkerConfig
+    from ray_elastic.protocol import WorkerConfig
     from ray_elastic.runtime.checkpoint_cadence import CheckpointCadence
 
     monkeypatch.setattr(CheckpointStore, "read", _hangs)
-    settings = WorkerConfig(checkpoint_dir=str(tmp_path), collective_timeout=0.2)
+    settings = WorkerConfig(checkpoint_dir=str(tmp_path), checkpoint_timeout=0.2)
     cadence = CheckpointCadence("w0", driver=None, settings=settings)
     rank0 = WorkerSlot("w0", "node", 0, 2, 0, 1, 0, 2)
     started = time.monotonic()
-    expected = rf"reading the durable checkpoint in {tmp_path} \(collective_timeout\) did not finish within 0.2 s"
+    expected = rf"reading the durable checkpoint in {tmp_path} \(checkpoint_timeout\) did not finish within 0.2 s"
     with pytest.raises(CheckpointError, match=expected):
         cadence.maybe_resume(state=None, slot=rank0, ever_synced=False)
     assert time.monotonic() - started < 2

@@ -23,6 +23,7 @@ class _Remote:
 def test_storage_that_hangs_ends_fits_check_of_checkpoint_dir_naming_it_and_the_option(tmp_path, monkeypatch):
     from ray_elastic import ElasticTrainer
     from ray_elastic.checkpoint import CheckpointStore
+    from ray_elastic.trainer.preflight import check_checkpoint_dir
 
     monkeypatch.setattr(CheckpointStore, "check_writable", _hangs)
     trainer = ElasticTrainer(
@@ -30,7 +31,7 @@ def test_storage_that_hangs_ends_fits_check_of_checkpoint_dir_naming_it_and_the_
     )
     started = time.monotonic()
     with pytest.raises(ValueError, match=r"checking '.*' \(discovery_timeout\) did not finish within 0.2 s"):
-        trainer._check_checkpoint_dir()
+        check_checkpoint_dir(trainer.run_config, trainer.verbose)
     assert time.monotonic() - started < 2
 
 
@@ -40,7 +41,7 @@ class _Progress:
 
 
 def test_fit_gives_up_on_a_driver_that_answers_nothing_for_elastic_timeout_naming_it(monkeypatch, caplog):
-    from ray_elastic.following import Reports, poll_driver
+    from ray_elastic.trainer.driver_watch import Reports, poll_driver
 
     began = time.monotonic()
 

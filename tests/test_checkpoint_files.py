@@ -28,6 +28,7 @@ from ray_elastic.checkpoint import META_FILE, CheckpointStore, load_checkpoint
 from ray_elastic.checkpoint.entries import load_entries, state_entries
 from ray_elastic.checkpoint.opening import ray_checkpoint
 from ray_elastic.torch.sampler import ElasticSampler
+from ray_elastic.trainer.preflight import check_checkpoint_dir
 
 
 def _net() -> torch.nn.Module:
@@ -212,6 +213,6 @@ def test_a_checkpoint_dir_of_the_old_single_pickle_format_is_refused_before_anyt
     (tmp_path / "ray_elastic_checkpoint.pkl").write_bytes(b"a format-1 checkpoint")
     trainer = elastic.ElasticTrainer(lambda config: None, min_workers=1, max_workers=1, checkpoint_dir=str(tmp_path))
     with pytest.raises(ValueError, match=r"ray_elastic_checkpoint\.pkl.*silently start over"):
-        trainer._check_checkpoint_dir()
+        check_checkpoint_dir(trainer.run_config, trainer.verbose)
     CheckpointStore(str(tmp_path)).write({"epoch": 3}, {"commit": 1, "world_size": 1})
-    trainer._check_checkpoint_dir()  # a checkpoint of this release beside it: resumed from that one
+    check_checkpoint_dir(trainer.run_config, trainer.verbose)  # a checkpoint of this release beside it: resumed from that one

@@ -35,8 +35,8 @@ from workloads import FileDiscovery, _fire_faults
 import ray_elastic as elastic
 from ray_elastic import ElasticTrainer, TrainingFailedError
 from ray_elastic.collective.shm import ENV_SWITCH as SHM_SWITCH
-from ray_elastic.trainer import refers_to
-from ray_elastic.worker_context import current
+from ray_elastic.runtime.context import current
+from ray_elastic.trainer.preflight import refers_to
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
 import digits  # noqa: E402

@@ -23,11 +23,11 @@ from pathlib import Path
 import pytest
 
 import ray_elastic.horovod.ray as hray
-from ray_elastic.following import Reports
 from ray_elastic.horovod.ray import ElasticRayExecutor, RayExecutor, TestDiscovery
 from ray_elastic.horovod.ray.sessions import Callbacks
 from ray_elastic.horovod.ray.settings import HorovodRayWarning
 from ray_elastic.horovod.ray.worker_loop import MARK
+from ray_elastic.trainer.driver_watch import Reports
 
 REPO = Path(__file__).resolve().parent.parent
 

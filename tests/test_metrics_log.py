@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ray_elastic.driver.shell.metrics_log import MetricsLog
-from ray_elastic.following import Reports
+from ray_elastic.trainer.driver_watch import Reports
 
 
 def reports(start: int, n: int) -> list[tuple[float, dict]]:

@@ -13,8 +13,8 @@ from workloads import counting_train_fn
 
 from ray_elastic import ElasticTrainer
 from ray_elastic.events import Event
-from ray_elastic.progress import Progress, describe
-from ray_elastic.timeline import plot_timeline, throughput, world_size_steps
+from ray_elastic.trainer.progress_bar import Progress, describe
+from ray_elastic.trainer.timeline import plot_timeline, throughput, world_size_steps
 
 
 def _event(kind: str, t: float, size: int, prev: int | None, duration: float | None, detail: str = "") -> Event:

@@ -13,10 +13,11 @@ from test_worker_runtime import make_context
 
 from ray_elastic.assignment import WorkerSlot
 from ray_elastic.collective.torch_gloo import TorchGlooGroup
+from ray_elastic.protocol import PaceSummary
 from ray_elastic.runtime import metrics_shipper
-from ray_elastic.runtime.pace import PaceMeter, PaceSummary
+from ray_elastic.runtime.context import set_current
+from ray_elastic.runtime.pace import PaceMeter
 from ray_elastic.torch import DistributedOptimizer, optimizer
-from ray_elastic.worker_context import set_current
 
 
 class Clock:
@@ -135,7 +136,7 @@ def test_extra_user_work_every_n_steps_raises_the_mean_step_not_the_median():
 
 def test_rank_0s_checkpoint_copy_and_its_wait_for_the_writer_are_set_aside(monkeypatch):
     """Rank 0 hands a commit to a writer whose previous write is still running: the wait is not its pace."""
-    from ray_elastic.config import WorkerConfig
+    from ray_elastic.protocol import WorkerConfig
     from ray_elastic.runtime import checkpoint_cadence
 
     meter, clock, out = scripted(interval_s=1.0)

@@ -153,7 +153,7 @@ def test_a_second_ctrl_c_during_cleanup_still_frees_everything(cluster, no_leaks
     from ray.util.placement_group import placement_group
 
     from ray_elastic.auth import Authed, RunToken
-    from ray_elastic.following import cleanup as _cleanup
+    from ray_elastic.trainer.driver_watch import cleanup as _cleanup
 
     namespace = "ray_elastic_ctrlc_test"
     driver = SlowToStopDriver.options(name="driver", namespace=namespace).remote()

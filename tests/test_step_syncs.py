@@ -24,11 +24,11 @@ import torch.distributed as dist
 
 from ray_elastic.assignment import WorkerSlot
 from ray_elastic.collective.torch_gloo import TorchGlooGroup
-from ray_elastic.config import WorkerConfig
 from ray_elastic.exceptions import HostsUpdatedInterrupt
+from ray_elastic.protocol import WorkerConfig
+from ray_elastic.runtime.context import WorkerContext, set_current
 from ray_elastic.state.state import ObjectState
 from ray_elastic.torch import DistributedOptimizer, optimizer, prepare_model
-from ray_elastic.worker_context import WorkerContext, set_current
 
 
 class _Driver:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from ray_elastic.driver.core.stragglers import WINDOW, Probation, Straggler, judge_stragglers
-from ray_elastic.runtime.pace import PaceSummary
+from ray_elastic.protocol import PaceSummary
 
 HEALTHY = (0.030, 0.005)  # compute, wait per step (s)
 

@@ -16,7 +16,8 @@ import sys
 import time
 from pathlib import Path
 
-from ray_elastic.logs import WORKER_DEATH_DUMP, session_log_dir
+from ray_elastic.session_log import session_log_dir
+from ray_elastic.trainer.ray_output import WORKER_DEATH_DUMP
 
 SCRIPT = """
 import sys
@@ -67,7 +68,7 @@ def test_the_dump_is_hidden_only_while_fit_runs_and_a_users_own_skip_pattern_sta
 
     from ray._private import ray_logging
 
-    from ray_elastic.logs import worker_death_dumps_hidden
+    from ray_elastic.trainer.ray_output import worker_death_dumps_hidden
 
     dedup = ray_logging.stdout_deduplicator
     monkeypatch.setattr(dedup, "skip_re", re.compile("noisy line of the user's"))  # their RAY_DEDUP_LOGS_SKIP_REGEX

@@ -22,11 +22,11 @@ import torch.distributed as dist
 from ray_elastic.assignment import WorkerSlot
 from ray_elastic.collective.base import guarded_call
 from ray_elastic.collective.torch_gloo import TorchGlooGroup
-from ray_elastic.config import WorkerConfig
 from ray_elastic.exceptions import HorovodInternalError, HostsUpdatedInterrupt
+from ray_elastic.protocol import WorkerConfig
+from ray_elastic.runtime.context import WorkerContext, current, set_current
 from ray_elastic.torch import DistributedOptimizer
 from ray_elastic.torch import state as torch_state
-from ray_elastic.worker_context import WorkerContext, current, set_current
 
 
 class FakeDriver:

@@ -15,17 +15,17 @@ commit as plain entries, state dicts for torch objects, and back),
 for users), `bounded.py` (storage calls with a deadline).
 """
 
-from ray_elastic.checkpoint.bounded import CheckpointError, within
+from ray_elastic.checkpoint.bounded import CheckpointError, bounded_call
 from ray_elastic.checkpoint.opening import load_checkpoint
 from ray_elastic.checkpoint.store import META_FILE, CheckpointStore, normalize_url
 from ray_elastic.checkpoint.writer import CheckpointWriter
 
 __all__ = [
     "META_FILE",
+    "bounded_call",
     "CheckpointError",
     "CheckpointStore",
     "CheckpointWriter",
     "load_checkpoint",
     "normalize_url",
-    "within",
 ]

@@ -13,7 +13,7 @@ class CheckpointError(RuntimeError):
     """A durable checkpoint could not be written or read."""
 
 
-def within(timeout: float, what: str, fn: Callable[[], R]) -> R:
+def bounded_call(timeout: float, what: str, fn: Callable[[], R]) -> R:
     """`fn()` (a storage call), waited for at most `timeout` s; past it, `CheckpointError` naming `what`.
 
     Storage can hang rather than fail (a dead NFS mount, a bucket behind a

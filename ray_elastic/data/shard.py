@@ -41,7 +41,7 @@ import ray
 from ray_elastic.auth import Authed
 from ray_elastic.data.plan import SHUFFLE_WINDOW, BlockTable, EpochOrder, step_rows
 from ray_elastic.exceptions import RendezvousTimeoutError
-from ray_elastic.leftovers import run_namespace
+from ray_elastic.run_footprint import run_namespace
 from ray_elastic.runtime.process import current, maybe_current
 
 logger = logging.getLogger(__name__)

@@ -1,4 +1,4 @@
-"""The worker runtime, in parts with one job each; `ray_elastic.worker_context` composes them.
+"""The worker runtime, in parts with one job each; `ray_elastic.runtime.context` composes them.
 
 - `process`: which runtime this process runs, and the activity marks its collectives leave;
 - `membership`: the ready announce, joining and resetting rings, host-change notices and the

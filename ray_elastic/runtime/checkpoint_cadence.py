@@ -3,10 +3,10 @@
 Rank 0 hands every `checkpoint_every`-th commit, as plain entries (state
 dicts, values: `checkpoint/entries.py`), to a background `CheckpointWriter`
 (the copy and the hand-over are set aside from its pace: `runtime/pace.py`)
-(writes are retried and bounded by `collective_timeout`; the store keeps the
+(writes are retried and bounded by `checkpoint_timeout`; the store keeps the
 newest `checkpoint_keep`),
 and a rank 0 that never synced loads the last durable checkpoint before its
-first sync (bounded by `collective_timeout` too: the other ranks wait for it
+first sync (bounded by `checkpoint_timeout` too: the other ranks wait for it
 in the sync; storage that does not answer is a `CheckpointError` naming it).
 Without `checkpoint_dir` every method does nothing.
 """
@@ -20,9 +20,9 @@ from typing import Any
 import ray
 
 from ray_elastic.assignment import WorkerSlot
-from ray_elastic.checkpoint import CheckpointStore, CheckpointWriter, within
+from ray_elastic.checkpoint import CheckpointStore, CheckpointWriter, bounded_call
 from ray_elastic.checkpoint.entries import load_entries, state_entries
-from ray_elastic.config import WorkerConfig
+from ray_elastic.protocol import WorkerConfig
 from ray_elastic.rendezvous import KVClient
 from ray_elastic.runtime.pace import PACE
 
@@ -35,7 +35,7 @@ class CheckpointCadence:
     Args:
         worker_id: this worker's id, for the driver and the log.
         driver: the driver actor's handle (`worker_resumed` is sent to it).
-        settings: `checkpoint_dir`, `checkpoint_every`, `checkpoint_keep` and `collective_timeout`
+        settings: `checkpoint_dir`, `checkpoint_every`, `checkpoint_keep` and `checkpoint_timeout`
             (the bound of one checkpoint write and of the final flush).
     """
 
@@ -89,7 +89,7 @@ class CheckpointCadence:
             "committed_at": time.time(),  # matches it to the reports made after it (Tune's hand-over)
         }
         with PACE.aside():
-            self._writer.submit(state_entries(state), meta, timeout=self.settings.collective_timeout)
+            self._writer.submit(state_entries(state), meta, timeout=self.settings.checkpoint_timeout)
 
     def maybe_resume(self, state: Any, slot: WorkerSlot | None, ever_synced: bool) -> dict[str, Any] | None:
         """Before a sync: a rank 0 that never synced loads the durable checkpoint, if there is one; returns its meta.
@@ -102,9 +102,9 @@ class CheckpointCadence:
         if slot.rank != 0:
             return None
         self._resume_checked = True
-        found = within(
-            self.settings.collective_timeout,
-            f"reading the durable checkpoint in {self.settings.checkpoint_dir} (collective_timeout)",
+        found = bounded_call(
+            self.settings.checkpoint_timeout,
+            f"reading the durable checkpoint in {self.settings.checkpoint_dir} (checkpoint_timeout)",
             # the run's own checkpoint_dir, which the user named, is trusted with pickles; no other place is read
             lambda: self._writer.store.read(allow_pickle=True),
         )
@@ -122,4 +122,4 @@ class CheckpointCadence:
         """Wait for the last checkpoint write (rank 0, before it returns); None if it is durable, else why not."""
         if self._writer is None:
             return None
-        return self._writer.flush(self.settings.collective_timeout)
+        return self._writer.flush(self.settings.checkpoint_timeout)

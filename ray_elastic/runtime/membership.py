@@ -29,7 +29,6 @@ import ray
 from ray_elastic.assignment import WorkerSlot
 from ray_elastic.collective.base import CollectiveGroup
 from ray_elastic.collective.factory import load_backend, make_group
-from ray_elastic.config import WorkerConfig
 from ray_elastic.exceptions import (
     GenerationSupersededError,
     HorovodInternalError,
@@ -37,6 +36,7 @@ from ray_elastic.exceptions import (
     RendezvousTimeoutError,
     WorkerRemovedError,
 )
+from ray_elastic.protocol import WorkerConfig
 from ray_elastic.rendezvous import KVClient
 
 logger = logging.getLogger(__name__)

@@ -28,7 +28,7 @@ from typing import Any
 import ray
 from ray import cloudpickle
 
-from ray_elastic.runtime.pace import PaceSummary
+from ray_elastic.protocol import PaceSummary
 
 logger = logging.getLogger(__name__)
 

@@ -18,14 +18,14 @@ The torch helpers mark the two moments (`DistributedOptimizer` at its first
 bucket launch and at the end of `synchronize()`; `prepare_model`'s process
 group at a backward's first allreduce and in autograd's final callback).
 Each mark is two clock reads and a few additions (about a microsecond), so
-measuring slows no one. Every `INTERVAL_S` of training (and at least one
+measuring slows no one. Every `PACE_INTERVAL_S` of training (and at least one
 step) the meter closes a `PaceSummary` and hands it to its sink, the
 worker's `MetricsShipper`, which ships it in the metrics batches it already
 sends (no call of its own, no collective). The driver's straggler policy
 (`driver/core/stragglers.py`) reads the summaries.
 
-This module imports nothing of the package: the torch helpers mark it, the
-runtime sets its sink (as `collective/activity.py` for the activity marks).
+This module imports nothing of the package but the protocol types (`PaceSummary`): the torch
+helpers mark it, the runtime sets its sink (as `collective/activity.py` for the activity marks).
 """
 
 from __future__ import annotations
@@ -34,54 +34,22 @@ import statistics
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 
-INTERVAL_S = 1.5
-"""The span of one summary. Long enough that a step of ~1 s still counts once or twice in most intervals, short
-enough that the driver's window of several intervals (`driver/core/stragglers.py`) fills within tens of seconds."""
-
-
-@dataclass(frozen=True)
-class PaceSummary:
-    """One rank's pace over one interval of one generation.
-
-    `start` and `end` are wall-clock seconds; `compute_s` and `wait_s` the
-    sums over the interval's `steps` completed steps; `typical_s` the median
-    step's compute (None: not measured), which tells a rank slow at every
-    step from one doing extra work every N steps; `aside_s` the framework's
-    own work this rank did in the interval, left out of `compute_s`.
-    """
-
-    generation: int
-    start: float
-    end: float
-    steps: int
-    compute_s: float
-    wait_s: float
-    typical_s: float | None = None
-    aside_s: float = 0.0
-
-    @property
-    def compute_per_step(self) -> float:
-        return self.compute_s / self.steps
-
-    @property
-    def wait_per_step(self) -> float:
-        return self.wait_s / self.steps
+from ray_elastic.protocol import PACE_INTERVAL_S, PaceSummary
 
 
 class PaceMeter:
     """Marks of this process's gradient steps, summed per interval.
 
     Args:
-        interval_s: the span of one summary (`INTERVAL_S`).
+        interval_s: the span of one summary (`PACE_INTERVAL_S`).
         clock: a monotonic clock for the spans (`time.perf_counter`).
         wall: the clock the summaries are stamped with (`time.time`).
     """
 
     def __init__(
         self,
-        interval_s: float = INTERVAL_S,
+        interval_s: float = PACE_INTERVAL_S,
         clock: Callable[[], float] = time.perf_counter,
         wall: Callable[[], float] = time.time,
     ) -> None:

@@ -15,7 +15,7 @@ Tune persists it and `tune.get_checkpoint()` / the trial's
 it came with (a checkpoint written after the run's last report is not handed
 over: a report of its own would repeat a step in Tune's results). While
 Tune copies it the checkpoint is pinned (no writer prunes it), and the
-hand-over is bounded by `collective_timeout`, the bound of the write of the
+hand-over is bounded by `checkpoint_timeout`, the bound of the write of the
 same bytes: past it the trial fails with a `CheckpointError` naming the
 checkpoint, instead of hanging on a dead mount. A
 restored trial (Tune's experiment resume) puts the checkpoint Tune hands
@@ -31,15 +31,14 @@ it grew into, and the trainable's `stop()` waits for all that
 from __future__ import annotations
 
 import copy
-import dataclasses
 import logging
 import threading
 import time
 from typing import Any
 
-from ray_elastic.checkpoint import CheckpointStore, normalize_url, within
+from ray_elastic.checkpoint import CheckpointStore, bounded_call, normalize_url
 from ray_elastic.checkpoint.store import order_key
-from ray_elastic.payload import pack, unpack
+from ray_elastic.shipping import pack, unpack
 from ray_elastic.tune.placement import NOMINAL, TrialSlots, remove_growth
 
 logger = logging.getLogger(__name__)
@@ -92,8 +91,8 @@ def run_trial(trainer: Any, config: dict[str, Any]) -> None:
         store = CheckpointStore(url, keep=trainer.run_config.checkpoint_keep)
         _adopt_tunes_checkpoint(store, tune.get_checkpoint())
         changes["checkpoint_dir"] = url
-    trial.run_config = dataclasses.replace(trainer.run_config, **changes)
-    relay = _Relay(store, handover_s=trainer.run_config.collective_timeout)
+    trial.run_config = trainer.run_config.replace(**changes)  # checked as the trainer's own options were
+    relay = _Relay(store, handover_s=trainer.run_config.checkpoint_io_timeout)
     _released.clear()
     try:
         trial.fit(on_report=relay)
@@ -135,8 +134,8 @@ class _Relay:
 
         path = None
         if self.store is not None and time.monotonic() - self._looked >= _CHECKPOINT_LOOK_S:
-            listing = f"listing the checkpoints in {self.store.url} for Tune (bounded by collective_timeout)"
-            path = within(self.handover_s, listing, lambda: self._new_checkpoint(stamp))
+            listing = f"listing the checkpoints in {self.store.url} for Tune (bounded by checkpoint_timeout)"
+            path = bounded_call(self.handover_s, listing, lambda: self._new_checkpoint(stamp))
         if path is None:
             tune.report(dict(metrics))
             return
@@ -150,8 +149,8 @@ class _Relay:
                     return
                 tune.report(dict(metrics), checkpoint=self._tune_checkpoint(path))
 
-        what = f"handing the checkpoint {store.url_of(path)} to Tune (tune.report, bounded by collective_timeout)"
-        within(self.handover_s, what, hand_over)
+        what = f"handing the checkpoint {store.url_of(path)} to Tune (tune.report, bounded by checkpoint_timeout)"
+        bounded_call(self.handover_s, what, hand_over)
 
     def _new_checkpoint(self, stamp: float | None) -> str | None:
         """The newest checkpoint committed at or before `stamp` and newer than the last handed over, or None."""

@@ -31,6 +31,7 @@ from ray_elastic.discovery import slots_for_resources
 from ray_elastic.horovod.ray import settings as s
 from ray_elastic.horovod.ray.runner import DEFAULT_COOLDOWN, ensure_ray, trainer_discovery
 from ray_elastic.horovod.ray.sessions import run_elastic
+from ray_elastic.options import from_horovod
 
 logger = logging.getLogger(__name__)
 
@@ -265,14 +266,11 @@ class ElasticRayExecutor:
                 st.min_num_proc, sum(RayHostDiscovery(**self._slot_kwargs()).find_available_hosts_and_slots().values())
             )
         trainer_kwargs = {
-            "min_workers": st.min_num_proc,
+            "cooldown_range": DEFAULT_COOLDOWN,
+            **from_horovod(st),  # min_num_proc, reset_limit, elastic_timeout, timeout_s, cooldown_range
             "max_workers": max_workers,
             "resources_per_worker": self.resources,
             "discovery": None if self.override_discovery else trainer_discovery(st.discovery),
-            "elastic_timeout": st.elastic_timeout,
-            "reset_limit": st.reset_limit,
-            "cooldown_range": st.cooldown_range or DEFAULT_COOLDOWN,
-            "collective_timeout": st.timeout_s,
             "verbose": int(bool(st.verbose)),
         }
         return run_elastic(_call_without_executable(worker_fn), self.env, (None, [], {}), callbacks, trainer_kwargs)

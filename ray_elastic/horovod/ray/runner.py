@@ -32,6 +32,7 @@ from ray_elastic.horovod.ray import settings as s
 from ray_elastic.horovod.ray.sessions import StaticSession, run_elastic
 from ray_elastic.horovod.ray.settings import MiniSettings
 from ray_elastic.horovod.ray.worker_loop import call_with
+from ray_elastic.options import from_horovod
 
 logger = logging.getLogger(__name__)
 
@@ -172,10 +173,10 @@ class RayExecutor:
         timeout = self.settings.placement_group_timeout_s + self.settings.timeout_s
         discovery = _ExactlyPerHost(self.plan.per_host, self.resources) if self.plan.per_host else None
         trainer_kwargs = {
+            **from_horovod(self.settings),
             "resources_per_worker": self.resources,
             "discovery": discovery,
             "elastic_timeout": timeout,
-            "collective_timeout": self.settings.timeout_s,
             "verbose": int(bool(self.settings.verbose)),
         }
         self._session = StaticSession(self.plan.num_workers, env, executable, trainer_kwargs)
@@ -248,6 +249,7 @@ class RayExecutor:
             max_workers = max(plan.min_workers, sum(RayClusterDiscovery(self.resources)().values()))
             logger.info("max_workers=None: at most %d workers, the slots the cluster holds", max_workers)
         return {
+            **from_horovod(self.settings),
             "min_workers": plan.min_workers,
             "max_workers": max_workers,
             "resources_per_worker": self.resources,
@@ -255,7 +257,6 @@ class RayExecutor:
             "elastic_timeout": plan.elastic_timeout,
             "reset_limit": plan.reset_limit,
             "cooldown_range": plan.cooldown_range,
-            "collective_timeout": self.settings.timeout_s,
             "verbose": int(bool(self.settings.verbose)),
         }
 

@@ -26,8 +26,8 @@ from ray_elastic import metrics
 from ray_elastic.assignment import WorkerSlot
 from ray_elastic.collective.activity import MARKS
 from ray_elastic.collective.base import CollectiveGroup
-from ray_elastic.config import WorkerConfig
 from ray_elastic.exceptions import StateRegressionError
+from ray_elastic.protocol import WorkerConfig
 from ray_elastic.rendezvous import KVClient
 from ray_elastic.runtime.checkpoint_cadence import CheckpointCadence
 from ray_elastic.runtime.membership import Membership

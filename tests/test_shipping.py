@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from ray_elastic.payload import importable_from, pack, unpack
+from ray_elastic.shipping import importable_from, pack, unpack
 
 
 @pytest.fixture

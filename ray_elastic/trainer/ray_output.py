@@ -1,12 +1,12 @@
-"""What reaches the user's terminal during `fit()`: one line per event; the detail goes to Ray's log files.
+"""What Ray itself prints in `fit()`'s terminal, and how a worker's death dump is kept out of it.
 
-`fit()` prints one line per membership event (`progress.py`). Two other
+`fit()` prints one line per membership event (`progress_bar.py`). Two other
 sources would repeat each event in Ray's words:
 
 - The run's own actors log every event in detail. Ray forwards whatever an
   actor writes to stderr to the terminal of the process that started the
   job, as "(DriverActor pid=...) worker w3 ... died: ...". In the run's
-  actors, `keep_in_session_log` sends the `ray_elastic` logger to a file
+  actors, `session_log.keep_in_session_log` sends the `ray_elastic` logger to a file
   under the Ray session's log directory instead
   (`<session>/logs/ray_elastic/driver-<run>-<pid>.log`, `worker-...`),
   beside Ray's own worker logs, as Ray Train does for its controller and
@@ -33,62 +33,16 @@ the reason, whatever the actors logged.
 from __future__ import annotations
 
 import contextlib
-import logging
-import os
 import re
 import threading
 from collections.abc import Iterator
 
-import ray
-
 # the first words of the raylet's dump for a worker process that died (Ray 2.x)
 WORKER_DEATH_DUMP = "A worker died or was killed while executing a task by an unexpected system error"
 
-_PACKAGE = "ray_elastic"
 _lock = threading.Lock()
 _hiding = 0  # fit() calls running now (threads): the first installs the pattern, the last removes it
 _saved: list[tuple[object, re.Pattern | None]] = []
-
-
-def session_log_dir() -> str | None:
-    """`<session>/logs/ray_elastic` of the Ray session this process is connected to, or None outside Ray."""
-    node = getattr(ray._private.worker, "_global_node", None)
-    if node is None:
-        return None
-    return os.path.join(node.get_logs_dir_path(), _PACKAGE)
-
-
-def keep_in_session_log(process: str) -> str | None:
-    """In one of the run's actors: the `ray_elastic` logger writes to a file of the Ray session, not to stderr.
-
-    `process` names the file (`driver-<run>`, `worker-<run>-<worker>`); the
-    PID is added, so a restarted driver starts a file of its own. INFO and
-    above are kept (reset details, checkpoint timings); nothing is
-    forwarded to the terminal of `fit()`'s caller, which shows the events
-    itself. Returns the file's path (None outside a Ray worker process:
-    logging unchanged).
-    Calling it again in the same process changes nothing.
-    """
-    if ray._private.worker.global_worker.mode != ray.WORKER_MODE:
-        return None  # fit()'s own process (a driver of Ray's): its logging is the user's
-    logger = logging.getLogger(_PACKAGE)
-    for handler in logger.handlers:
-        if isinstance(handler, _SessionLog):
-            return handler.baseFilename
-    directory = session_log_dir()
-    if directory is None:
-        return None
-    os.makedirs(directory, exist_ok=True)
-    handler = _SessionLog(os.path.join(directory, f"{process}-{os.getpid()}.log"), delay=True)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s -- %(message)s"))
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    logger.propagate = False  # the root logger of a Ray worker writes to stderr, which Ray forwards
-    return handler.baseFilename
-
-
-class _SessionLog(logging.FileHandler):
-    """The handler `keep_in_session_log` adds (a class of its own, so that it is found again)."""
 
 
 @contextlib.contextmanager

@@ -20,12 +20,10 @@ from typing import Any
 
 import ray
 
-from ray_elastic import autoscale
-from ray_elastic.driver.shell import snapshot
-from ray_elastic.leftovers import remove_run_actors, remove_run_placement_groups
-from ray_elastic.logs import worker_death_dumps_hidden
-from ray_elastic.progress import Progress
 from ray_elastic.protocol import RunOutcome
+from ray_elastic.teardown import remove_run
+from ray_elastic.trainer.progress_bar import Progress
+from ray_elastic.trainer.ray_output import worker_death_dumps_hidden
 
 logger = logging.getLogger(__name__)
 
@@ -153,10 +151,7 @@ def cleanup(driver: Any, kv: Any, run_id: str, namespace: str, graceful: bool) -
             ray.kill(driver.handle, no_restart=True)
         if kv is not None:
             ray.kill(kv.handle, no_restart=True)
-        remove_run_actors(namespace)
-        remove_run_placement_groups(namespace)
-        autoscale.withdraw(run_id)
-        snapshot.delete(run_id)
+        remove_run(run_id, namespace, "fit()")
 
     cleaner = threading.Thread(target=work, name="ray-elastic-cleanup", daemon=True)
     cleaner.start()
