@@ -215,4 +215,4 @@ def test_a_checkpoint_dir_of_the_old_single_pickle_format_is_refused_before_anyt
     with pytest.raises(ValueError, match=r"ray_elastic_checkpoint\.pkl.*silently start over"):
         check_checkpoint_dir(trainer.run_config, trainer.verbose)
     CheckpointStore(str(tmp_path)).write({"epoch": 3}, {"commit": 1, "world_size": 1})
-    check_checkpoint_dir(trainer.run_config, trainer.verbose)  # a checkpoint of this release beside it: resumed from that one
+    check_checkpoint_dir(trainer.run_config, trainer.verbose)  # a checkpoint of this release beside it: resumed
