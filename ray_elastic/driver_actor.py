@@ -37,14 +37,12 @@ import asyncio
 import gc
 import logging
 import time
-from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 
 from ray_elastic import metrics
 from ray_elastic.auth import Authed, RunToken, with_token_check
-from ray_elastic.config import RunConfig
 from ray_elastic.discovery import DiscoveryError
 from ray_elastic.driver.core import messages as m
 from ray_elastic.driver.core.driver_core import DriverCore, WorkerStatus
@@ -63,9 +61,15 @@ from ray_elastic.driver.shell.kv_link import KVLink
 from ray_elastic.driver.shell.liveness import LivenessRounds
 from ray_elastic.driver.shell.metrics_log import MetricsLog
 from ray_elastic.driver.shell.worker_pool import WorkerPool
-from ray_elastic.logs import keep_in_session_log
-from ray_elastic.payload import unpack
 from ray_elastic.protocol import DriverStatus, RunOutcome
+from ray_elastic.session_log import keep_in_session_log
+from ray_elastic.shipping import unpack
+from ray_elastic.worker_actor import actor_class
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from ray_elastic.config import RunConfig
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +90,7 @@ class DriverActor:
         self._changes = DurableChanges()
         self.ledger = CallLedger(run_id, self._run_token)
         self.inbox = Inbox(config, self.ledger, lambda worker_id: self.core.host_of(worker_id))
-        self.pool = WorkerPool(namespace, config, self._run_token, self.inbox.put)
+        self.pool = WorkerPool(namespace, config, self._run_token, self.inbox.put, actor_class())
         self.liveness = LivenessRounds(config, self.pool, lambda: self.core.alive_hosts(), self.inbox.put)
         self.kv: KVLink | None = None  # found by name (`_load_start`)
         self._discovery_spec: Any = None
@@ -115,8 +119,8 @@ class DriverActor:
 
     async def _drive(self) -> RunOutcome:
         # what the process holds by now (Ray, its modules) lives as long as it does: moved out of the cyclic
-        # GC's sight, a full collection scans only the run's own objects (at 8192 workers, the stalls of the
-        # loop it causes drop from ~35 ms to ~3 ms; bench/driver_scale.py)
+        # GC's sight, a full collection scans only the run's own objects, so the loop's stalls it causes grow
+        # with the run, not with Ray (bench/driver_scale.py measures them)
         gc.collect()
         gc.freeze()
         try:

@@ -31,10 +31,7 @@ from typing import Any
 import ray
 from ray import cloudpickle
 
-from ray_elastic import autoscale
 from ray_elastic.auth import with_token_check
-from ray_elastic.config import WorkerConfig
-from ray_elastic.driver.shell import snapshot
 from ray_elastic.exceptions import (
     CollectiveMismatchError,
     CoordinatorDiedError,
@@ -42,13 +39,14 @@ from ray_elastic.exceptions import (
     StateRegressionError,
     WorkerRemovedError,
 )
-from ray_elastic.leftovers import remove_run_actors, remove_run_placement_groups, run_namespace
-from ray_elastic.logs import keep_in_session_log
-from ray_elastic.payload import unpack
-from ray_elastic.protocol import CoordinatorLost, Finished, Removed, UserError, WorkerOutcome
+from ray_elastic.protocol import CoordinatorLost, Finished, Removed, UserError, WorkerConfig, WorkerOutcome
+from ray_elastic.run_footprint import run_namespace
 from ray_elastic.runtime.allocator import tune_allocator
+from ray_elastic.runtime.context import WorkerContext, set_current
 from ray_elastic.runtime.threads import apply_threads
-from ray_elastic.worker_context import WorkerContext, set_current
+from ray_elastic.session_log import keep_in_session_log
+from ray_elastic.shipping import unpack
+from ray_elastic.teardown import remove_run
 
 logger = logging.getLogger(__name__)
 
@@ -97,18 +95,9 @@ class WorkerActor:
             misses = misses + 1 if state == "DEAD" else 0
             if misses >= _WATCH_MISSES:
                 break
-        namespace = run_namespace(self._run_id)
         logger.error("worker %s: the run's driver is dead for good; removing the run's actors", self.worker_id)
-        for step in (
-            lambda: snapshot.delete(self._run_id),
-            lambda: autoscale.withdraw(self._run_id),
-            lambda: remove_run_placement_groups(namespace),  # takes this worker with it
-            lambda: remove_run_actors(namespace),
-        ):
-            try:
-                step()
-            except Exception:  # noqa: BLE001 - each step on its own; the others may have done it
-                logger.exception("worker %s: removing the run's leftovers", self.worker_id)
+        # the run's placement groups take this worker with them: it exits here only if they were gone already
+        remove_run(self._run_id, run_namespace(self._run_id), f"worker {self.worker_id}")
         os._exit(0)
 
     def _train(self, payload: bytes) -> WorkerOutcome:

@@ -28,6 +28,7 @@ from ray_elastic.driver.shell.replies import read_activity, read_pings
 from ray_elastic.driver.shell.worker_pool import WorkerPool
 from ray_elastic.driver_actor import DriverActor
 from ray_elastic.protocol import DriverState, EventKind
+from ray_elastic.worker_actor import actor_class
 
 
 def config(**overrides) -> RunConfig:
@@ -195,7 +196,7 @@ class RestartedDriver(DriverActor):
         self._changes = DurableChanges()
         self.ledger = CallLedger("run1", self._run_token)
         self.inbox = Inbox(self.config, self.ledger, self.core.host_of)
-        self.pool = WorkerPool("ns", self.config, self._run_token, self.inbox.put)
+        self.pool = WorkerPool("ns", self.config, self._run_token, self.inbox.put, actor_class())
         self._tasks = []
         self._started = asyncio.Event()
         self._drive_task = None

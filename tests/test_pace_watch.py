@@ -11,8 +11,7 @@ from test_driver_core import Script
 
 from ray_elastic.driver.core import messages as m
 from ray_elastic.driver.core.stragglers import WINDOW
-from ray_elastic.protocol import EventKind, Removed
-from ray_elastic.runtime.pace import PaceSummary
+from ray_elastic.protocol import EventKind, PaceSummary, Removed
 
 HOSTS = {"A": 1, "B": 1, "C": 1, "D": 1}
 

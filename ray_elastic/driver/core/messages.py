@@ -9,13 +9,14 @@ events with the offset it was given.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-from ray_elastic.assignment import WorkerSlot
-from ray_elastic.protocol import WorkerOutcome
-from ray_elastic.runtime.pace import PaceSummary
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    from ray_elastic.assignment import WorkerSlot
+    from ray_elastic.protocol import PaceSummary, WorkerOutcome
 
 
 # ---- messages in ---------------------------------------------------------

@@ -29,15 +29,17 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ray_elastic.driver.core import messages as m
-from ray_elastic.driver.core.generations import Generations
 from ray_elastic.driver.core.roster import WorkerStatus
-from ray_elastic.driver.core.run_record import RunRecord
 from ray_elastic.driver.core.stragglers import WINDOW, Probation, Straggler, StragglerVerdict, judge_stragglers
-from ray_elastic.protocol import EventKind
-from ray_elastic.runtime.pace import INTERVAL_S, PaceSummary
+from ray_elastic.protocol import PACE_INTERVAL_S as INTERVAL_S
+from ray_elastic.protocol import EventKind, PaceSummary
+
+if TYPE_CHECKING:
+    from ray_elastic.driver.core import messages as m
+    from ray_elastic.driver.core.generations import Generations
+    from ray_elastic.driver.core.run_record import RunRecord
 
 logger = logging.getLogger(__name__)
 

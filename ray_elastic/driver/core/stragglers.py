@@ -45,9 +45,9 @@ run whose steps take several seconds is judged on 10 steps per rank. Only
 the current generation's intervals count: a reset starts the window again,
 so after an eviction the new world is judged on its own pace.
 
-The threshold, and the prediction. 1.5x is the issue's figure and leaves
-room for the ranks' normal differences (rank 0 reports; data loading
-varies), which are far below it here. Being slower
+The threshold, and the prediction. 1.5x leaves room for the ranks' normal
+differences (rank 0 reports; data loading varies), which stay far below
+it, and still catches a node slowed by a third. Being slower
 is not enough: the run must be predicted faster without the rank. With n
 ranks, the time to process one global batch (n ranks' batches) is the
 straggler's step, `c_s + w_s`: its compute and its own wait (the last rank
@@ -72,11 +72,14 @@ import bisect
 import enum
 import heapq
 import statistics
-from collections.abc import Mapping, Sequence
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from ray_elastic.assignment import Cooldown
-from ray_elastic.runtime.pace import PaceSummary
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping, Sequence
+
+    from ray_elastic.protocol import PaceSummary
 
 THRESHOLD = 1.5  # compute per step against the others' median
 WINDOW = 10  # intervals per rank (1.5 s each: about 15 s of training)

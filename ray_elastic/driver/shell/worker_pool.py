@@ -12,18 +12,25 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from ray_elastic.auth import Authed, RunToken
-from ray_elastic.config import RunConfig
 from ray_elastic.driver.core import messages as m
-from ray_elastic.leftovers import CONTROL_ACTORS, remove_run_actors, remove_run_placement_groups, run_placement_groups
-from ray_elastic.worker_actor import actor_class
+from ray_elastic.run_footprint import (
+    CONTROL_ACTORS,
+    remove_run_actors,
+    remove_run_placement_groups,
+    run_placement_groups,
+)
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterable
+
+    from ray_elastic.config import RunConfig
 
 logger = logging.getLogger(__name__)
 
@@ -51,9 +58,13 @@ class WorkerPool:
         config: the run's options (`resources_per_worker`, `elastic_timeout` for placement).
         token: the run's token; calls to the workers carry it.
         report: puts a message on the driver's queue (`Died`, `WorkerExited`, `WorkerStartFailed`).
+        worker_cls: the worker's Ray actor class (`worker_actor.actor_class()`), given by the driver actor
+            so that the driver's package does not import the worker's.
     """
 
-    def __init__(self, namespace: str, config: RunConfig, token: RunToken, report: Callable[[Any], None]) -> None:
+    def __init__(
+        self, namespace: str, config: RunConfig, token: RunToken, report: Callable[[Any], None], worker_cls: Any
+    ) -> None:
         self.namespace = namespace
         self.config = config
         self.token = token
@@ -62,7 +73,7 @@ class WorkerPool:
         self.pgs: dict[str, PlacementGroup] = {}
         self.runs: dict[str, asyncio.Task] = {}
         self.pids: dict[str, int] = {}  # each worker's process id, asked with its first ping
-        self._worker_cls = actor_class()
+        self._worker_cls = worker_cls
         self.start_args: tuple[Any, ...] = ()  # (kv, driver handle, worker config), set once the driver started
         self.payload_ref: Any = None  # train_fn's payload in the object store
 
