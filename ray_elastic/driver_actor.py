@@ -285,7 +285,7 @@ class DriverActor:
             elif isinstance(action, m.LookForCheckpoint):
                 self._background(cluster_facts.look_for_checkpoint(self.config, self.inbox.put))
             elif isinstance(action, m.RequestResources):
-                await self.autoscale.set(action.count)
+                await self.autoscale.set(action.bundles)
             elif isinstance(action, m.RecordMetric):
                 _RECORDERS[action.name](self.run_id, action.value)
             else:
@@ -396,7 +396,7 @@ def create_driver_actor(
     namespace: str,
     token: RunToken,
     payload: bytes,
-    discovery: Callable | str | None,
+    discovery: bytes | str | None,  # a pickled callable, or a script's path
     config: RunConfig,
     scheduling_strategy: Any = None,
 ) -> Any:

@@ -225,8 +225,8 @@ def test_the_autoscaler_is_asked_for_max_workers_while_the_cluster_offers_fewer_
     p = Parts(max_workers=4)
     p.scaling.update_hosts({"A": 2}, now=1.0)
     p.scaling.reconcile(1.0)
-    assert [a.count for a in p.record.take_actions() if isinstance(a, m.RequestResources)] == [4]
+    assert [a.bundles for a in p.record.take_actions() if isinstance(a, m.RequestResources)] == [4]
     assert p.scaling.request_again() == [m.RequestResources(4)]
     p.scaling.update_hosts({"A": 2, "B": 2}, now=2.0)
     p.scaling.reconcile(2.0)
-    assert [a.count for a in p.record.take_actions() if isinstance(a, m.RequestResources)] == [0]
+    assert [a.bundles for a in p.record.take_actions() if isinstance(a, m.RequestResources)] == [0]

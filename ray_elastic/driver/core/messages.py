@@ -276,9 +276,9 @@ class LookForCheckpoint(NamedTuple):
 
 
 class RequestResources(NamedTuple):
-    """Ask Ray's autoscaler for `count` worker bundles in all (0 withdraws the request)."""
+    """Ask Ray's autoscaler for `bundles` worker bundles in all (0 withdraws the request)."""
 
-    count: int
+    bundles: int
 
 
 class RecordMetric(NamedTuple):

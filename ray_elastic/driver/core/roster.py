@@ -44,8 +44,18 @@ _BY_SEQ = attrgetter("seq")
 class WorkerRecord:
     """One worker on record; setting `status` moves it in its roster."""
 
-    __slots__ = ("worker_id", "host", "seq", "started_at", "answered", "silent_since", "spared", "live", "_status")
-    __slots__ += ("_roster",)
+    __slots__ = (
+        "worker_id",
+        "host",
+        "seq",
+        "started_at",
+        "answered",
+        "silent_since",
+        "spared",
+        "live",
+        "_status",
+        "_roster",
+    )
 
     def __init__(self, roster: Roster, worker_id: str, host: str, seq: int, status: WorkerStatus, started_at: float):
         self._roster = roster
@@ -189,7 +199,7 @@ class Roster:
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__()
+        Roster.__init__(self)
         self.fenced, self._seq, self.version = state["fenced"], state["seq"], state["version"]
         columns = zip(state["ids"], state["hosts"], state["seqs"], state["statuses"], state["started"], strict=True)
         flags = zip(state["answered"], state["holds"], strict=True)

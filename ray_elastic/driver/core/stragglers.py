@@ -140,6 +140,7 @@ def judge_stragglers(
     the node's and the verdict names all of them. The prediction and
     `min_workers` count every worker that would leave.
     """
+    windows: Mapping[str, Sequence[PaceSummary]]
     if pace is None:
         windows = {
             w: [s for s in ss if s.generation == generation and s.steps > 0][-WINDOW:] for w, ss in paces.items()
@@ -173,7 +174,8 @@ def judge_stragglers(
             f"no rank computes {THRESHOLD:g}x the others' median in {SLOW_IN} of its last {WINDOW} intervals",
         )
     _, worker, slow = max(candidates)
-    leaving, node = (worker,), None
+    leaving: tuple[str, ...] = (worker,)
+    node: str | None = None
     if hosts is not None:
         slow_ones = {w for _, w, _ in candidates}
         host = hosts.get(worker)

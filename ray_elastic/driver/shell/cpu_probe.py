@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import time
+from typing import Any
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -86,7 +87,7 @@ class ProcessProbe:
         """Answered with every liveness round: a node whose probe is silent too is unreachable, not busy."""
 
 
-def start_probe(node_id: str) -> ray.actor.ActorHandle:
+def start_probe(node_id: str) -> Any:
     """A `ProcessProbe` pinned to `node_id` (num_cpus=0: it takes no worker's slot)."""
     cls = ray.remote(num_cpus=0, max_restarts=0)(ProcessProbe)
     return cls.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote()

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from ray.exceptions import ActorDiedError
 
@@ -38,7 +38,7 @@ def read_activity(worker_id: str, result: object) -> Mapping[str, Any] | str:
         if not isinstance(result, asyncio.TimeoutError):
             logger.warning("the activity query of worker %s failed: %s: %s", worker_id, type(result).__name__, result)
         return ACTIVITY_TIMEOUT
-    return result
+    return cast("Mapping[str, Any]", result)
 
 
 def read_pings(results: Mapping[str, object]) -> tuple[frozenset[str], frozenset[str]]:
