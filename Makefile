@@ -49,8 +49,11 @@ nettools:
 		{ [ "$$(id -u)" = 0 ] && apt-get update -q && apt-get install -y -q iproute2; } || \
 		echo "iproute2 not installed: tests/test_netns.py will skip"
 
+# the static checks first: ruff, the import contracts (pyproject's [tool.importlinter]) and mypy on the package
 test: $(STAMP) nettools
 	$(BIN)/ruff check ray_elastic tests examples bench
+	$(BIN)/lint-imports
+	$(BIN)/mypy
 	$(BIN)/python -m pytest -q -ra --durations=30 tests
 
 # the conformance suite and the numpy example through a SIGKILL, on pygloo
@@ -94,6 +97,8 @@ soak: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check ray_elastic tests examples bench
+	$(BIN)/lint-imports
+	$(BIN)/mypy
 
 clean:
 	rm -rf $(VENV) $(VENV310)

@@ -61,7 +61,8 @@ from ray_elastic.driver.shell import (
 )
 from ray_elastic.driver.shell.durability import CallLedger  # noqa: E402
 from ray_elastic.driver.shell.metrics_log import MetricsLog  # noqa: E402
-from ray_elastic.runtime.pace import INTERVAL_S, PaceSummary  # noqa: E402
+from ray_elastic.protocol import PACE_INTERVAL_S as INTERVAL_S  # noqa: E402
+from ray_elastic.protocol import PaceSummary  # noqa: E402
 
 REPORTS_EVERY_S = 0.25  # the metrics shipper's flush
 TICK_S = 0.5

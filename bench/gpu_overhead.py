@@ -46,8 +46,9 @@ from results_file import write_results  # noqa: E402
 from ray_elastic.assignment import WorkerSlot  # noqa: E402
 from ray_elastic.protocol import WorkerConfig  # noqa: E402
 from ray_elastic.runtime import metrics_shipper  # noqa: E402
-from ray_elastic.runtime.context import WorkerContext, set_current  # noqa: E402
+from ray_elastic.runtime.context import WorkerContext  # noqa: E402
 from ray_elastic.runtime.pace import PACE  # noqa: E402
+from ray_elastic.runtime.process import set_current  # noqa: E402
 from ray_elastic.torch import DistributedOptimizer, TorchState, prepare_model  # noqa: E402
 
 

@@ -107,7 +107,7 @@ class LongRunHost:
 
     def measure(self, reports: int, bounded: bool) -> dict:
         from ray_elastic.driver.shell.metrics_log import MetricsLog
-        from ray_elastic.following import Reports
+        from ray_elastic.trainer.driver_watch import Reports
 
         base = rss_mb()
         log = MetricsLog("bench-long-run")

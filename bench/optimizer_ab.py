@@ -134,7 +134,8 @@ def child_micro(args: argparse.Namespace) -> dict[str, Any]:
     from ray_elastic.collective.torch_gloo import TorchGlooGroup
     from ray_elastic.protocol import WorkerConfig
     from ray_elastic.runtime import metrics_shipper
-    from ray_elastic.runtime.context import WorkerContext, set_current
+    from ray_elastic.runtime.context import WorkerContext
+    from ray_elastic.runtime.process import set_current
     from ray_elastic.torch import DistributedOptimizer
 
     class NoDriver:

@@ -98,7 +98,7 @@ from ray.cluster_utils import Cluster
 from results_file import write_results
 
 import ray_elastic as elastic
-from ray_elastic.collective import group
+from ray_elastic.runtime.ring_ops import group
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from netns_cluster import NetnsCluster, unavailable_reason  # noqa: E402

@@ -9,26 +9,10 @@ machinery. On the driver side: `ElasticTrainer(train_fn, ...).fit()`. Inside
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ray_elastic.checkpoint import load_checkpoint
-from ray_elastic.collective import (
-    Average,
-    CollectiveMismatchError,
-    Max,
-    Min,
-    ReduceOp,
-    Sum,
-    allgather,
-    allgather_object,
-    allreduce,
-    allreduce_,
-    barrier,
-    broadcast,
-    broadcast_,
-    broadcast_object,
-    set_argument_checks,
-)
+from ray_elastic.collective import Average, CollectiveMismatchError, Max, Min, ReduceOp, Sum, set_argument_checks
 from ray_elastic.elastic import run
 from ray_elastic.events import Event
 from ray_elastic.exceptions import (
@@ -39,16 +23,27 @@ from ray_elastic.exceptions import (
     TrainingFailedError,
 )
 from ray_elastic.runtime.process import current, maybe_current
+from ray_elastic.runtime.ring_ops import (
+    allgather,
+    allgather_object,
+    allreduce,
+    allreduce_,
+    barrier,
+    broadcast,
+    broadcast_,
+    broadcast_object,
+)
 from ray_elastic.state import ObjectState, State
 from ray_elastic.trainer import ElasticTrainer, Result
+
+if TYPE_CHECKING:
+    from ray_elastic.assignment import WorkerSlot
 
 __version__ = "0.1.0"
 
 
-def _slot():
-    ctx = current()
-    ctx.ensure_joined()
-    return ctx.slot
+def _slot() -> WorkerSlot:
+    return current().joined_slot()
 
 
 def rank() -> int:

@@ -180,6 +180,7 @@ def load_function(target: str) -> Callable[..., Any]:
         # like `python FILE.py`: the file's directory is importable, so its sibling imports work
         sys.path.insert(0, os.path.dirname(path))
         spec = importlib.util.spec_from_file_location(module_name, path)
+        assert spec is not None and spec.loader is not None  # a .py file's path always gives one
         module = importlib.util.module_from_spec(spec)
         sys.modules[module_name] = module
         try:
@@ -292,7 +293,7 @@ def _option_names(message: str) -> str:
 
 
 def _trainer_class() -> type:
-    from ray_elastic.trainer import ElasticTrainer
+    from ray_elastic import ElasticTrainer
 
     return ElasticTrainer
 
@@ -376,7 +377,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     import ray
 
-    from ray_elastic.exceptions import TrainingFailedError
+    from ray_elastic import TrainingFailedError
 
     logging.basicConfig(format="%(message)s")
     if args.verbose:

@@ -50,7 +50,7 @@ def run(func: Callable[..., R]) -> Callable[..., R]:
                     ctx.mark_synced()
                 return func(state, *args, **kwargs)
             except HorovodInternalError as e:
-                logger.info("rank %s: collective failed (%s); restoring the last commit", ctx.slot.rank, e)
+                logger.info("rank %s: collective failed (%s); restoring the last commit", ctx.rank, e)
                 ctx.tell_failure(str(e))  # the driver plans the next generation while this rank restores
                 state.restore()
                 failed, skip_sync = True, False
@@ -64,7 +64,7 @@ def run(func: Callable[..., R]) -> Callable[..., R]:
                 broken = ctx.ring_failure(e)
                 if broken is None:
                     raise
-                logger.info("rank %s: the ring broke (%s); restoring the last commit", ctx.slot.rank, broken)
+                logger.info("rank %s: the ring broke (%s); restoring the last commit", ctx.rank, broken)
                 ctx.tell_failure(broken)
                 state.restore()
                 failed, skip_sync = True, False

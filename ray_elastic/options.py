@@ -350,8 +350,9 @@ def add_cli_flags(parser: argparse.ArgumentParser) -> None:
             continue
         group = parser.add_argument_group(concern)
         for o in flagged:
-            shown = "" if o.default is None or "default" in o.help else f" ({_shown(o.default)})"
-            group.add_argument(o.flag, dest=o.name, default=o.default, help=o.help + shown, **o.cli)
+            text = o.help or ""
+            shown = "" if o.default is None or "default" in text else f" ({_shown(o.default)})"
+            group.add_argument(o.flag, dest=o.name, default=o.default, help=text + shown, **o.cli)
             for alias in o.horovodrun:  # horovodrun's spelling: an argument of its own, so errors name the flag used
                 group.add_argument(alias, dest=o.name, default=argparse.SUPPRESS, help=f"same as {o.flag}", **o.cli)
 

@@ -59,7 +59,7 @@ def unpack(data: bytes) -> Any:
 
 def importable_from(module: ModuleType, roots: Iterable[str]) -> bool:
     """Whether `module` is the file its name resolves to under one of `roots`."""
-    path = os.path.abspath(module.__file__)
+    path = os.path.abspath(module.__file__ or "")
     relative = module.__name__.replace(".", os.sep)
     for root in roots:
         base = os.path.join(os.path.abspath(root), relative)
@@ -89,7 +89,7 @@ def _user_modules() -> list[ModuleType]:
         and module.__name__ == name
         and not name.startswith("ray_elastic")
         and isinstance(getattr(module, "__file__", None), str)
-        and not os.path.abspath(module.__file__).startswith(installed)
+        and not os.path.abspath(module.__file__ or "").startswith(installed)
     ]
 
 

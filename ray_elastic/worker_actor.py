@@ -42,7 +42,8 @@ from ray_elastic.exceptions import (
 from ray_elastic.protocol import CoordinatorLost, Finished, Removed, UserError, WorkerConfig, WorkerOutcome
 from ray_elastic.run_footprint import run_namespace
 from ray_elastic.runtime.allocator import tune_allocator
-from ray_elastic.runtime.context import WorkerContext, set_current
+from ray_elastic.runtime.context import WorkerContext
+from ray_elastic.runtime.process import set_current
 from ray_elastic.runtime.threads import apply_threads
 from ray_elastic.session_log import keep_in_session_log
 from ray_elastic.shipping import unpack

@@ -20,7 +20,7 @@ import torch
 
 import ray_elastic as elastic
 from ray_elastic.collective import torch_dist
-from ray_elastic.runtime.context import current
+from ray_elastic.runtime import current
 
 DIM = 256
 LR = 0.01

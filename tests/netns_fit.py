@@ -24,7 +24,7 @@ from fenced_workload import fenced_train_fn  # noqa: E402
 from workloads import counting_train_fn  # noqa: E402
 
 import ray_elastic as elastic  # noqa: E402
-from ray_elastic.runtime.context import current  # noqa: E402
+from ray_elastic.runtime import current  # noqa: E402
 
 
 def train_fn(config: dict) -> dict:

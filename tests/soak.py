@@ -39,7 +39,7 @@ import digits  # noqa: E402
 from workloads import _fire_faults  # noqa: E402
 
 import ray_elastic as elastic  # noqa: E402
-from ray_elastic.runtime.context import current  # noqa: E402
+from ray_elastic.runtime import current  # noqa: E402
 
 GLOBAL_BATCH = 64  # split over the ranks, so steps per epoch do not depend on the world size
 

@@ -35,7 +35,7 @@ from workloads import FileDiscovery, _fire_faults
 import ray_elastic as elastic
 from ray_elastic import ElasticTrainer, TrainingFailedError
 from ray_elastic.collective.shm import ENV_SWITCH as SHM_SWITCH
-from ray_elastic.runtime.context import current
+from ray_elastic.runtime import current
 from ray_elastic.trainer.preflight import refers_to
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))

@@ -65,7 +65,7 @@ def gpu_train_fn(config: dict) -> dict:
 
     import ray_elastic as elastic
     import ray_elastic.torch as etorch
-    from ray_elastic.collective import group
+    from ray_elastic.runtime.ring_ops import group
 
     torch.manual_seed(elastic.rank())  # ranks start different: the first sync must make them equal
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))

@@ -15,8 +15,8 @@ from ray_elastic.assignment import WorkerSlot
 from ray_elastic.collective.torch_gloo import TorchGlooGroup
 from ray_elastic.protocol import PaceSummary
 from ray_elastic.runtime import metrics_shipper
-from ray_elastic.runtime.context import set_current
 from ray_elastic.runtime.pace import PaceMeter
+from ray_elastic.runtime.process import set_current
 from ray_elastic.torch import DistributedOptimizer, optimizer
 
 

@@ -288,11 +288,15 @@ def test_set_epoch_starts_afresh_but_the_same_epoch_keeps_progress():
     assert len(list(s)) == 10
 
 
-def test_world_comes_from_ray_elastic_when_not_set(monkeypatch):
-    import ray_elastic
+def test_world_comes_from_the_worker_runtime_when_not_set(monkeypatch):
+    from ray_elastic.assignment import WorkerSlot
+    from ray_elastic.runtime import process
 
-    monkeypatch.setattr(ray_elastic, "rank", lambda: 1)
-    monkeypatch.setattr(ray_elastic, "size", lambda: 3)
+    class Runtime:  # the worker's runtime, as ray_elastic.rank() and size() read it
+        def joined_slot(self) -> WorkerSlot:
+            return WorkerSlot("w1", "host", 1, 3, 0, 1, 0, 1)
+
+    monkeypatch.setattr(process, "_current", Runtime())
     s = ElasticSampler(range(9), shuffle=False)
     assert len(s) == 3
     assert list(s) == [1, 4, 7]

@@ -1,7 +1,8 @@
 """A sync over a real torch Gloo ring of 3 processes (no Ray): only the ranks that lack rank 0's commit receive.
 
 Each process builds a `TorchGlooGroup` over one TCP store and stands in for a
-worker's runtime (`group`, `ensure_joined` and the membership's KV are all a sync asks of it).
+worker's runtime (`group`, `joined_ring`, the newcomer's preparations and the run's lasting KV are all a sync
+asks of it).
 """
 
 from __future__ import annotations
@@ -52,6 +53,18 @@ class Runtime:
 
     def ensure_joined(self) -> None:
         pass
+
+    def joined_ring(self):
+        return self.group
+
+    def add_join_preparation(self, prepare) -> None:
+        self.membership.add_join_preparation(prepare)
+
+    def post_lasting(self, key, value) -> None:
+        self.membership.kv.post_lasting(key, value)
+
+    def get_lasting(self, key):
+        return self.membership.kv.get_lasting(key)
 
 
 def digest(model, opt) -> str:

@@ -26,7 +26,8 @@ from ray_elastic.assignment import WorkerSlot
 from ray_elastic.collective.torch_gloo import TorchGlooGroup
 from ray_elastic.exceptions import HostsUpdatedInterrupt
 from ray_elastic.protocol import WorkerConfig
-from ray_elastic.runtime.context import WorkerContext, set_current
+from ray_elastic.runtime.context import WorkerContext
+from ray_elastic.runtime.process import set_current
 from ray_elastic.state.state import ObjectState
 from ray_elastic.torch import DistributedOptimizer, optimizer, prepare_model
 

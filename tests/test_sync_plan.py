@@ -4,14 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from ray_elastic.state.sync_plan import (
-    CommitId,
-    fresh_commit_id,
-    judge_adoption,
-    order_transfers,
-    plan_sync,
-    schedule_chunks,
-)
+from ray_elastic.runtime.commits import CommitId, fresh_commit_id, judge_adoption
+from ray_elastic.state.sync_plan import order_transfers, plan_sync, schedule_chunks
 
 
 def test_equal_commits_have_equal_fingerprints_and_the_next_commit_differs():

@@ -24,7 +24,8 @@ from ray_elastic.collective.base import guarded_call
 from ray_elastic.collective.torch_gloo import TorchGlooGroup
 from ray_elastic.exceptions import HorovodInternalError, HostsUpdatedInterrupt
 from ray_elastic.protocol import WorkerConfig
-from ray_elastic.runtime.context import WorkerContext, current, set_current
+from ray_elastic.runtime.context import WorkerContext
+from ray_elastic.runtime.process import current, set_current
 from ray_elastic.torch import DistributedOptimizer
 from ray_elastic.torch import state as torch_state
 

@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 import ray_elastic as elastic
-from ray_elastic.runtime.context import current
+from ray_elastic.runtime import current
 
 DIM = 8
 

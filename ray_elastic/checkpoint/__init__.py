@@ -9,15 +9,15 @@ the latest checkpoint before the first sync broadcasts it to the others.
 
 The parts: `store.py` (the directory of checkpoints, newest by their manifests, each whole
 before it counts), `files.py` (one checkpoint as plain files: `.pt` for
-`torch.load`, JSON, pickles), `entries.py` and `torch_entries.py` (a state's
-commit as plain entries, state dicts for torch objects, and back),
+`torch.load`, JSON, pickles), `entries.py` (a state's commit as plain entries,
+and back; `torch/checkpoint_form.py` registers state dicts for torch objects),
 `writer.py` (rank 0's background writer), `opening.py` (`load_checkpoint`
 for users), `bounded.py` (storage calls with a deadline).
 """
 
 from ray_elastic.checkpoint.bounded import CheckpointError, bounded_call
 from ray_elastic.checkpoint.opening import load_checkpoint
-from ray_elastic.checkpoint.store import META_FILE, CheckpointStore, normalize_url
+from ray_elastic.checkpoint.store import META_FILE, CheckpointStore, normalize_url, order_key
 from ray_elastic.checkpoint.writer import CheckpointWriter
 
 __all__ = [
@@ -28,4 +28,5 @@ __all__ = [
     "CheckpointWriter",
     "load_checkpoint",
     "normalize_url",
+    "order_key",
 ]

@@ -1,10 +1,11 @@
 """A state's commit as checkpoint entries (name -> plain value), and entries back into a state.
 
-`ObjectState` gives its attributes as they are; any other `State` subclass
-its own `checkpoint_payload()` under the one name `state`. A state kind with
-a form of its own registers it (`register_form`): `TorchState`'s state dicts
-(`torch_entries.py`, registered when `ray_elastic.torch` is imported), so
-this module, which the worker's runtime uses, never imports torch.
+A `State` subclass gives its own `checkpoint_payload()` under the one name
+`state`. A state kind with a form of its own registers it (`register_form`):
+`ObjectState` its attributes as they are (`state/state.py`), `TorchState`
+its state dicts (`torch/checkpoint_form.py`, registered when
+`ray_elastic.torch` is imported). So this module, which the worker's runtime
+uses, imports neither the state classes nor torch.
 """
 
 from __future__ import annotations
@@ -31,25 +32,17 @@ def _form(state: Any) -> tuple[Callable[[Any], dict[str, Any]], Callable[[Any, d
 
 def state_entries(state: Any) -> dict[str, Any]:
     """The last commit of `state` as entries (copies: training may go on while they are written)."""
-    from ray_elastic.state.state import ObjectState
-
     form = _form(state)
     if form is not None:
         return form[0](state)
-    if isinstance(state, ObjectState):
-        return dict(state.checkpoint_payload())
     return {"state": state.checkpoint_payload()}
 
 
 def load_entries(state: Any, entries: dict[str, Any]) -> None:
     """Make `entries` the last commit of `state` and restore it; a `ValueError` names what does not fit."""
-    from ray_elastic.state.state import ObjectState
-
     form = _form(state)
     if form is not None:
         form[1](state, entries)
-    elif isinstance(state, ObjectState):
-        state.load_checkpoint(entries)
     else:
         if set(entries) != {"state"}:
             raise ValueError(f"the checkpoint holds {sorted(entries)}, written from another kind of state")

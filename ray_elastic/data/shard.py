@@ -139,9 +139,8 @@ class DataShard:
         return self._iterate(batch_size, drop_last, convert)
 
     def _iterate(self, batch_size: int, drop_last: bool, convert: Callable[[dict[str, np.ndarray]], Any]) -> Iterator:
-        ctx = current()
-        ctx.ensure_joined()  # as rank() does: the shard is split over the current ring
-        rank, size = ctx.slot.rank, ctx.slot.size
+        slot = current().joined_slot()  # as rank() does: the shard is split over the current ring
+        rank, size = slot.rank, slot.size
         while True:
             while True:
                 try:
@@ -337,12 +336,12 @@ def get_dataset_shard(name: str, *, shuffle: bool = False, seed: int = 0) -> Dat
     ctx = maybe_current()
     if ctx is None:
         raise RuntimeError("get_dataset_shard() only works inside train_fn running under ElasticTrainer.fit()")
-    names = ctx.settings.datasets
+    names = ctx.dataset_names
     if name not in names:
         raise KeyError(f"no dataset named {name!r}: ElasticTrainer was given datasets {sorted(names)}")
     shard = _LIVE.get(name)
     if shard is None:
-        handle = ray.get_actor("feed", namespace=run_namespace(ctx.settings.run_id))
+        handle = ray.get_actor("feed", namespace=run_namespace(ctx.run_id))
         shard = _LIVE[name] = DataShard(name, Authed(handle, ctx.run_token), shuffle, seed)
     elif (shard.shuffle, shard.seed) != (bool(shuffle), int(seed)):
         raise ValueError(

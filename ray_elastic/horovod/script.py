@@ -39,7 +39,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, TextIO
 
-from ray_elastic.runtime.process import maybe_current
+from ray_elastic.runtime import maybe_current
 
 # a line printed by a script's worker, as `RankPrefixedStream` writes it
 LINE_PREFIX = re.compile(r"^\[(\d+|\?)\]<(stdout|stderr)>:")
@@ -89,7 +89,7 @@ class ScriptRun:
         code = compile(self.source, self.path, "exec")
         main = types.ModuleType("__main__")
         main.__file__ = self.path
-        main.__builtins__ = builtins
+        setattr(main, "__builtins__", builtins)  # noqa: B010 - a module's attribute mypy does not know
         saved_main, saved_argv = sys.modules.get("__main__"), sys.argv
         # objects of classes the script defines pickle as __main__.X and unpickle on every rank
         sys.modules["__main__"] = main
@@ -168,10 +168,10 @@ def rank_prefixed_output() -> Iterator[None]:
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
         sys.stdout, sys.stderr = saved
-        for stream in saved:
+        for original in saved:
             if finished:
-                stream.write(END_OF_OUTPUT + "\n")
-            stream.flush()
+                original.write(END_OF_OUTPUT + "\n")
+            original.flush()
 
 
 class WorkerLinePrinter:

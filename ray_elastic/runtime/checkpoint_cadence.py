@@ -102,11 +102,12 @@ class CheckpointCadence:
         if slot.rank != 0:
             return None
         self._resume_checked = True
+        store = self._writer.store
         found = bounded_call(
             self.settings.checkpoint_timeout,
             f"reading the durable checkpoint in {self.settings.checkpoint_dir} (checkpoint_timeout)",
             # the run's own checkpoint_dir, which the user named, is trusted with pickles; no other place is read
-            lambda: self._writer.store.read(allow_pickle=True),
+            lambda: store.read(allow_pickle=True),
         )
         if found is None:
             return None

@@ -10,9 +10,11 @@ one job each:
   (`runtime/pace.py`), shipped in the background;
 - `ActivityMarks`: when the worker last entered or left a collective.
 
-The run loop (`elastic.run`), `State`, the public functions and the torch
-helpers call it by the names below, and tests reach `slot`, `group`,
-`generation`, `fault_hook`, `last_activity` and `in_collective` on it.
+The run loop (`elastic.run`), `State`, the public functions, the torch
+helpers and the adapters call it by the names below (`runtime.process.current()`
+returns it, typed); none reaches through it to its parts. Tests also set
+`slot`, `group`, `generation`, `fault_hook`, `last_activity` and
+`in_collective` on it.
 """
 
 from __future__ import annotations
@@ -30,13 +32,10 @@ from ray_elastic.exceptions import StateRegressionError
 from ray_elastic.protocol import WorkerConfig
 from ray_elastic.rendezvous import KVClient
 from ray_elastic.runtime.checkpoint_cadence import CheckpointCadence
+from ray_elastic.runtime.commits import CommitId, judge_adoption
 from ray_elastic.runtime.membership import Membership
 from ray_elastic.runtime.metrics_shipper import MetricsShipper, snapshot
 from ray_elastic.runtime.pace import PACE
-from ray_elastic.runtime.process import current, maybe_current, set_current
-from ray_elastic.state.sync_plan import CommitId, judge_adoption
-
-__all__ = ["WorkerContext", "current", "maybe_current", "set_current"]
 
 
 class WorkerContext:
@@ -66,6 +65,7 @@ class WorkerContext:
         PACE.sink = self.metrics.add_pace  # this rank's pace rides in its metrics batches (straggler watch)
         self._before_join: list[tuple[float, dict[str, Any]]] = []  # report()s made before this worker had a rank
         self.commits = 0  # commits the state holds (rank 0's after each sync): where training resumes
+        self.run_token: Any = None  # the worker actor's `RunToken`, for calls to the run's other actors (the feed)
 
     # ---- the membership's view ---------------------------------------------
     @property
@@ -92,8 +92,67 @@ class WorkerContext:
     def fault_hook(self, hook: Callable[[str], None] | None) -> None:
         self.membership.fault_hook = hook
 
+    @property
+    def rank(self) -> int | None:
+        """This worker's rank in the current generation, or None before it joined one."""
+        slot = self.membership.slot
+        return None if slot is None else slot.rank
+
+    @property
+    def synced_generation(self) -> int:
+        """The last generation this rank finished its sync in (0: never)."""
+        return self.membership.synced_generation
+
+    @property
+    def backend(self) -> str:
+        """The run's collective backend ("gloo", "pygloo" or "nccl")."""
+        return self.settings.backend
+
+    @property
+    def run_id(self) -> str:
+        return self.settings.run_id
+
+    @property
+    def dataset_names(self) -> tuple[str, ...]:
+        """The names of the run's Ray Datasets (`get_dataset_shard`)."""
+        return self.settings.datasets
+
     def ensure_joined(self) -> None:
         self.membership.ensure_joined()
+
+    def joined_slot(self) -> WorkerSlot:
+        """This worker's slot in the current generation, joining the ring first if needed."""
+        self.membership.ensure_joined()
+        assert self.membership.slot is not None  # joining sets it
+        return self.membership.slot
+
+    def joined_ring(self) -> CollectiveGroup:
+        """The current generation's ring, joining it first if needed."""
+        self.membership.ensure_joined()
+        assert self.membership.group is not None  # joining sets it
+        return self.membership.group
+
+    def add_join_preparation(self, prepare: Callable[[], None]) -> None:
+        """Run `prepare()` before this worker announces it is ready (a newcomer warms up first)."""
+        self.membership.add_join_preparation(prepare)
+
+    def add_ring_error_check(self, check: Callable[[BaseException], bool]) -> None:
+        """`check(error)` tells whether an error raised by a helper's own collectives is a ring failure."""
+        self.membership.add_ring_error_check(check)
+
+    def agree_on_notice_later(self, pending: Callable[[], bool]) -> None:
+        self.membership.agree_on_notice_later(pending)
+
+    def agree_on_notice_deferred(self, start: Callable[[], Callable[[], bool]]) -> None:
+        self.membership.agree_on_notice_deferred(start)
+
+    def post_lasting(self, key: str, value: bytes) -> None:
+        """Post `value` under `key` in the run's KV actor, kept across generations."""
+        self.membership.kv.post_lasting(key, value)
+
+    def get_lasting(self, key: str) -> bytes | None:
+        """What `post_lasting` posted under `key`, or None."""
+        return self.membership.kv.get_lasting(key)
 
     def reset(self, failed: bool) -> None:
         """Leave the current ring and join the next generation."""
@@ -162,11 +221,11 @@ class WorkerContext:
         must have seen at least as many commits, or the sync would overwrite
         trained state with older state: `StateRegressionError`, loudly.
         """
-        lineage, commits = self.group.broadcast_object((held.lineage, self.commits), root_rank=0)
+        lineage, commits = self.joined_ring().broadcast_object((held.lineage, self.commits), root_rank=0)
         verdict = judge_adoption(held.lineage, self.commits, lineage, int(commits))
         if verdict is not None:
             raise StateRegressionError(
-                f"rank {self.slot.rank} of generation {self.generation} (worker {self.worker_id}): {verdict}"
+                f"rank {self.rank} of generation {self.generation} (worker {self.worker_id}): {verdict}"
             )
         self.commits = int(commits)
 

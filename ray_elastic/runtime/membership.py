@@ -302,6 +302,7 @@ class Membership:
         elif agreed is not None and agreed[0] == gen:
             pending = (agreed[1]() if callable(agreed[1]) else agreed[1]) or pending
         elif earlier is None or earlier[0] != gen:
+            assert self.group is not None  # a check runs on a joined ring
             pending = self.group.max_int(self.notice) > gen
         if pending:
             raise HostsUpdatedInterrupt(skip_sync=False)

@@ -21,9 +21,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from ray_elastic.collective import group as current_ring
+from ray_elastic.checkpoint.entries import register_form
+from ray_elastic.runtime.commits import CommitId, fresh_commit_id
 from ray_elastic.runtime.process import current
-from ray_elastic.state.sync_plan import CommitId, fresh_commit_id
+from ray_elastic.runtime.ring_ops import group as current_ring
 from ray_elastic.state.transfer import agree, share_object
 
 
@@ -157,6 +158,10 @@ class ObjectState(State):
         self._saved = {k: payload[k] for k in self._keys}
         self.restore()
         self.commit_id = fresh_commit_id()  # a state no other rank holds: the sync hands it to them
+
+
+# an ObjectState's checkpoint is its attributes, each an entry of its own
+register_form(ObjectState, lambda state: dict(state.checkpoint_payload()), lambda state, e: state.load_checkpoint(e))
 
 
 def mismatch(ours: Any, theirs: Any) -> str | None:

@@ -20,7 +20,8 @@ from typing import Any
 import numpy as np
 
 from ray_elastic.collective.base import CollectiveGroup, Sum
-from ray_elastic.state.sync_plan import CommitId, SyncPlan, plan_sync
+from ray_elastic.runtime.commits import CommitId
+from ray_elastic.state.sync_plan import SyncPlan, plan_sync
 
 
 def agree(ring: CollectiveGroup, commit: CommitId) -> SyncPlan:

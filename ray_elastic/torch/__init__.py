@@ -15,7 +15,7 @@ state = elastic.torch.TorchState(model=model, optimizer=opt, loader=loader, epoc
 """
 
 # TorchState's checkpoint form (state dicts users open with torch.load), registered with the checkpoints
-from ray_elastic.checkpoint import torch_entries as _checkpoint_form  # noqa: F401
+from ray_elastic.torch import checkpoint_form as _checkpoint_form  # noqa: F401  (registers the form)
 from ray_elastic.torch.broadcast import broadcast_parameters
 from ray_elastic.torch.data_loader import ElasticDataLoader, prepare_data_loader
 from ray_elastic.torch.ddp import ElasticDDP, prepare_model

@@ -38,9 +38,9 @@ from typing import Any
 
 import torch
 
-from ray_elastic.collective import group
 from ray_elastic.collective.base import CollectiveGroup, CollectiveWork
 from ray_elastic.collective.checked import root_rank_in
+from ray_elastic.runtime.ring_ops import group
 from ray_elastic.state.pages import can_populate, populate_range, resident_range
 from ray_elastic.state.sync_plan import Chunk, SyncPlan, order_transfers, schedule_chunks
 

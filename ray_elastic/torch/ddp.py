@@ -131,7 +131,7 @@ class ElasticDDP(torch.nn.Module):
 
     def _build(self, ctx: Any) -> DistributedDataParallel:
         # TorchState's sync already broadcast rank 0's parameters in this generation: skip DDP's second copy
-        synced = ctx.membership.synced_generation == ctx.generation
+        synced = ctx.synced_generation == ctx.generation
         kwargs = dict(self._ddp_kwargs)
         try:
             if getattr(ctx.group, "abortable", False):
@@ -184,7 +184,7 @@ class ElasticDDP(torch.nn.Module):
             finally:
                 collective_activity(False)
 
-        ctx.membership.agree_on_notice_later(resolve)
+        ctx.agree_on_notice_later(resolve)
 
     def _skip_notice(self, ctx: Any) -> None:
         """A training forward whose check agrees on nothing: the ranks agreed a moment ago, and will again soon.
@@ -203,7 +203,7 @@ class ElasticDDP(torch.nn.Module):
             cadence.skipped()
             return False
 
-        ctx.membership.agree_on_notice_later(resolve)
+        ctx.agree_on_notice_later(resolve)
 
     def _agree_on_notice(self, ctx: Any) -> None:
         """Start the one-number allreduce that tells every rank whether any holds a host-change notice (NCCL).
@@ -233,7 +233,7 @@ class ElasticDDP(torch.nn.Module):
             finally:
                 collective_activity(False)
 
-        ctx.membership.agree_on_notice_deferred(start)
+        ctx.agree_on_notice_deferred(start)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -389,7 +389,7 @@ class _AbandonableGroup(dist.ProcessGroup):
             ring = self._group.abandonable_future(what, lambda: self._inner.allreduce(tensors, opts), lambda: tensors)
             settled: torch.futures.Future = torch.futures.Future()
             ring.add_done_callback(lambda _: settled.set_result(tensors))
-            work: dist.Work = _FutureWork(ring, settled)
+            work = _FutureWork(ring, settled)
         else:
             work = self._group.start(what, lambda: self._inner.allreduce(tensors, opts))
         if not self._pending:
@@ -405,6 +405,7 @@ class _AbandonableGroup(dist.ProcessGroup):
 
     def _reduce_shared(self, tensors: list[torch.Tensor]) -> dist.Work:
         """Sum the bucket through shared memory now; a failure is raised by `_raise_if_failed`, not to the reducer."""
+        assert self._shared is not None  # chosen only where the node's ranks share memory
         reduced: torch.futures.Future = torch.futures.Future()
         reduced.set_result(tensors)  # what the reducer waits on never fails (torch 2.13 crashes on that)
         ring = reduced
@@ -478,7 +479,7 @@ def is_ring_error(e: BaseException) -> bool:
 
 def _as_ring_error(e: BaseException, ctx: Any, what: str) -> BaseException:
     """`e` as a `HorovodInternalError` if the ring is broken or `e` came from it, else `e` itself."""
-    if isinstance(e, HorovodInternalError) or ctx.membership.ring_failure(e) is None:
+    if isinstance(e, HorovodInternalError) or ctx.ring_failure(e) is None:
         return e
     return HorovodInternalError(f"{what} failed: {e}")
 
@@ -511,11 +512,11 @@ def prepare_model(model: torch.nn.Module, *, move_to_device: bool = True, **ddp_
     if own:
         raise ValueError(f"prepare_model sets {', '.join(own)} itself (the elastic ring's process group)")
     ctx = current()
-    ctx.membership.add_ring_error_check(is_ring_error)
-    if ctx.settings.backend not in TORCH_BACKENDS:
+    ctx.add_ring_error_check(is_ring_error)
+    if ctx.backend not in TORCH_BACKENDS:
         raise ValueError(
             f"prepare_model wraps the model in torch DistributedDataParallel, which needs a torch.distributed "
-            f"process group, but this run uses backend={ctx.settings.backend!r}: pass backend='gloo' (CPU) or "
+            f"process group, but this run uses backend={ctx.backend!r}: pass backend='gloo' (CPU) or "
             "'nccl' (GPU) to ElasticTrainer, or leave backend='auto'"
         )
     if move_to_device:

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ray_elastic.collective import group as current_ring
+from ray_elastic.runtime.ring_ops import group as current_ring
 from ray_elastic.state.state import mismatch
 from ray_elastic.state.sync_plan import SyncPlan
 from ray_elastic.state.transfer import share_object

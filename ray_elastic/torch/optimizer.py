@@ -104,7 +104,7 @@ def _buckets(params: list[torch.Tensor], cap: int) -> list[_Bucket]:
 def _agree(ctx: Any, notice: torch.Tensor) -> None:
     """Hand the reduced notice count to the runtime: read now on the host, one check later off a device."""
     if reads_later(notice):
-        ctx.membership.agree_on_notice_deferred(lambda: NoticeCopy(notice).any)
+        ctx.agree_on_notice_deferred(lambda: NoticeCopy(notice).any)
     else:
         ctx.agree_on_notice(host_value(notice) > 0)
 
@@ -144,10 +144,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if op not in (Average, Sum):
             raise ValueError(f"op must be Average or Sum, got {op!r}")
         ctx = maybe_current()
-        if ctx is not None and ctx.settings.backend not in TORCH_BACKENDS:
+        if ctx is not None and ctx.backend not in TORCH_BACKENDS:
             raise ValueError(
                 f"DistributedOptimizer needs a torch.distributed backend, but this run uses "
-                f"backend={ctx.settings.backend!r}: pass backend='gloo' (CPU) or 'nccl' (GPU) to ElasticTrainer, "
+                f"backend={ctx.backend!r}: pass backend='gloo' (CPU) or 'nccl' (GPU) to ElasticTrainer, "
                 "or average the gradients yourself with ray_elastic.allreduce_"
             )
         self.optimizer = optimizer
@@ -256,7 +256,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         ctx = current()
         if bucket is self._buckets[0]:  # buckets launch in index order: the step's compute ends here
             PACE.launched(ctx.generation)
-        size = ctx.slot.size
+        slot, ring = ctx.slot, ctx.group
+        assert slot is not None and ring is not None  # a backward of a joined rank launches buckets
+        size = slot.size
         # Average divides while copying into the bucket (one pass, as DDP's default hook divides before
         # its allreduce), so nothing is left to do to the sum but hand it back
         scale = 1.0 / size if self.op is Average and size > 1 else None
@@ -291,7 +293,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 bucket.flat[-1:].fill_(1.0 if ctx.notice > ctx.generation else 0.0)
         # alone in the world the bucket already holds the sum (and the notice its agreement): a collective
         # would only make synchronize() wait for the device, ending the overlap of launches and kernels
-        bucket.work = ctx.group.allreduce_async(bucket.flat, Sum) if size > 1 else None
+        bucket.work = ring.allreduce_async(bucket.flat, Sum) if size > 1 else None
 
     # ---- step ------------------------------------------------------------
     def synchronize(self) -> None:
@@ -354,6 +356,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._synchronized = False
         if grad_scaler is None:
             return self.optimizer.step(closure)
+        assert scaler_state is not None
         # what GradScaler does for a plain optimizer, on the reduced gradients (its own bookkeeping)
         if scaler_state["stage"] is OptState.READY:
             grad_scaler.unscale_(self)

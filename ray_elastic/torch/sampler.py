@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 from torch.utils.data import Sampler
 
-import ray_elastic
+from ray_elastic.runtime.process import current
 
 # popcount of every byte value, to count set bits without unpacking the bitmap
 _POPCOUNT = np.array([bin(i).count("1") for i in range(256)], dtype=np.uint8)
@@ -322,7 +322,8 @@ class ElasticSampler(Sampler[int]):
     def _current_world(self) -> tuple[int, int]:
         if self._world is not None:
             return self._world
-        return ray_elastic.rank(), ray_elastic.size()
+        slot = current().joined_slot()  # as ray_elastic.rank() and size() find it
+        return slot.rank, slot.size
 
     def _epoch_order(self) -> np.ndarray:
         dtype = np.int32 if self._n < 2**31 else np.int64

@@ -56,13 +56,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from ray_elastic.collective import group as current_ring
 from ray_elastic.collective.base import CollectiveGroup
 from ray_elastic.runtime.allocator import is_tuned
+from ray_elastic.runtime.commits import fresh_commit_id
 from ray_elastic.runtime.process import maybe_current
+from ray_elastic.runtime.ring_ops import group as current_ring
 from ray_elastic.state.pages import can_populate, populate_range
 from ray_elastic.state.state import State, SyncReport
-from ray_elastic.state.sync_plan import SyncPlan, fresh_commit_id
+from ray_elastic.state.sync_plan import SyncPlan
 from ray_elastic.state.transfer import agree, share_object
 from ray_elastic.torch.broadcast import send_tensors_, wait_while_transferring
 from ray_elastic.torch.data_loader import ElasticDataLoader
@@ -199,7 +200,7 @@ class _TensorBuffers:
                     continue  # no step since the commit: the live tensor is the commit
                 last = traded.get(i)
                 if g and (
-                    (last is not None and last[0]() is t and last[1] == t.data_ptr() and last[2] == b.data_ptr())
+                    (last is not None and last[0]() is t and last[1] == t.data_ptr() and last[2] == b.data_ptr())  # type: ignore[union-attr]  # `is t` narrows t to the weakref's Optional
                     or _swappable(t, b)
                 ):
                     old = t.data
@@ -645,7 +646,7 @@ class TorchState(State):
         self._save(later=False, collectives=False)
         ctx = maybe_current()
         if ctx is not None:
-            ctx.membership.add_join_preparation(self._prepare_newcomer)
+            ctx.add_join_preparation(self._prepare_newcomer)
 
     def __getattr__(self, name: str) -> Any:
         handlers = self.__dict__.get("_handlers", {})
@@ -706,18 +707,17 @@ class TorchState(State):
     def _publish_layout(self) -> None:
         """On rank 0: put its optimizers' state layout in the run's KV when it changed (a few KB, not awaited)."""
         ctx = maybe_current()
-        group = None if ctx is None else ctx.membership.group
-        if group is None or group.rank != 0:
+        if ctx is None or ctx.group is None or ctx.group.rank != 0:
             return
         layouts = {n: h.layout() for n, h in self._handlers.items() if isinstance(h, OptimizerHandler) and h.layout()}
         if layouts and layouts != self._published:
-            ctx.membership.kv.post_lasting(self._layout_key, pickle.dumps(layouts))
+            ctx.post_lasting(self._layout_key, pickle.dumps(layouts))
             object.__setattr__(self, "_published", layouts)
 
     def _prepare_newcomer(self) -> None:
         """Before this worker first says it is ready: allocate and fault in what rank 0's commit will send."""
         ctx = maybe_current()
-        raw = None if ctx is None else ctx.membership.kv.get_lasting(self._layout_key)
+        raw = None if ctx is None else ctx.get_lasting(self._layout_key)
         if raw is None:
             return  # the run's first workers, or no optimizer state yet
         started = time.perf_counter()

@@ -9,6 +9,7 @@ whether it succeeded, failed or was interrupted.
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import pickle
@@ -154,16 +155,17 @@ class ElasticTrainer:
                 f"train_fn and config must be picklable to reach the workers: {type(e).__name__}: {e}"
             ) from e
         check_discovery_spec(discovery)
+        shipped: str | bytes | None = None  # what the driver actor gets: a script's absolute path, or pickled
         if isinstance(discovery, (str, os.PathLike)):
-            discovery = os.path.abspath(discovery)  # the driver actor's working directory may differ
+            shipped = os.path.abspath(discovery)  # the driver actor's working directory may differ
         elif discovery is not None:
             try:
-                discovery = pack(discovery)
+                shipped = pack(discovery)
             except Exception as e:
                 raise ValueError(f"the discovery callable must be picklable: {type(e).__name__}: {e}") from e
         self.train_fn = train_fn
         self.config = config
-        self.discovery = discovery
+        self.discovery = shipped
         self.verbose = verbose
 
     def as_trainable(self) -> Any:
@@ -185,6 +187,30 @@ class ElasticTrainer:
         from ray_elastic.tune import as_trainable
 
         return as_trainable(self)
+
+    def variant(
+        self,
+        *,
+        config: Mapping[str, Any] | None = None,
+        discovery: Any = None,
+        reserved_cpus: float | None = None,
+        **options: Any,
+    ) -> ElasticTrainer:
+        """A copy of this trainer for another run of the same `train_fn` (a Ray Tune trial is one).
+
+        `config` is merged over `train_fn`'s config; `discovery` (a callable,
+        pickled here) replaces this trainer's; `options` change the run's
+        options, checked as the constructor checks them; `reserved_cpus`: the
+        CPUs each worker's threads follow where its own request holds none.
+        """
+        other = copy.copy(self)
+        if config is not None:
+            other.config = {**self.config, **config}
+            other._payload = pack((self.train_fn, other.config))
+        if discovery is not None:
+            other.discovery = pack(discovery)
+        other.run_config = self.run_config.replace(reserved_cpus=reserved_cpus, **options)
+        return other
 
     @property
     def backend(self) -> str:

@@ -134,11 +134,11 @@ def dataset_names_asked(fn: Callable[..., Any]) -> set[str]:
     """
     import dis
 
-    fn = _plain_function(fn)
-    if fn is None:
+    plain = _plain_function(fn)
+    if plain is None:
         return set()
     names: set[str] = set()
-    todo, seen = [fn.__code__], set()
+    todo, seen = [plain.__code__], set()
     while todo:
         code = todo.pop()
         if code in seen:
@@ -162,11 +162,11 @@ def refers_to(fn: Callable[..., Any], name: str, depth: int = 3) -> bool:
     the trainer refuse a combination before any worker starts; a reference it
     cannot see (through another module) is left to the worker's own check.
     """
-    fn = _plain_function(fn)
-    if fn is None:
+    plain = _plain_function(fn)
+    if plain is None:
         return False
     seen: set[types.CodeType] = set()
-    todo = [(fn.__code__, 0)]
+    todo = [(plain.__code__, 0)]
     while todo:
         code, level = todo.pop()
         if code in seen:
@@ -177,7 +177,7 @@ def refers_to(fn: Callable[..., Any], name: str, depth: int = 3) -> bool:
         todo += [(c, level) for c in code.co_consts if isinstance(c, types.CodeType)]
         if level < depth:
             for called in code.co_names:
-                callee = fn.__globals__.get(called)
-                if isinstance(callee, types.FunctionType) and callee.__module__ == fn.__module__:
+                callee = plain.__globals__.get(called)
+                if isinstance(callee, types.FunctionType) and callee.__module__ == plain.__module__:
                     todo.append((callee.__code__, level + 1))
     return False

@@ -36,13 +36,14 @@ import contextlib
 import re
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 # the first words of the raylet's dump for a worker process that died (Ray 2.x)
 WORKER_DEATH_DUMP = "A worker died or was killed while executing a task by an unexpected system error"
 
 _lock = threading.Lock()
 _hiding = 0  # fit() calls running now (threads): the first installs the pattern, the last removes it
-_saved: list[tuple[object, re.Pattern | None]] = []
+_saved: list[tuple[Any, re.Pattern | None]] = []
 
 
 @contextlib.contextmanager

@@ -30,15 +30,12 @@ it grew into, and the trainable's `stop()` waits for all that
 
 from __future__ import annotations
 
-import copy
 import logging
 import threading
 import time
 from typing import Any
 
-from ray_elastic.checkpoint import CheckpointStore, bounded_call, normalize_url
-from ray_elastic.checkpoint.store import order_key
-from ray_elastic.shipping import pack, unpack
+from ray_elastic.checkpoint import CheckpointStore, bounded_call, normalize_url, order_key
 from ray_elastic.tune.placement import NOMINAL, TrialSlots, remove_growth
 
 logger = logging.getLogger(__name__)
@@ -70,14 +67,7 @@ def run_trial(trainer: Any, config: dict[str, Any]) -> None:
     reservation = ray.util.get_current_placement_group()
     if reservation is None:
         raise RuntimeError("a ray-elastic trial must run under Tune with the resources as_trainable() asks for")
-    train_fn, base_config = unpack(trainer._payload)
-    trial = copy.copy(trainer)
-    trial.train_fn = train_fn
-    trial.config = {**base_config, **config}
-    trial._payload = pack((train_fn, trial.config))
-    trial.discovery = pack(
-        TrialSlots(reservation.id.hex(), trainer.run_config.resources_per_worker, trainer.run_config.max_workers)
-    )
+    slots = TrialSlots(reservation.id.hex(), trainer.run_config.resources_per_worker, trainer.run_config.max_workers)
     store = None
     # the workers ask Ray for nothing: their threads follow the CPUs the reservation holds for each
     changes: dict[str, Any] = {
@@ -91,7 +81,8 @@ def run_trial(trainer: Any, config: dict[str, Any]) -> None:
         store = CheckpointStore(url, keep=trainer.run_config.checkpoint_keep)
         _adopt_tunes_checkpoint(store, tune.get_checkpoint())
         changes["checkpoint_dir"] = url
-    trial.run_config = trainer.run_config.replace(**changes)  # checked as the trainer's own options were
+    # the trial's options are checked as the trainer's own were
+    trial = trainer.variant(config=config, discovery=slots, **changes)
     relay = _Relay(store, handover_s=trainer.run_config.checkpoint_io_timeout)
     _released.clear()
     try:

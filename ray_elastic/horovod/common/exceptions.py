@@ -6,6 +6,6 @@ They are ray-elastic's own classes (not copies), so `except` clauses in a
 script catch what the library raises.
 """
 
-from ray_elastic.exceptions import HorovodInternalError, HostsUpdatedInterrupt
+from ray_elastic import HorovodInternalError, HostsUpdatedInterrupt
 
 __all__ = ["HorovodInternalError", "HostsUpdatedInterrupt"]

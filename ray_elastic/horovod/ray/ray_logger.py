@@ -17,7 +17,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-from ray_elastic.runtime.process import maybe_current
+from ray_elastic.runtime import maybe_current
 
 _warned: set[str] = set()
 _queue: Any = None

@@ -26,9 +26,9 @@ from typing import Any
 import ray
 from ray import cloudpickle
 
+from ray_elastic import ElasticTrainer
 from ray_elastic.horovod.ray.mailbox import STOP, create_mailbox
 from ray_elastic.horovod.ray.worker_loop import MARK, CallOnce, ServeCommands
-from ray_elastic.trainer import ElasticTrainer
 
 logger = logging.getLogger(__name__)
 

@@ -19,6 +19,7 @@ report the command made has reached its callbacks.
 
 from __future__ import annotations
 
+import functools
 import os
 import traceback
 from collections.abc import Callable
@@ -28,9 +29,10 @@ from typing import Any
 import ray
 from ray import cloudpickle
 
+import ray_elastic
 from ray_elastic.horovod.ray.mailbox import STOP
 from ray_elastic.horovod.ray.worker import BaseHorovodWorker
-from ray_elastic.runtime.process import current
+from ray_elastic.runtime import current
 
 MARK = "__ray_elastic_horovod_ray_command__"  # the key of rank 0's end-of-command report
 _POLL_S = 30.0  # one wait for the next command; the loop waits again (pings are answered meanwhile)
@@ -69,8 +71,7 @@ def _start(env: dict[str, str], executable: tuple[Any, list[Any], dict[str, Any]
     from ray_elastic.horovod.torch import init
 
     init()
-    slot = current().slot
-    worker = BaseHorovodWorker(slot.rank, slot.size)
+    worker = BaseHorovodWorker(ray_elastic.rank(), ray_elastic.size())
     worker.start_executable(*executable)
     return worker
 
@@ -89,7 +90,7 @@ class ServeCommands:
         except BaseException as e:  # noqa: BLE001 - said to the executor's start(), then the run fails with it
             ray.get(self.mailbox.started.remote(_rank_or_minus_one(), False, pickled_error(e)))
             raise
-        rank = current().slot.rank
+        rank = ray_elastic.rank()
         ray.get(self.mailbox.started.remote(rank, True, None, ray.get_runtime_context().get_actor_id()))
         seq = 0
         while True:
@@ -100,18 +101,16 @@ class ServeCommands:
             if kind == STOP:
                 return
             if ranks is None or rank in ranks:
-                ok, blob = pickled_outcome(lambda f=fn: worker.execute(f))
+                ok, blob = pickled_outcome(functools.partial(worker.execute, fn))
                 ray.get(self.mailbox.post.remote(seq, rank, ok, blob))
             if rank == 0:
-                import ray_elastic
-
                 ray_elastic.report({MARK: seq})
             seq += 1
 
 
 def _rank_or_minus_one() -> int:
-    slot = current().slot
-    return -1 if slot is None else slot.rank
+    rank = current().rank
+    return -1 if rank is None else rank
 
 
 @dataclass(frozen=True)
@@ -127,8 +126,9 @@ class CallOnce:
         worker = _start(self.env, self.executable)
         value = worker.execute(self.fn)
         ctx = current()
+        rank = ctx.joined_slot().rank
         try:
             blob = cloudpickle.dumps(value)
         except Exception as e:
-            raise TypeError(f"the function's result on rank {ctx.slot.rank} cannot be pickled: {e}") from e
-        ray.get(self.mailbox.post.remote(ctx.generation, ctx.slot.rank, True, blob))
+            raise TypeError(f"the function's result on rank {rank} cannot be pickled: {e}") from e
+        ray.get(self.mailbox.post.remote(ctx.generation, rank, True, blob))

@@ -27,9 +27,20 @@ from typing import Any
 
 import torch
 
-from ray_elastic import cross_rank, cross_size, local_rank, local_size, rank, size
-from ray_elastic.collective import Average, Max, Min, Sum
-from ray_elastic.exceptions import HorovodInternalError, HostsUpdatedInterrupt
+from ray_elastic import (
+    Average,
+    HorovodInternalError,
+    HostsUpdatedInterrupt,
+    Max,
+    Min,
+    Sum,
+    cross_rank,
+    cross_size,
+    local_rank,
+    local_size,
+    rank,
+    size,
+)
 from ray_elastic.horovod.torch import elastic
 from ray_elastic.horovod.torch.compression import Compression
 from ray_elastic.horovod.torch.ops import (
@@ -58,7 +69,7 @@ from ray_elastic.horovod.torch.ops import (
     synchronize,
 )
 from ray_elastic.horovod.torch.optimizer import DistributedOptimizer
-from ray_elastic.runtime.process import maybe_current
+from ray_elastic.runtime import maybe_current
 from ray_elastic.torch import broadcast_optimizer_state as _broadcast_optimizer_state
 from ray_elastic.torch import broadcast_parameters as _broadcast_parameters
 
@@ -78,8 +89,7 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
     ctx = maybe_current()
     if ctx is None:
         raise RuntimeError(_NOT_IN_A_WORKER)
-    ctx.ensure_joined()
-    slot = ctx.slot
+    slot = ctx.joined_slot()
     start = {
         "HOROVOD_RANK": slot.rank,
         "HOROVOD_SIZE": slot.size,
@@ -128,7 +138,7 @@ def mpi_built() -> bool:
 def gloo_enabled() -> bool:
     """True when the run's collectives go over Gloo (torch's or pygloo)."""
     ctx = maybe_current()
-    return ctx is None or ctx.settings.backend in ("gloo", "pygloo")
+    return ctx is None or ctx.backend in ("gloo", "pygloo")
 
 
 def gloo_built() -> bool:

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 import ray_elastic
-from ray_elastic.collective import Average, Max, Min, ReduceOp, Sum
+from ray_elastic import Average, Max, Min, ReduceOp, Sum
 from ray_elastic.horovod.torch.compression import Compression
 
 

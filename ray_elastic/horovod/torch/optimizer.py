@@ -37,10 +37,10 @@ from typing import Any
 
 import torch
 
-from ray_elastic.collective import Average, Sum
+from ray_elastic import Average, Sum
 from ray_elastic.horovod.torch.compression import Compression
 from ray_elastic.horovod.torch.ops import check_process_set, global_process_set, reduce_op
-from ray_elastic.torch.optimizer import DistributedOptimizer as _ElasticOptimizer
+from ray_elastic.torch import DistributedOptimizer as _ElasticOptimizer
 
 logger = logging.getLogger(__name__)
 

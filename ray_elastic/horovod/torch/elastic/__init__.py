@@ -16,9 +16,9 @@ from typing import Any
 import torch
 
 import ray_elastic.torch
-from ray_elastic.elastic import run
+from ray_elastic import run
 from ray_elastic.horovod.common.elastic import HorovodStateMixin, ObjectState, State
-from ray_elastic.torch.sampler import ElasticSampler
+from ray_elastic.torch import ElasticSampler
 
 
 class TorchState(HorovodStateMixin, ray_elastic.torch.TorchState):
