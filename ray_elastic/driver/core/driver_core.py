@@ -9,7 +9,8 @@ newcomer dying before admission, `max_failures`, a deadlock, each deadline)
 is tested by replaying message scripts in milliseconds (`tests/test_driver_core.py`).
 
 The core composes parts, each deciding one thing over the shared
-`RunRecord` (the options, the workers, the hosts, the events, the actions):
+`RunRecord` (the options, the workers, the hosts, the events, the actions,
+and the run's phase, whose every move `phase.py` checks and records):
 
 - `Generations`: who is in the ring, planning and publishing a generation,
   the end of its reset;
