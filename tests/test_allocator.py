@@ -24,7 +24,7 @@ SCRIPT = textwrap.dedent(
     f"""
     import resource, torch
     from ray_elastic.runtime.allocator import tune_allocator
-    from ray_elastic.torch.state import warm_heap
+    from ray_elastic.torch.heap import warm_heap
     tuned = tune_allocator()
     params = [torch.empty({ELEMENTS}) for _ in range({BLOCKS})]
     # torch's first call of an op keeps a few small allocations for good (its dispatch caches); made among

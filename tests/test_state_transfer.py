@@ -135,13 +135,13 @@ def one_scenario(rank: int, scenario: str) -> tuple:
 def holds_at_the_last_allreduce(state) -> list[bool]:
     """Records, at the sync's last allreduce, whether this process's commit copies were held off."""
     from ray_elastic.runtime.process import current
-    from ray_elastic.torch import state as torch_state
+    from ray_elastic.torch import copy_gate
 
     ring, seen = current().group, []
     max_int = ring.max_int
 
     def recording(value: int) -> int:
-        seen.append(torch_state._resetting)
+        seen.append(copy_gate._resetting)
         return max_int(value)
 
     ring.max_int = recording

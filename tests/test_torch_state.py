@@ -7,7 +7,9 @@ import threading
 import pytest
 import torch
 
-from ray_elastic.torch.state import OptimizerHandler, StateHandler, TorchState, register_handler
+from ray_elastic.torch.handler import StateHandler
+from ray_elastic.torch.optimizer_handler import OptimizerHandler
+from ray_elastic.torch.state import TorchState, register_handler
 
 
 def make(opt_cls=torch.optim.Adam, **opt_kwargs):
@@ -220,15 +222,14 @@ def held_copier(why_not_held: str) -> threading.Thread:
 
 def test_the_background_copy_of_a_restored_commit_holds_off_while_a_sync_transfers():
     """A survivor's re-copy of its commit waits for the sync's sends and receives (a newcomer's page faults)."""
-    from ray_elastic.torch import broadcast
-    from ray_elastic.torch import state as torch_state
+    from ray_elastic.torch import broadcast, copy_gate
 
     model, opt, state, committed = committed_after(1)
     train_steps(model, opt, 2)
     broadcast._idle.clear()  # what send_tensors_ does while it exchanges chunks
     try:
         state.restore()  # trades storages; the commit's buffers are refilled on a thread
-        torch_state.release_background_copies()  # past the reset's hold: the transfer's still holds it
+        copy_gate.release_background_copies()  # past the reset's hold: the transfer's still holds it
         copier = held_copier("the background copy ran while a transfer was in progress")
     finally:
         broadcast._idle.set()
@@ -242,7 +243,7 @@ def test_the_background_copy_of_a_restored_commit_holds_off_while_a_sync_transfe
 
 def test_a_restores_re_copy_of_the_commit_waits_for_the_resets_sync_and_the_commit_stays_whole():
     """The re-copy would share the cores with the ring's re-forming: it starts once the sync returned."""
-    from ray_elastic.torch import state as torch_state
+    from ray_elastic.torch import copy_gate
 
     model, opt, state, committed = committed_after(1)
     train_steps(model, opt, 2)
@@ -251,7 +252,7 @@ def test_a_restores_re_copy_of_the_commit_waits_for_the_resets_sync_and_the_comm
         copier = held_copier("the re-copy ran before the reset's sync returned")
         assert_same(snapshot(model, opt), committed)
     finally:
-        torch_state.release_background_copies()  # what the end of the sync does
+        copy_gate.release_background_copies()  # what the end of the sync does
     copier.join(timeout=30)
     assert not copier.is_alive(), "the re-copy did not run once the sync returned"
     train_steps(model, opt, 1)
@@ -261,7 +262,7 @@ def test_a_restores_re_copy_of_the_commit_waits_for_the_resets_sync_and_the_comm
 
 def test_an_optimizer_step_before_the_sync_returns_runs_the_held_copy_instead_of_waiting_forever():
     """A restore with no sync after it (a user's own loop): the next step lets the held copy go."""
-    from ray_elastic.torch import state as torch_state
+    from ray_elastic.torch import copy_gate
 
     model, opt, state, committed = committed_after(1)
     train_steps(model, opt, 2)
@@ -271,4 +272,4 @@ def test_an_optimizer_step_before_the_sync_returns_runs_the_held_copy_instead_of
         state.restore()
         assert_same(snapshot(model, opt), committed)
     finally:
-        torch_state.release_background_copies()
+        copy_gate.release_background_copies()

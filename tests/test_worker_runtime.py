@@ -26,8 +26,9 @@ from ray_elastic.exceptions import HorovodInternalError, HostsUpdatedInterrupt
 from ray_elastic.protocol import WorkerConfig
 from ray_elastic.runtime.context import WorkerContext
 from ray_elastic.runtime.process import current, set_current
-from ray_elastic.torch import DistributedOptimizer
+from ray_elastic.torch import DistributedOptimizer, ElasticSampler
 from ray_elastic.torch import state as torch_state
+from ray_elastic.torch.optimizer_handler import OptimizerHandler
 
 
 class FakeDriver:
@@ -221,7 +222,7 @@ def test_a_newcomers_optimizer_state_is_created_on_its_parameters_device():
         "values": {},
         "hyper": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
     }
-    torch_state.OptimizerHandler(opt).receive(rank0)  # what a receiving rank does with rank 0's description
+    OptimizerHandler(opt).receive(rank0)  # what a receiving rank does with rank 0's description
     assert opt.state[model.weight]["momentum_buffer"].device == model.weight.device
 
 
@@ -439,7 +440,7 @@ def test_building_a_torch_state_inside_a_ring_runs_no_collective_and_a_later_sav
 
     ring.max_int = counting
     dataset = list(range(32))
-    sampler = torch_state.ElasticSampler(dataset, shuffle=False)
+    sampler = ElasticSampler(dataset, shuffle=False)
     model, opt = adam_model()
     state = torch_state.TorchState(model=model, optimizer=opt, sampler=sampler)
     assert calls == [], "the constructor's commit ran a collective"

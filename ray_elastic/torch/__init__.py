@@ -20,10 +20,12 @@ from ray_elastic.torch.broadcast import broadcast_parameters
 from ray_elastic.torch.data_loader import ElasticDataLoader, prepare_data_loader
 from ray_elastic.torch.ddp import ElasticDDP, prepare_model
 from ray_elastic.torch.device import get_device
+from ray_elastic.torch.handler import StateHandler
 from ray_elastic.torch.optimizer import DistributedOptimizer
+from ray_elastic.torch.optimizer_handler import broadcast_optimizer_state
 from ray_elastic.torch.rng import RngState
 from ray_elastic.torch.sampler import ElasticSampler
-from ray_elastic.torch.state import StateHandler, TorchState, broadcast_optimizer_state, register_handler
+from ray_elastic.torch.state import TorchState, register_handler
 
 __all__ = [
     "DistributedOptimizer",

@@ -21,7 +21,10 @@ import torch
 
 from ray_elastic.checkpoint.entries import register_form
 from ray_elastic.checkpoint.files import Entries
-from ray_elastic.torch.state import ModuleHandler, OptimizerHandler, SamplerHandler, TorchState
+from ray_elastic.torch.module_handler import ModuleHandler
+from ray_elastic.torch.optimizer_handler import OptimizerHandler
+from ray_elastic.torch.sampler_handler import SamplerHandler
+from ray_elastic.torch.state import TorchState
 
 
 def _unwrapped(module: torch.nn.Module) -> torch.nn.Module:

@@ -1,14 +1,16 @@
 """`StateHandler`: how one kind of value in a `TorchState` is saved, restored and synced.
 
-The base every handler takes after (`torch/state.py` has the model's, the
-optimizer's, the sampler's and plain values'; `state_dict_handler.py` the
-one for objects that save themselves), and `_sync_from_rank0`, the full
+The base every handler takes after (the model's in `module_handler.py`, the
+optimizer's in `optimizer_handler.py`, the sampler's in `sampler_handler.py`,
+objects that save themselves in `state_dict_handler.py`, and plain values'
+`ObjectHandler` here), and `_sync_from_rank0`, the full
 broadcast from rank 0 that a handler without a finer sync uses. Its own
 module so that handlers in other modules need not import `TorchState`'s.
 """
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -117,3 +119,26 @@ class CopiedHandler(StateHandler):
             raise ValueError(f"the checkpoint does not fit this attribute: {differ}")
         self._saved = snapshot
         self.restore()
+
+
+class ObjectHandler(CopiedHandler):
+    """Any picklable value: deep copies; a sync hands rank 0's to the ranks that need it."""
+
+    def __init__(self, value: Any) -> None:
+        super().__init__(value)
+        self._saved = copy.deepcopy(value)
+
+    def save(self) -> None:
+        self._saved = copy.deepcopy(self.value)
+
+    def restore(self) -> None:
+        self.value = copy.deepcopy(self._saved)
+
+    def sync(self) -> None:
+        _sync_from_rank0(self)
+
+    def describe(self) -> Any:
+        return self.value
+
+    def receive(self, description: Any) -> None:
+        self.value = description

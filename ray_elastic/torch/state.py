@@ -10,8 +10,13 @@ users add their own types):
 - `ElasticSampler`: its epoch and processed-sample bitmap;
 - anything else: deep copies, as in `ObjectState`.
 
+The handlers live in modules of their own (`module_handler.py`,
+`optimizer_handler.py`, `sampler_handler.py`, `state_dict_handler.py`, and
+`handler.py`'s `ObjectHandler`); this module picks one per attribute and
+runs them together.
+
 Commit: `save()` (the first half of `commit()`) copies every tensor into a
-buffer allocated once and reused, so a commit costs about one tensor copy of
+buffer allocated once and reused (`commit_buffers.py`), so a commit costs about one tensor copy of
 the state and holds one extra copy of it: no deepcopy, no pickling. Every
 commit carries a `CommitId` (see `ray_elastic.state.sync_plan`).
 
@@ -20,7 +25,8 @@ Restore, after a failure: tensors that an optimizer of this state steps
 trades its storage with its buffer (`tensor.data`, so parameters keep their
 identity and the optimizer's references stay valid), and the buffers are
 refilled from the restored tensors on a background thread (which holds off
-while this process sends or receives a sync's state). The optimizer's
+while this process sends or receives a sync's state, or a reset runs:
+`copy_gate.py`). The optimizer's
 next `step()` waits for that copy (a step pre-hook), so the rollback never
 waits for a copy of the model, and the commit is whole again before anything
 changes the tensors. A rank whose optimizer did not step since the commit
@@ -43,552 +49,37 @@ rank, whenever some rank needs state.
 
 from __future__ import annotations
 
-import copy
 import itertools
 import logging
 import pickle
-import threading
 import time
-import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import torch
 
 from ray_elastic.collective.base import CollectiveGroup
-from ray_elastic.runtime.allocator import is_tuned
 from ray_elastic.runtime.commits import fresh_commit_id
 from ray_elastic.runtime.process import maybe_current
 from ray_elastic.runtime.ring_ops import group as current_ring
-from ray_elastic.state.pages import can_populate, populate_range
 from ray_elastic.state.state import State, SyncReport
 from ray_elastic.state.sync_plan import SyncPlan
 from ray_elastic.state.transfer import agree, share_object
-from ray_elastic.torch.broadcast import send_tensors_, wait_while_transferring
+from ray_elastic.torch import copy_gate
+from ray_elastic.torch.broadcast import send_tensors_
 from ray_elastic.torch.data_loader import ElasticDataLoader
-from ray_elastic.torch.handler import CopiedHandler, StateHandler, _moves_only_what_is_needed, _sync_from_rank0
+from ray_elastic.torch.handler import ObjectHandler, StateHandler, _moves_only_what_is_needed
+from ray_elastic.torch.heap import warm_heap
+from ray_elastic.torch.module_handler import ModuleHandler
 from ray_elastic.torch.optimizer import DistributedOptimizer
+from ray_elastic.torch.optimizer_handler import OptimizerHandler
 from ray_elastic.torch.rng import RngState
 from ray_elastic.torch.sampler import ElasticSampler
+from ray_elastic.torch.sampler_handler import SamplerHandler
 from ray_elastic.torch.state_dict_handler import StateDictHandler, saves_itself
 
 logger = logging.getLogger(__name__)
 _state_numbers = itertools.count()  # each TorchState of this process, in construction order
-
-
-def _faulted_in(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised CPU tensor whose pages are already faulted in (zeroed where that is the only way)."""
-    t = torch.empty(shape, dtype=dtype)
-    if not (can_populate() and populate_range(t.data_ptr(), t.numel() * t.element_size())):
-        t.zero_()
-    return t
-
-
-def warm_heap(like: Iterable[torch.Tensor]) -> int:
-    """Fault in a block the size of each CPU tensor in `like` and free it; returns the bytes.
-
-    Where the allocator keeps freed blocks (`allocator.is_tuned()`), they stay
-    in this thread's heap, resident, and the gradients of the first backward
-    run on this thread take them instead of faulting fresh pages in; elsewhere
-    they would be unmapped at once, so nothing is done.
-    """
-    if not is_tuned():
-        return 0
-    blocks = [_faulted_in(tuple(t.shape), t.dtype) for t in like if t.device.type == "cpu"]
-    return sum(b.numel() * b.element_size() for b in blocks)
-
-
-def _swappable(t: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether `t` alone owns its storage, so trading it for `b`'s leaves nobody else's view behind."""
-    return (
-        t.shape == b.shape
-        and t.dtype == b.dtype
-        and t.device == b.device
-        and t._base is None
-        and t.is_contiguous()
-        and t.storage_offset() == 0
-        and t.untyped_storage().nbytes() == t.numel() * t.element_size()
-    )
-
-
-# Background copies of a commit hold off from a reset's start (a restore, a graceful interrupt's keep_live)
-# until its sync has returned: run beside the ring's re-forming, the survivors' re-copy of their commit
-# (1.2 GB each at 100M + Adam) made a failure's reset round grow with the model (0.09-0.10 s at 100M
-# against 0.04 s with the copy started after it). A wait() on a held copy lets it go at once.
-_gate = threading.Condition()
-_resetting = False
-
-
-def hold_background_copies() -> None:
-    """A reset begins: commit copies started from now wait until `release_background_copies()`."""
-    global _resetting
-    with _gate:
-        _resetting = True
-
-
-def release_background_copies() -> None:
-    """The reset's sync returned: held commit copies go on."""
-    global _resetting
-    with _gate:
-        _resetting = False
-        _gate.notify_all()
-
-
-def _wait_for_release(hurry: threading.Event) -> None:
-    with _gate:
-        _gate.wait_for(lambda: not _resetting or hurry.is_set())
-
-
-class _TensorBuffers:
-    """Buffers that mirror a list of tensors: allocated once and reused, refilled in the background after a restore.
-
-    `guarded[i]` says that tensor i changes only through an optimizer step,
-    which calls `touched()` first: such a tensor is restored by trading
-    storages with its buffer and re-copied on a background thread.
-    """
-
-    def __init__(self) -> None:
-        self.buffers: list[torch.Tensor] = []
-        self.untouched = False  # the guarded live tensors still equal the buffers' commit (no step since)
-        # by index, of the last trade: (the live tensor, weakly; its data_ptr; the buffer's data_ptr). While
-        # all three still hold, the pair is still swappable: the restore of a 300M model + Adam (2,288
-        # tensors) checks _swappable's seven properties no more. Nothing held: a stale entry keeps no memory.
-        self._traded: dict[int, tuple[weakref.ref, int, int]] = {}
-        self._copier: threading.Thread | None = None
-        self._hurry = threading.Event()  # set: the running copy is waited for, it must not hold back
-        self._copy_error: BaseException | None = None
-
-    def _fit(self, tensors: Sequence[torch.Tensor]) -> None:
-        if len(self.buffers) != len(tensors) or any(
-            b.shape != t.shape or b.dtype != t.dtype or b.device != t.device
-            for b, t in zip(self.buffers, tensors, strict=True)
-        ):
-            self.buffers = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
-            self._traded.clear()
-
-    def save(self, tensors: Sequence[torch.Tensor]) -> None:
-        self.wait()
-        self._fit(tensors)
-        with torch.no_grad():
-            for b, t in zip(self.buffers, tensors, strict=True):
-                b.copy_(t)
-        self.untouched = True
-
-    def save_later(self, tensors: Sequence[torch.Tensor], guarded: Sequence[bool]) -> None:
-        """Like `save`, but the guarded tensors are copied on a background thread."""
-        self.wait()
-        self._fit(tensors)
-        later = []
-        with torch.no_grad():
-            for b, t, g in zip(self.buffers, tensors, guarded, strict=True):
-                if g:
-                    later.append((b, t.detach()))  # the storage `t` holds now, whatever `t` holds later
-                else:
-                    b.copy_(t)
-        self.untouched = True
-        self._copy_in_background(later)
-
-    def restore(self, tensors: Sequence[torch.Tensor], guarded: Sequence[bool]) -> None:
-        self.wait()
-        later = []
-        traded = self._traded
-        with torch.no_grad():
-            for i, (t, g) in enumerate(zip(tensors, guarded, strict=True)):
-                b = self.buffers[i]
-                if g and self.untouched:
-                    continue  # no step since the commit: the live tensor is the commit
-                last = traded.get(i)
-                if g and (
-                    (last is not None and last[0]() is t and last[1] == t.data_ptr() and last[2] == b.data_ptr())  # type: ignore[union-attr]  # `is t` narrows t to the weakref's Optional
-                    or _swappable(t, b)
-                ):
-                    old = t.data
-                    t.data = b
-                    self.buffers[i] = old
-                    traded[i] = (weakref.ref(t), b.data_ptr(), old.data_ptr())
-                    # re-copied from the commit's storage itself (b), not from `t`: whatever the user points
-                    # `t` at before the copy runs, the buffer gets the commit
-                    later.append((old, b))
-                else:
-                    t.copy_(b)
-        self.untouched = True
-        self._copy_in_background(later)
-
-    def touched(self) -> None:
-        self.wait()
-        self.untouched = False
-
-    def wait(self) -> None:
-        """Block until a background copy finished."""
-        copier, self._copier = self._copier, None
-        if copier is not None:
-            with _gate:  # a copy held back for a reset is needed now
-                self._hurry.set()
-                _gate.notify_all()
-            copier.join()
-        error, self._copy_error = self._copy_error, None
-        if error is not None:
-            raise RuntimeError(f"copying the commit in the background failed: {error}") from error
-
-    def _copy_in_background(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        if not pairs:
-            return
-
-        hurry = self._hurry = threading.Event()
-
-        def copy_all() -> None:
-            _wait_for_release(hurry)
-            try:
-                with torch.no_grad():
-                    for b, t in pairs:
-                        wait_while_transferring()  # a sync's transfer first (a newcomer's page faults)
-                        b.copy_(t)
-            except BaseException as e:  # noqa: BLE001 - surfaced by wait(), in the training thread
-                self._copy_error = e
-
-        self._copier = threading.Thread(target=copy_all, name="ray_elastic-commit-copy", daemon=True)
-        self._copier.start()
-
-    def copies(self) -> list[torch.Tensor]:
-        # the buffers are overwritten in place by the next save: a checkpoint needs its own copy
-        self.wait()
-        return [b.clone() for b in self.buffers]
-
-
-class ModuleHandler(StateHandler):
-    """A `torch.nn.Module`: its parameters and buffers, by identity."""
-
-    def __init__(self, value: torch.nn.Module) -> None:
-        super().__init__(value)
-        self._saved = _TensorBuffers()
-        self._stepped: set[int] = set()
-
-    def _tensors(self) -> list[torch.Tensor]:
-        return list(self.value.parameters()) + list(self.value.buffers())
-
-    def _guarded(self, tensors: list[torch.Tensor]) -> list[bool]:
-        return [id(t) in self._stepped for t in tensors]
-
-    def guard(self, stepped: set[int]) -> None:
-        self._stepped = stepped
-
-    def save(self) -> None:
-        self._saved.save(self._tensors())
-
-    def restore(self) -> None:
-        tensors = self._tensors()
-        self._saved.restore(tensors, self._guarded(tensors))
-
-    def touched(self) -> None:
-        self._saved.touched()
-
-    def sync(self) -> None:
-        _sync_from_rank0(self)
-
-    def describe(self) -> None:
-        return None
-
-    def tensors(self) -> list[torch.Tensor]:
-        return self._tensors()
-
-    def keep_live(self) -> None:
-        tensors = self._tensors()
-        self._saved.save_later(tensors, self._guarded(tensors))
-
-    def snapshot(self) -> list[torch.Tensor]:
-        return self._saved.copies()
-
-    def load_snapshot(self, snapshot: list[torch.Tensor]) -> None:
-        tensors = self._tensors()
-        shapes = [tuple(t.shape) for t in tensors]
-        if [tuple(t.shape) for t in snapshot] != shapes:
-            raise ValueError(
-                f"the checkpoint's module has tensor shapes {[tuple(t.shape) for t in snapshot]}, "
-                f"this model has {shapes}"
-            )
-        self._saved.wait()
-        self._saved.buffers = [t.to(dtype=ref.dtype) for t, ref in zip(snapshot, tensors, strict=True)]
-        self._saved.untouched = False
-        self.restore()
-
-
-def _inner_optimizer(value: Any) -> torch.optim.Optimizer:
-    """The optimizer whose step changes the state: the wrapped one inside a `DistributedOptimizer`."""
-    return value.optimizer if isinstance(value, DistributedOptimizer) else value
-
-
-class OptimizerHandler(StateHandler):
-    """An optimizer's per-parameter state and its param groups' hyper-parameters."""
-
-    def __init__(self, value: Any) -> None:
-        super().__init__(value)
-        self._buffers = _TensorBuffers()
-        self._layout: list[tuple[int, str]] = []  # (param index, state key) of each saved tensor
-        self._values: dict[tuple[int, str], Any] = {}  # non-tensor state (e.g. a float step)
-        self._hyper: list[dict[str, Any]] = []
-        self._stepped = False  # a step pre-hook tells this handler before the optimizer changes its state
-        self._shapes: tuple[tuple[int, str, tuple[int, ...], torch.dtype], ...] = ()  # the saved tensors' layout
-        self._prepared: dict[tuple[int, str], torch.Tensor] = {}  # see prepare
-
-    @property
-    def optimizer(self) -> torch.optim.Optimizer:
-        return _inner_optimizer(self.value)
-
-    def _params(self) -> list[torch.Tensor]:
-        return [p for group in self.optimizer.param_groups for p in group["params"]]
-
-    def _state_items(
-        self, ordered: bool = False
-    ) -> tuple[list[tuple[int, str]], list[torch.Tensor], dict[tuple[int, str], Any]]:
-        """Tensor state (layout and tensors) and the other values: in the optimizer's order, or by key."""
-        layout, tensors, values = [], [], {}
-        for i, p in enumerate(self._params()):
-            items = self.optimizer.state.get(p, {}).items()
-            for key, v in sorted(items) if ordered else items:
-                if isinstance(v, torch.Tensor):
-                    layout.append((i, key))
-                    tensors.append(v)
-                else:
-                    values[(i, key)] = v
-        return layout, tensors, values
-
-    def _hyper_params(self) -> list[dict[str, Any]]:
-        return [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
-
-    def guard(self, stepped: set[int]) -> None:
-        self._stepped = True
-
-    def touched(self) -> None:
-        self._buffers.touched()
-
-    def save(self) -> None:
-        self._save(later=False)
-
-    def keep_live(self) -> None:
-        self._save(later=True)
-
-    def _save(self, later: bool) -> None:
-        layout, tensors, values = self._state_items()
-        if later:
-            self._buffers.save_later(tensors, [self._stepped] * len(tensors))
-        else:
-            self._buffers.save(tensors)
-        self._layout = layout
-        self._shapes = tuple((i, key, tuple(t.shape), t.dtype) for (i, key), t in zip(layout, tensors, strict=True))
-        self._values = copy.deepcopy(values)
-        self._hyper = copy.deepcopy(self._hyper_params())
-
-    def layout(self) -> tuple[tuple[int, str, tuple[int, ...], torch.dtype], ...]:
-        """(param index, key, shape, dtype) of each tensor of the last commit: what a newcomer will receive."""
-        return self._shapes
-
-    def prepare(self, layout: Sequence[tuple[int, str, tuple[int, ...], torch.dtype]]) -> int:
-        """Allocate the tensors `layout` names, their pages faulted in, for `receive` to use; returns the bytes.
-
-        A newcomer calls it with rank 0's published layout before it tells
-        the driver it is ready, so the first touch of that fresh memory (on a VM about
-        as costly as receiving its bytes) is off the sync's path. Kept apart
-        from the optimizer's state until `receive` takes them: an optimizer
-        that ends up receiving nothing is left as it was. The buffers of the
-        commit the newcomer makes of what it received are allocated and
-        faulted in too: their first touch would otherwise fall in its first
-        training step, while the survivors wait on its gradients.
-        """
-        params = self._params()
-        if any(i >= len(params) or params[i].device.type != "cpu" for i, _, _, _ in layout):
-            return 0  # not this optimizer's layout, or state on a GPU: nothing to gain on the host
-        made = []
-        for i, key, shape, dtype in layout:
-            self._prepared[(i, key)] = _faulted_in(shape, dtype)
-            made.append(self._prepared[(i, key)])
-        self._buffers.wait()
-        if not self._buffers.buffers:  # the commit of what it receives keeps this layout's order (receive)
-            self._buffers.buffers = [_faulted_in(shape, dtype) for _, _, shape, dtype in layout]
-            made.extend(self._buffers.buffers)
-        return sum(t.numel() * t.element_size() for t in made)
-
-    def restore(self) -> None:
-        params = self._params()
-        state = self.optimizer.state
-        if not (self._stepped and self._buffers.untouched):
-            saved_params = {i for i, _ in self._layout} | {i for i, _ in self._values}
-            for i, p in enumerate(params):
-                if i not in saved_params:
-                    state.pop(p, None)  # state created after the commit did not exist then
-            live = []
-            for (i, key), buf in zip(self._layout, self._buffers.buffers, strict=True):
-                st = state.setdefault(params[i], {})
-                current = st.get(key)
-                if not (
-                    isinstance(current, torch.Tensor)
-                    and current.shape == buf.shape
-                    and current.dtype == buf.dtype
-                    and current.device == buf.device
-                ):
-                    current = st[key] = torch.empty_like(buf)
-                live.append(current)
-            self._buffers.restore(live, [self._stepped] * len(live))
-            for (i, key), v in self._values.items():
-                state.setdefault(params[i], {})[key] = copy.deepcopy(v)
-            saved_keys = set(self._layout) | set(self._values)
-            for i, p in enumerate(params):
-                for key in [k for k in state.get(p, {}) if (i, k) not in saved_keys]:
-                    del state[p][key]
-        for group, hyper in zip(self.optimizer.param_groups, self._hyper, strict=True):
-            group.update(copy.deepcopy(hyper))
-
-    def sync(self) -> None:
-        _sync_from_rank0(self)
-
-    def describe(self) -> dict[str, Any]:
-        layout, tensors, values = self._state_items()
-        return {
-            "tensors": [(i, key, tuple(t.shape), t.dtype) for (i, key), t in zip(layout, tensors, strict=True)],
-            "values": values,
-            "hyper": self._hyper_params(),
-        }
-
-    def receive(self, skeleton: dict[str, Any]) -> None:
-        params = self._params()
-        state = self.optimizer.state
-        wanted = {(i, key) for i, key, _, _ in skeleton["tensors"]} | set(skeleton["values"])
-        for i, p in enumerate(params):
-            for key in [k for k in state.get(p, {}) if (i, k) not in wanted]:
-                del state[p][key]
-            if p in state and not state[p]:
-                del state[p]
-        for i, key, shape, dtype in skeleton["tensors"]:
-            st = state.setdefault(params[i], {})
-            current = st.get(key)
-            if not (isinstance(current, torch.Tensor) and tuple(current.shape) == shape and current.dtype == dtype):
-                ready = self._prepared.pop((i, key), None)
-                if ready is not None and tuple(ready.shape) == shape and ready.dtype == dtype:
-                    st[key] = ready  # allocated and faulted in while this newcomer waited (see prepare)
-                else:
-                    # on the parameter's device: a newcomer's state must sit where rank 0's does (a GPU)
-                    st[key] = torch.empty(shape, dtype=dtype, device=params[i].device)
-        for (i, key), v in skeleton["values"].items():
-            state.setdefault(params[i], {})[key] = v
-        for group, hyper in zip(self.optimizer.param_groups, skeleton["hyper"], strict=True):
-            group.update(hyper)
-
-    def after_sync(self) -> None:
-        self._prepared.clear()  # what a sync did not take
-
-    def tensors(self) -> list[torch.Tensor]:
-        # by key: the same order on every rank, whatever order each rank's optimizer created its state in
-        return self._state_items(ordered=True)[1]
-
-    def snapshot(self) -> dict[str, Any]:
-        # save() replaces layout, values and hyper-parameters; only the tensor buffers are reused
-        return {"layout": self._layout, "tensors": self._buffers.copies(), "values": self._values, "hyper": self._hyper}
-
-    def load_snapshot(self, snapshot: dict[str, Any]) -> None:
-        if len(snapshot["hyper"]) != len(self.optimizer.param_groups):
-            raise ValueError(
-                f"the checkpoint's optimizer has {len(snapshot['hyper'])} param groups, "
-                f"this one has {len(self.optimizer.param_groups)}"
-            )
-        count = len(self._params())
-        if any(i >= count for i, _ in list(snapshot["layout"]) + list(snapshot["values"])):
-            raise ValueError(f"the checkpoint's optimizer state covers more than this optimizer's {count} parameters")
-        self._buffers.wait()
-        self._layout = list(snapshot["layout"])
-        self._buffers.buffers = list(snapshot["tensors"])
-        self._buffers.untouched = False
-        self._values = snapshot["values"]
-        self._hyper = snapshot["hyper"]
-        self.restore()
-
-
-def broadcast_optimizer_state(optimizer: Any, root_rank: int = 0) -> None:
-    """Copy `root_rank`'s optimizer state and hyper-parameters to every rank, as Horovod's helper does."""
-    if root_rank != 0:
-        raise ValueError("broadcast_optimizer_state broadcasts from rank 0, the oldest survivor")
-    OptimizerHandler(optimizer).sync()
-
-
-class SamplerHandler(StateHandler):
-    """An `ElasticSampler` (or a prepared loader's): the epoch and the processed-sample bitmap."""
-
-    def __init__(self, value: Any) -> None:
-        super().__init__(value)
-        self._saved = self.sampler.state_dict()
-
-    @property
-    def sampler(self) -> ElasticSampler:
-        """The sampler itself, or the one inside a `prepare_data_loader` loader (the state's value)."""
-        return self.value if isinstance(self.value, ElasticSampler) else self.value.sampler
-
-    def prepare_save(self) -> None:
-        # record_indices() marks only this rank's samples: OR the bitmaps so every rank holds all.
-        # Agree first, so no rank enters the union alone (TorchState's first commit skips this).
-        self.sampler.record_pending()  # a prepared loader's batch trained since it was handed out
-        ctx = maybe_current()
-        ring = ctx.group if ctx is not None else None
-        if ring is not None and ring.max_int(int(self.sampler.needs_union)):
-            ring.bitwise_or_(self.sampler.bitmap)
-            self.sampler.needs_union = False
-
-    def save(self) -> None:
-        self._saved = self.sampler.state_dict()
-
-    def restore(self) -> None:
-        self.sampler.load_state_dict(self._saved)
-
-    def snapshot(self) -> dict[str, Any]:
-        return self._saved  # state_dict() copies the bitmap, and save() replaces the dict
-
-    def load_snapshot(self, snapshot: dict[str, Any]) -> None:
-        n = self.sampler.state_dict()["n"]
-        if snapshot.get("n") != n:
-            raise ValueError(f"the checkpoint's sampler covers {snapshot.get('n')} samples, this one {n}")
-        self._saved = snapshot
-        self.restore()
-
-    def sync(self) -> None:
-        _sync_from_rank0(self)
-
-    def describe(self) -> dict[str, Any]:
-        return {k: v for k, v in self.sampler.state_dict().items() if k != "bitmap"}
-
-    def receive(self, meta: dict[str, Any]) -> None:
-        state = self.sampler.state_dict()
-        state.update(meta)
-        if state["bitmap"].size != (meta["n"] + 7) // 8:
-            state["bitmap"] = np.zeros((meta["n"] + 7) // 8, dtype=np.uint8)
-        self.sampler.load_state_dict(state)
-
-    def tensors(self) -> list[torch.Tensor]:
-        return [torch.from_numpy(self.sampler.bitmap)]  # the live bitmap: received in place
-
-    def after_sync(self) -> None:
-        ring = current_ring()
-        self.sampler.set_world(ring.rank, ring.size)
-
-
-class ObjectHandler(CopiedHandler):
-    """Any picklable value: deep copies; a sync hands rank 0's to the ranks that need it."""
-
-    def __init__(self, value: Any) -> None:
-        super().__init__(value)
-        self._saved = copy.deepcopy(value)
-
-    def save(self) -> None:
-        self._saved = copy.deepcopy(self.value)
-
-    def restore(self) -> None:
-        self.value = copy.deepcopy(self._saved)
-
-    def sync(self) -> None:
-        _sync_from_rank0(self)
-
-    def describe(self) -> Any:
-        return self.value
-
-    def receive(self, description: Any) -> None:
-        self.value = description
 
 
 _REGISTRY: list[tuple[type, Callable[[Any], StateHandler]]] = []
@@ -686,7 +177,7 @@ class TorchState(State):
         The run loop calls it when hosts changed gracefully: a reset follows,
         and the copy waits until its sync has returned (or the copy is waited for).
         """
-        hold_background_copies()
+        copy_gate.hold_background_copies()
         self._save(later=True)
 
     def _save(self, later: bool, collectives: bool = True) -> None:
@@ -755,7 +246,7 @@ class TorchState(State):
 
     def restore(self) -> None:
         """Back to the last commit; the commit's re-copy waits until the reset's sync has returned."""
-        hold_background_copies()
+        copy_gate.hold_background_copies()
         for handler in self._handlers.values():
             handler.restore()
 
@@ -764,7 +255,7 @@ class TorchState(State):
         try:
             self._sync()
         finally:
-            release_background_copies()
+            copy_gate.release_background_copies()
 
     def _sync(self) -> None:
         started = time.perf_counter()
@@ -800,7 +291,7 @@ class TorchState(State):
         if plan.receives:
             # the commit of what it received is copied after the sync, as the holders' are: a copy running
             # beside the sync's last allreduce made a 10M newcomer's sync 15-25% longer on 2 cores
-            hold_background_copies()
+            copy_gate.hold_background_copies()
             for handler in moving.values():
                 handler.received()
             self.commit_id = commit_id
