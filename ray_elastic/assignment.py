@@ -17,12 +17,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from itertools import repeat
 from operator import attrgetter
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    from collections.abc import Collection, Mapping, Sequence
 
 
 # NamedTuples, not frozen dataclasses: the driver builds one per worker per decision, and at

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from ray.autoscaler.sdk import request_resources
 from ray.experimental.internal_kv import (
@@ -25,6 +25,9 @@ from ray.experimental.internal_kv import (
     _internal_kv_list,
     _internal_kv_put,
 )
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
 
 logger = logging.getLogger(__name__)
 

@@ -34,10 +34,12 @@ import reprlib
 import socket
 import sys
 import time
-from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ray_elastic import options
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
 
 # how long the launcher waits, after a script's run, for the last lines its workers printed
 OUTPUT_TIMEOUT_S = 10.0

@@ -16,12 +16,14 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import os
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ray_elastic.options import BY_NAME, DEFAULTS, check_all
 from ray_elastic.protocol import WorkerConfig
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
 
 __all__ = ["RunConfig", "resolve_backend"]
 

@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ray_elastic.exceptions import HorovodInternalError, HostsUpdatedInterrupt
 from ray_elastic.runtime.process import current
 from ray_elastic.state import State
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 logger = logging.getLogger(__name__)
 

@@ -19,14 +19,16 @@ generation's traffic is O(N) calls, two per rank: `wait_generation`, then one
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 
 from ray_elastic.auth import Authed, RunToken, with_token_check
 from ray_elastic.exceptions import CoordinatorDiedError, RendezvousTimeoutError
 from ray_elastic.kv_server import KVServer, unpack_family
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
 
 # extra seconds a client waits for the actor's own bounded answer
 _CLIENT_MARGIN_S = 10.0

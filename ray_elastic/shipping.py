@@ -21,12 +21,14 @@ import os
 import sys
 import sysconfig
 import threading
-from collections.abc import Iterable
-from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import cloudpickle
 import ray
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+    from types import ModuleType
 
 _TAG = "ray-elastic-payload-1"
 # cloudpickle's by-value registry is process-wide: two threads packing at once must not interleave

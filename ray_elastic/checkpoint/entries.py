@@ -10,8 +10,10 @@ uses, imports neither the state classes nor torch.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 _FORMS: list[tuple[type, Callable[[Any], dict[str, Any]], Callable[[Any, dict[str, Any]], None]]] = []
 

@@ -40,12 +40,14 @@ import os
 import re
 import time
 import uuid
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ray_elastic.checkpoint import files as plain_files
 from ray_elastic.checkpoint.bounded import CheckpointError
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterator
 
 logger = logging.getLogger(__name__)
 

@@ -25,8 +25,11 @@ import fcntl
 import os
 import socket
 import struct
-from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
 
 _SIOCGIFADDR = 0x8915  # Linux: an interface's (primary) IPv4 address
 _SIOCGIFCONF = 0x8912  # Linux: every (interface, IPv4 address) pair, secondary addresses included

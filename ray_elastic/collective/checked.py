@@ -41,14 +41,16 @@ from __future__ import annotations
 import hashlib
 import os
 import sys
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
 from ray_elastic.collective.base import CollectiveGroup, Max, ReduceOp
 from ray_elastic.exceptions import CollectiveMismatchError
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 T = TypeVar("T")
 

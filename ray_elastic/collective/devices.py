@@ -21,10 +21,13 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ray_elastic.exceptions import DeviceConflictError
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping, Sequence
 
 
 @dataclass(frozen=True)

@@ -8,14 +8,18 @@ at module level: a numpy-only worker never loads torch.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import ray
 
 from ray_elastic.collective import address, devices
-from ray_elastic.collective.base import CollectiveGroup
 from ray_elastic.exceptions import HorovodInternalError, RendezvousTimeoutError
-from ray_elastic.rendezvous import KVClient
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from ray_elastic.collective.base import CollectiveGroup
+    from ray_elastic.rendezvous import KVClient
 
 logger = logging.getLogger(__name__)
 

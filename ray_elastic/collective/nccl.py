@@ -22,14 +22,16 @@ ending the process. A dead peer is noticed within `collective_timeout`.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from ray_elastic.collective import devices
 from ray_elastic.collective.torch_dist import TorchDistGroup, as_tensor
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 
 def load() -> None:

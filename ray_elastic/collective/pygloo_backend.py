@@ -17,14 +17,16 @@ called from Python), and a collective holds the GIL while it blocks.
 from __future__ import annotations
 
 import pickle
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 import pygloo
 
-from ray_elastic.collective.address import GlooBinding
 from ray_elastic.collective.base import CollectiveGroup, ReduceOp, guarded_call
-from ray_elastic.rendezvous import KVClient
+
+if TYPE_CHECKING:
+    from ray_elastic.collective.address import GlooBinding
+    from ray_elastic.rendezvous import KVClient
 
 T = TypeVar("T")
 

@@ -29,17 +29,20 @@ import math
 import pickle
 import threading
 import time
-from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from ray_elastic.collective.base import CollectiveGroup, CollectiveWork, ReduceOp, guarded_call
-from ray_elastic.collective.ring_sockets import RingSockets
 from ray_elastic.exceptions import HorovodInternalError
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from ray_elastic.collective.ring_sockets import RingSockets
 
 logger = logging.getLogger(__name__)
 

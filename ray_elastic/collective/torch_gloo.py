@@ -17,15 +17,19 @@ cut (`ring_sockets`): none of its works completes after the abandon.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from ray_elastic.collective.ring_sockets import RingSockets
 from ray_elastic.collective.shm import SharedRing
 from ray_elastic.collective.torch_dist import TorchDistGroup, as_tensor
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    import numpy as np
 
 _UNBUILT = object()
 

@@ -18,11 +18,14 @@ makes the local copy safe; any other key goes to the actor on every call.
 
 from __future__ import annotations
 
-from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
-from ray_elastic.rendezvous import KVClient
+if TYPE_CHECKING:
+    from datetime import timedelta
+
+    from ray_elastic.rendezvous import KVClient
 
 
 def _as_bytes(value: str | bytes | bytearray | list[int]) -> bytes:

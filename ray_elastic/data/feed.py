@@ -30,14 +30,16 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 
 from ray_elastic.auth import Authed
 from ray_elastic.data.starvation import PROBE_EVERY_S, Starvation
 from ray_elastic.exceptions import RendezvousTimeoutError
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 logger = logging.getLogger(__name__)
 

@@ -32,8 +32,7 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import ray
@@ -43,6 +42,9 @@ from ray_elastic.data.plan import SHUFFLE_WINDOW, BlockTable, EpochOrder, step_r
 from ray_elastic.exceptions import RendezvousTimeoutError
 from ray_elastic.run_footprint import run_namespace
 from ray_elastic.runtime.process import current, maybe_current
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterator
 
 logger = logging.getLogger(__name__)
 

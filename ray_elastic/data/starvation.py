@@ -22,10 +22,12 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from ray_elastic.exceptions import DataStarvedError
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 PROBE_EVERY_S = 1.0  # how often the cluster's free CPUs are read while a rank waits
 

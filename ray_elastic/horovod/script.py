@@ -35,11 +35,13 @@ import re
 import sys
 import threading
 import types
-from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from ray_elastic.runtime import maybe_current
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
 
 # a line printed by a script's worker, as `RankPrefixedStream` writes it
 LINE_PREFIX = re.compile(r"^\[(\d+|\?)\]<(stdout|stderr)>:")

@@ -31,16 +31,18 @@ from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import Iterator
 from contextlib import contextmanager
 from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
 import ray_elastic as elastic
 from ray_elastic.torch import ElasticSampler, broadcast_parameters, prepare_model
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
 
 logger = logging.getLogger(__name__)
 

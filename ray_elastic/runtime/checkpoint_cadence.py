@@ -15,16 +15,18 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import ray
-
-from ray_elastic.assignment import WorkerSlot
 from ray_elastic.checkpoint import CheckpointStore, CheckpointWriter, bounded_call
 from ray_elastic.checkpoint.entries import load_entries, state_entries
-from ray_elastic.protocol import WorkerConfig
-from ray_elastic.rendezvous import KVClient
 from ray_elastic.runtime.pace import PACE
+
+if TYPE_CHECKING:
+    import ray
+
+    from ray_elastic.assignment import WorkerSlot
+    from ray_elastic.protocol import WorkerConfig
+    from ray_elastic.rendezvous import KVClient
 
 logger = logging.getLogger(__name__)
 

@@ -19,23 +19,26 @@ returns it, typed); none reaches through it to its parts. Tests also set
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
-import ray
+from typing import TYPE_CHECKING, Any
 
 from ray_elastic import metrics
-from ray_elastic.assignment import WorkerSlot
 from ray_elastic.collective.activity import MARKS
-from ray_elastic.collective.base import CollectiveGroup
 from ray_elastic.exceptions import StateRegressionError
-from ray_elastic.protocol import WorkerConfig
 from ray_elastic.rendezvous import KVClient
 from ray_elastic.runtime.checkpoint_cadence import CheckpointCadence
 from ray_elastic.runtime.commits import CommitId, judge_adoption
 from ray_elastic.runtime.membership import Membership
 from ray_elastic.runtime.metrics_shipper import MetricsShipper, snapshot
 from ray_elastic.runtime.pace import PACE
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    import ray
+
+    from ray_elastic.assignment import WorkerSlot
+    from ray_elastic.collective.base import CollectiveGroup
+    from ray_elastic.protocol import WorkerConfig
 
 
 class WorkerContext:

@@ -22,12 +22,8 @@ import gc
 import logging
 import time
 import weakref
-from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-import ray
-
-from ray_elastic.assignment import WorkerSlot
-from ray_elastic.collective.base import CollectiveGroup
 from ray_elastic.collective.factory import load_backend, make_group
 from ray_elastic.exceptions import (
     GenerationSupersededError,
@@ -36,8 +32,16 @@ from ray_elastic.exceptions import (
     RendezvousTimeoutError,
     WorkerRemovedError,
 )
-from ray_elastic.protocol import WorkerConfig
-from ray_elastic.rendezvous import KVClient
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    import ray
+
+    from ray_elastic.assignment import WorkerSlot
+    from ray_elastic.collective.base import CollectiveGroup
+    from ray_elastic.protocol import WorkerConfig
+    from ray_elastic.rendezvous import KVClient
 
 logger = logging.getLogger(__name__)
 

@@ -23,12 +23,13 @@ import pickle
 import threading
 import time
 from collections import deque
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 from ray import cloudpickle
 
-from ray_elastic.protocol import PaceSummary
+if TYPE_CHECKING:
+    from ray_elastic.protocol import PaceSummary
 
 logger = logging.getLogger(__name__)
 

@@ -32,10 +32,13 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 from ray_elastic.protocol import PACE_INTERVAL_S, PaceSummary
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterator
 
 
 class PaceMeter:

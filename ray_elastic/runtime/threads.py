@@ -15,9 +15,12 @@ from __future__ import annotations
 import math
 import os
 import sys
-from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import ray
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
 
 
 def ray_default_threads(assigned_cpus: float | None) -> int:

@@ -17,15 +17,17 @@ from __future__ import annotations
 import copy
 import numbers
 import time
-from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ray_elastic.checkpoint.entries import register_form
 from ray_elastic.runtime.commits import CommitId, fresh_commit_id
 from ray_elastic.runtime.process import current
 from ray_elastic.runtime.ring_ops import group as current_ring
 from ray_elastic.state.transfer import agree, share_object
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterable
 
 
 @dataclass(frozen=True)

@@ -15,13 +15,15 @@ Every wait is bounded by the ring's `collective_timeout`.
 from __future__ import annotations
 
 import pickle
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ray_elastic.collective.base import CollectiveGroup, Sum
-from ray_elastic.runtime.commits import CommitId
 from ray_elastic.state.sync_plan import SyncPlan, plan_sync
+
+if TYPE_CHECKING:
+    from ray_elastic.runtime.commits import CommitId
 
 
 def agree(ring: CollectiveGroup, commit: CommitId) -> SyncPlan:

@@ -33,8 +33,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -43,6 +42,9 @@ from ray_elastic.collective.checked import root_rank_in
 from ray_elastic.runtime.ring_ops import group
 from ray_elastic.state.pages import can_populate, populate_range, resident_range
 from ray_elastic.state.sync_plan import Chunk, SyncPlan, order_transfers, schedule_chunks
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterable, Sequence
 
 CHUNK_BYTES = 16 * 2**20
 WINDOW = 4

@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from ray_elastic.torch import copy_gate
 from ray_elastic.torch.broadcast import wait_while_transferring
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
 
 
 def swappable(t: torch.Tensor, b: torch.Tensor) -> bool:
@@ -45,8 +48,8 @@ class TensorBuffers:
         self.buffers: list[torch.Tensor] = []
         self.untouched = False  # the guarded live tensors still equal the buffers' commit (no step since)
         # by index, of the last trade: (the live tensor, weakly; its data_ptr; the buffer's data_ptr). While
-        # all three still hold, the pair is still swappable: the restore of a 300M model + Adam (2,288
-        # tensors) checks swappable's seven properties no more. Nothing held: a stale entry keeps no memory.
+        # all three still hold, the pair is still swappable, and a restore of thousands of tensors need not
+        # check swappable's seven properties again. Nothing held: a stale entry keeps no memory.
         self._traded: dict[int, tuple[weakref.ref, int, int]] = {}
         self._copier: threading.Thread | None = None
         self._hurry = threading.Event()  # set: the running copy is waited for, it must not hold back

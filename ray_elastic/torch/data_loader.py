@@ -15,14 +15,16 @@ committed, rolled back and handed to newcomers like the rest of the state.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler, SequentialSampler
 
 from ray_elastic.torch.device import get_device
 from ray_elastic.torch.sampler import ElasticSampler
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
 
 
 def prepare_data_loader(loader: DataLoader, seed: int = 0, move_to_device: bool = True) -> ElasticDataLoader:

@@ -61,8 +61,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -76,6 +75,9 @@ from ray_elastic.runtime.pace import PACE
 from ray_elastic.runtime.process import current, maybe_current
 from ray_elastic.torch.device import get_device
 from ray_elastic.torch.notice import NoticeCopy
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
 
 AGREE_EVERY_S = 0.1  # how often, in training time, the ranks agree on a host change (see _Cadence)
 MAX_CHECKS_PER_AGREEMENT = 1000

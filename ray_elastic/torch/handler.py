@@ -11,15 +11,16 @@ module so that handlers in other modules need not import `TorchState`'s.
 from __future__ import annotations
 
 import copy
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from ray_elastic.runtime.ring_ops import group as current_ring
 from ray_elastic.state.state import mismatch
 from ray_elastic.state.sync_plan import SyncPlan
 from ray_elastic.state.transfer import share_object
 from ray_elastic.torch.broadcast import send_tensors_
+
+if TYPE_CHECKING:
+    import torch
 
 
 class StateHandler:

@@ -8,12 +8,15 @@ where it is tuned to (`runtime/allocator.py`).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 
 from ray_elastic.runtime.allocator import is_tuned
 from ray_elastic.state.pages import can_populate, populate_range
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
 
 
 def faulted_in(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

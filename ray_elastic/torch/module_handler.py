@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
 from ray_elastic.torch.commit_buffers import TensorBuffers
 from ray_elastic.torch.handler import StateHandler, _sync_from_rank0
+
+if TYPE_CHECKING:
+    import torch
 
 
 class ModuleHandler(StateHandler):

@@ -16,11 +16,14 @@ rank acting at the same step.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from ray_elastic.collective.torch_gloo import host_buffer
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 
 def reads_later(t: torch.Tensor) -> bool:

@@ -53,8 +53,7 @@ from __future__ import annotations
 import time
 import warnings
 from collections import OrderedDict
-from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.amp.grad_scaler import OptState
@@ -65,6 +64,9 @@ from ray_elastic.exceptions import HorovodInternalError
 from ray_elastic.runtime.pace import PACE
 from ray_elastic.runtime.process import current, maybe_current
 from ray_elastic.torch.notice import NoticeCopy, host_value, reads_later
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
 
 
 class _Bucket:

@@ -10,8 +10,7 @@ state's tensors before it is ready (`layout` / `prepare`). Also
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -19,6 +18,9 @@ from ray_elastic.torch.commit_buffers import TensorBuffers
 from ray_elastic.torch.handler import StateHandler, _sync_from_rank0
 from ray_elastic.torch.heap import faulted_in
 from ray_elastic.torch.optimizer import DistributedOptimizer
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
 
 
 def _inner_optimizer(value: Any) -> torch.optim.Optimizer:

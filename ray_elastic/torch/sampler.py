@@ -28,14 +28,16 @@ recomputed from `(seed, epoch)` at every iteration, never stored in the state.
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterator, Sized
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from torch.utils.data import Sampler
 
 from ray_elastic.runtime.process import current
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator, Sized
 
 # popcount of every byte value, to count set bits without unpacking the bitmap
 _POPCOUNT = np.array([bin(i).count("1") for i in range(256)], dtype=np.uint8)

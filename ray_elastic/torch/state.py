@@ -53,17 +53,14 @@ import itertools
 import logging
 import pickle
 import time
-from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ray_elastic.collective.base import CollectiveGroup
 from ray_elastic.runtime.commits import fresh_commit_id
 from ray_elastic.runtime.process import maybe_current
 from ray_elastic.runtime.ring_ops import group as current_ring
 from ray_elastic.state.state import State, SyncReport
-from ray_elastic.state.sync_plan import SyncPlan
 from ray_elastic.state.transfer import agree, share_object
 from ray_elastic.torch import copy_gate
 from ray_elastic.torch.broadcast import send_tensors_
@@ -77,6 +74,12 @@ from ray_elastic.torch.rng import RngState
 from ray_elastic.torch.sampler import ElasticSampler
 from ray_elastic.torch.sampler_handler import SamplerHandler
 from ray_elastic.torch.state_dict_handler import StateDictHandler, saves_itself
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from ray_elastic.collective.base import CollectiveGroup
+    from ray_elastic.state.sync_plan import SyncPlan
 
 logger = logging.getLogger(__name__)
 _state_numbers = itertools.count()  # each TorchState of this process, in construction order
@@ -265,8 +268,8 @@ class TorchState(State):
         received = 0
         if plan.moves_state:
             received = self._transfer(ring, plan)
-            # every rank's receive done before any rank's held commit copy starts: a holder's copy (1.2 GB at
-            # 100M + Adam) beside a newcomer's last receives slowed that newcomer's sync by a third
+            # every rank's receive done before any rank's held commit copy starts: a holder's copy of a large
+            # commit, run beside a newcomer's last receives, competes with them for memory bandwidth
             ring.max_int(0)
         for handler in self._handlers.values():
             handler.after_sync()
@@ -290,7 +293,7 @@ class TorchState(State):
                 handler.save()
         if plan.receives:
             # the commit of what it received is copied after the sync, as the holders' are: a copy running
-            # beside the sync's last allreduce made a 10M newcomer's sync 15-25% longer on 2 cores
+            # beside the sync's last allreduce would lengthen the sync
             copy_gate.hold_background_copies()
             for handler in moving.values():
                 handler.received()

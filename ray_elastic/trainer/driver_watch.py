@@ -15,8 +15,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 
@@ -24,6 +23,9 @@ from ray_elastic.protocol import RunOutcome
 from ray_elastic.teardown import remove_run
 from ray_elastic.trainer.progress_bar import Progress
 from ray_elastic.trainer.ray_output import worker_death_dumps_hidden
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 logger = logging.getLogger(__name__)
 

@@ -15,10 +15,8 @@ import os
 import pickle
 import threading
 import uuid
-from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -34,12 +32,17 @@ from ray_elastic.events import Event
 from ray_elastic.exceptions import TrainingFailedError
 from ray_elastic.options import BY_NAME
 from ray_elastic.options import docs as option_docs
-from ray_elastic.protocol import RunOutcome
 from ray_elastic.rendezvous import create_kv_actor
 from ray_elastic.run_footprint import run_namespace
 from ray_elastic.shipping import pack
 from ray_elastic.trainer import preflight
 from ray_elastic.trainer.driver_watch import Reports, cleanup, coordinator_node, follow
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Mapping
+    from pathlib import Path
+
+    from ray_elastic.protocol import RunOutcome
 
 logger = logging.getLogger(__name__)
 

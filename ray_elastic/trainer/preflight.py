@@ -15,11 +15,13 @@ import inspect
 import logging
 import types
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ray_elastic.checkpoint import CheckpointError, CheckpointStore, bounded_call
-from ray_elastic.config import RunConfig
 from ray_elastic.discovery import alive_ray_nodes, keep_cpus_free, slots_for_resources
+
+if TYPE_CHECKING:
+    from ray_elastic.config import RunConfig
 
 logger = logging.getLogger("ray_elastic.trainer")
 

@@ -35,8 +35,10 @@ from __future__ import annotations
 import contextlib
 import re
 import threading
-from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
 
 # the first words of the raylet's dump for a worker process that died (Ray 2.x)
 WORKER_DEATH_DUMP = "A worker died or was killed while executing a task by an unexpected system error"

@@ -9,11 +9,14 @@ it works in scripts, jobs and notebooks without touching the user's backend.
 
 from __future__ import annotations
 
-import os
-from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from ray_elastic.events import Event
+if TYPE_CHECKING:
+    import os
+    from collections.abc import Sequence
+
+    from ray_elastic.events import Event
 
 _COLORS = {
     "worker_failed": "tab:red",

@@ -10,10 +10,12 @@ are built on `HorovodStateMixin`.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray_elastic
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 
 class HorovodStateMixin:

@@ -22,8 +22,7 @@ import logging
 import random
 import time
 import warnings
-from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 
@@ -32,6 +31,9 @@ from ray_elastic.horovod.ray import settings as s
 from ray_elastic.horovod.ray.runner import DEFAULT_COOLDOWN, ensure_ray, trainer_discovery
 from ray_elastic.horovod.ray.sessions import run_elastic
 from ray_elastic.options import from_horovod
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 logger = logging.getLogger(__name__)
 

@@ -17,12 +17,14 @@ every waiter at once with that reason (the session ended).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 from ray import cloudpickle
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 STOP = "stop"  # the command that ends the workers' serving loop
 

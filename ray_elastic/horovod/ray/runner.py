@@ -21,9 +21,8 @@ from __future__ import annotations
 import logging
 import os
 import warnings
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 
@@ -33,6 +32,9 @@ from ray_elastic.horovod.ray.sessions import StaticSession, run_elastic
 from ray_elastic.horovod.ray.settings import MiniSettings
 from ray_elastic.horovod.ray.worker_loop import call_with
 from ray_elastic.options import from_horovod
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 logger = logging.getLogger(__name__)
 

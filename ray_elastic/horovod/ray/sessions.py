@@ -20,8 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 from ray import cloudpickle
@@ -29,6 +28,9 @@ from ray import cloudpickle
 from ray_elastic import ElasticTrainer
 from ray_elastic.horovod.ray.mailbox import STOP, create_mailbox
 from ray_elastic.horovod.ray.worker_loop import MARK, CallOnce, ServeCommands
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterable
 
 logger = logging.getLogger(__name__)
 

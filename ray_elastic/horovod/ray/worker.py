@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 
 from ray_elastic.horovod.ray import ray_logger
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 
 class BaseHorovodWorker:

@@ -22,9 +22,8 @@ from __future__ import annotations
 import functools
 import os
 import traceback
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 from ray import cloudpickle
@@ -33,6 +32,9 @@ import ray_elastic
 from ray_elastic.horovod.ray.mailbox import STOP
 from ray_elastic.horovod.ray.worker import BaseHorovodWorker
 from ray_elastic.runtime import current
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 MARK = "__ray_elastic_horovod_ray_command__"  # the key of rank 0's end-of-command report
 _POLL_S = 30.0  # one wait for the next command; the loop waits again (pings are answered meanwhile)

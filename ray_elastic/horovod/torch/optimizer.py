@@ -32,15 +32,17 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterable, Iterator
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from ray_elastic import Average, Sum
 from ray_elastic.horovod.torch.compression import Compression
 from ray_elastic.horovod.torch.ops import check_process_set, global_process_set, reduce_op
 from ray_elastic.torch import DistributedOptimizer as _ElasticOptimizer
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable, Iterator
+
+    import torch
 
 logger = logging.getLogger(__name__)
 

@@ -11,14 +11,15 @@ rank's death.
 
 from __future__ import annotations
 
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 import ray_elastic.torch
 from ray_elastic import run
 from ray_elastic.horovod.common.elastic import HorovodStateMixin, ObjectState, State
 from ray_elastic.torch import ElasticSampler
+
+if TYPE_CHECKING:
+    import torch
 
 
 class TorchState(HorovodStateMixin, ray_elastic.torch.TorchState):
