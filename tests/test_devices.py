@@ -47,9 +47,7 @@ def test_a_ray_worker_given_no_gpu_trains_on_the_cpu_even_where_gpus_are_visible
 
 def test_prepare_model_moves_the_model_to_the_workers_device_before_wrapping(monkeypatch):
     checks: list = []
-    ctx = SimpleNamespace(
-        membership=SimpleNamespace(add_ring_error_check=checks.append), settings=SimpleNamespace(backend="gloo")
-    )
+    ctx = SimpleNamespace(add_ring_error_check=checks.append, backend="gloo")  # the runtime's named methods
     monkeypatch.setattr(ddp, "current", lambda: ctx)
     monkeypatch.setattr(ddp, "get_device", lambda: torch.device("meta"))  # stands for the worker's GPU
     model = torch.nn.Linear(4, 2)
