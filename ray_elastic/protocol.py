@@ -28,7 +28,7 @@ class _StrEnum(str, enum.Enum):
     """A str enum that prints and formats as its value on every Python we support (3.10+)."""
 
     __str__ = str.__str__
-    __format__ = str.__format__
+    __format__ = str.__format__  # type: ignore[assignment]  # str's, on purpose: an f-string shows the value
 
 
 class EventKind(_StrEnum):
