@@ -103,9 +103,9 @@ class KVServer:
         self._assignment = assignment
         for key in [k for k in self._data if k[0] < generation]:
             del self._data[key]
-        for key, family in list(self._families.items()):
-            if key[0] < generation:
-                del self._families[key]
+        for family_key, family in list(self._families.items()):
+            if family_key[0] < generation:
+                del self._families[family_key]
                 if not family.done.done():
                     family.done.set_exception(
                         GenerationSupersededError(f"generation {key[0]} superseded by {generation}")

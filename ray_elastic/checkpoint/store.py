@@ -41,7 +41,7 @@ import re
 import time
 import uuid
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from ray_elastic.checkpoint import files as plain_files
 from ray_elastic.checkpoint.bounded import CheckpointError
@@ -103,7 +103,7 @@ class _Found:
     def name_key(self) -> Key | None:
         """The order its name claims (a torn directory has no manifest); None for the old numbered names."""
         match = _NAME.match(self.name)
-        return None if match is None or match.group(1) is None else tuple(int(g) for g in match.groups())
+        return None if match is None or match.group(1) is None else cast("Key", tuple(int(g) for g in match.groups()))
 
 
 class CheckpointStore:

@@ -217,6 +217,8 @@ class _Epoch:
 class Feed:
     """Wrapped by `ray.remote` in `create_feed_actor`; a threaded actor."""
 
+    _run_token: Any  # the run's token, set by `with_token_check` (auth.py)
+
     def __init__(
         self,
         datasets: dict[str, Any],

@@ -46,7 +46,7 @@ def as_trainable(trainer: Any) -> Any:
     def elastic_trial(config: dict[str, Any]) -> None:
         run_trial(shipped, config)
 
-    class ElasticTrial(wrap_function(elastic_trial)):
+    class ElasticTrial(wrap_function(elastic_trial)):  # type: ignore[misc]  # Tune makes the base class at run time
         """Tune's function trainable, whose `stop()` returns only once the trial's run is released."""
 
         def cleanup(self) -> None:
