@@ -80,3 +80,20 @@ def test_replace_checks_the_options_it_changes_and_keeps_the_rest():
         cfg.replace(max_workers=0)
     with pytest.raises(TypeError, match="unknown option"):
         cfg.replace(no_such_option=1)
+
+
+def test_a_variant_of_a_trainer_merges_its_config_and_checks_its_changed_options():
+    from ray_elastic.shipping import unpack
+
+    def train(config):
+        return config
+
+    trainer = ElasticTrainer(train, min_workers=1, max_workers=2, config={"lr": 0.1, "epochs": 2}, verbose=0)
+    trial = trainer.variant(config={"lr": 0.5}, discovery=dict, resources_per_worker={"CPU": 0.001}, reserved_cpus=1.0)
+    fn, config = unpack(trial._payload)
+    assert config == trial.config == {"lr": 0.5, "epochs": 2} and fn(config) == config
+    assert trainer.config == {"lr": 0.1, "epochs": 2} and trainer.run_config.reserved_cpus is None
+    assert trial.run_config.resources_per_worker == {"CPU": 0.001} and trial.run_config.reserved_cpus == 1.0
+    assert unpack(trial.discovery) is dict
+    with pytest.raises(ValueError, match="checkpoint_keep"):
+        trainer.variant(checkpoint_keep=0)
