@@ -27,14 +27,17 @@ def remove_run(run_id: str, namespace: str, by: str) -> None:
     Each step is tried on its own, a failure logged: the other steps may
     still succeed, and another caller may have done the failed one. What
     needs no actor goes first: a worker calling this lives in one of the
-    run's placement groups, and dies when they are removed. `by` names the
-    caller in the log.
+    run's placement groups, and dies when they are removed (as may the
+    other workers, each removing the run at the same time). The snapshot is
+    deleted again last: `fit()` calls this right after killing a driver
+    that may still write one while it dies. `by` names the caller in the log.
     """
     for step in (
         lambda: snapshot.delete(run_id),
         lambda: autoscale.withdraw(run_id),
         lambda: remove_run_placement_groups(namespace),
         lambda: remove_run_actors(namespace),
+        lambda: snapshot.delete(run_id),
     ):
         try:
             step()

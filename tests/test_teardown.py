@@ -38,7 +38,8 @@ def steps(monkeypatch):
     return install
 
 
-def test_what_needs_no_actor_goes_before_the_placement_groups_and_actors(steps):
+def test_what_needs_no_actor_goes_first_and_the_snapshot_goes_again_last(steps):
+    """A worker dies with its placement group; a driver killed just before may still write its snapshot."""
     done = steps()
     teardown.remove_run("run1", "ray_elastic_run1", "fit()")
     assert done == [
@@ -46,6 +47,7 @@ def test_what_needs_no_actor_goes_before_the_placement_groups_and_actors(steps):
         ("autoscale", "run1"),
         ("groups", "ray_elastic_run1"),
         ("actors", "ray_elastic_run1"),
+        ("snapshot", "run1"),
     ]
 
 
@@ -53,6 +55,6 @@ def test_a_failing_step_is_logged_and_the_others_still_run(steps, caplog):
     done = steps(failing=("snapshot", "groups"))
     with caplog.at_level(logging.ERROR, logger="ray_elastic.teardown"):
         teardown.remove_run("run1", "ray_elastic_run1", "worker w3")
-    assert [name for name, _ in done] == ["snapshot", "autoscale", "groups", "actors"]
+    assert [name for name, _ in done] == ["snapshot", "autoscale", "groups", "actors", "snapshot"]
     logged = [r for r in caplog.records if r.name == "ray_elastic.teardown"]
-    assert len(logged) == 2 and all("worker w3: removing run run1" in r.getMessage() for r in logged)
+    assert len(logged) == 3 and all("worker w3: removing run run1" in r.getMessage() for r in logged)
