@@ -97,3 +97,15 @@ def test_a_variant_of_a_trainer_merges_its_config_and_checks_its_changed_options
     assert unpack(trial.discovery) is dict
     with pytest.raises(ValueError, match="checkpoint_keep"):
         trainer.variant(checkpoint_keep=0)
+
+
+def test_a_variant_of_a_trainer_shipped_without_its_train_fn_takes_it_from_the_payload():
+    from ray_elastic.shipping import unpack
+
+    def train(config):
+        return config
+
+    trainer = ElasticTrainer(train, min_workers=1, max_workers=1, config={"a": 1}, verbose=0)
+    trainer.train_fn = None  # as as_trainable() ships it to Tune
+    fn, config = unpack(trainer.variant(config={"b": 2})._payload)
+    assert fn(config) == {"a": 1, "b": 2}

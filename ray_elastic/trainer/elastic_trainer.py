@@ -34,7 +34,7 @@ from ray_elastic.options import BY_NAME
 from ray_elastic.options import docs as option_docs
 from ray_elastic.rendezvous import create_kv_actor
 from ray_elastic.run_footprint import run_namespace
-from ray_elastic.shipping import pack
+from ray_elastic.shipping import pack, unpack
 from ray_elastic.trainer import preflight
 from ray_elastic.trainer.driver_watch import Reports, cleanup, coordinator_node, follow
 
@@ -208,8 +208,10 @@ class ElasticTrainer:
         """
         other = copy.copy(self)
         if config is not None:
-            other.config = {**self.config, **config}
-            other._payload = pack((self.train_fn, other.config))
+            # from the payload: a trainer shipped to Tune travels without its train_fn attribute
+            train_fn, base = unpack(self._payload)
+            other.train_fn, other.config = train_fn, {**base, **config}
+            other._payload = pack((train_fn, other.config))
         if discovery is not None:
             other.discovery = pack(discovery)
         other.run_config = self.run_config.replace(reserved_cpus=reserved_cpus, **options)
