@@ -109,6 +109,27 @@ class EpochLoader:
         return getattr(loader, name)  # dataset, batch_size, num_workers ...
 
 
+def resumed_batches(epoch_loop: Any) -> int:
+    """The batch number Lightning resumes a restored epoch at: the batches the commit counts as done.
+
+    A commit is taken in `on_train_batch_end`, before Lightning counts that
+    batch completed. Lightning versions that know they restarted there
+    (`restarted_on_train_batch_end`) count it when the epoch loop resets,
+    after the loader is built, and go on with the next batch; older ones run
+    it again. The sampler counted it trained either way, so the loader's
+    length must start from the same number Lightning will, or the epoch's
+    last batch is never fetched (and the first one after the resume is
+    recorded as a batch further on).
+    """
+    completed = epoch_loop.batch_progress.current.completed
+    if not hasattr(type(epoch_loop), "restarted_on_train_batch_end"):
+        return completed  # a Lightning that runs the batch again
+    # the condition Lightning's loop reset reads (it has not run yet: the loader is built first)
+    total = epoch_loop.batch_progress.total
+    ended_its_step = total.ready == total.started == total.processed == total.completed + 1
+    return completed + 1 if ended_its_step else completed
+
+
 def build(pl: Any) -> SimpleNamespace:
     """`ElasticEnvironment`, `ElasticDDPStrategy` and the commit callback for the package `pl`."""
     from importlib import import_module
@@ -204,6 +225,11 @@ def build(pl: Any) -> SimpleNamespace:
             if step == self._last_step or self.state is None:
                 return  # gradient accumulation: no optimizer step, so nothing new to commit
             self._last_step = step
+            if batch_idx + 1 >= trainer.num_training_batches:
+                # The epoch's last batch: Lightning restores a checkpoint taken here as an epoch half ended and
+                # miscounts the epochs after it (the next one then trains nothing). Neither a commit nor a host
+                # check (which commits the live state) happens here; the next epoch's first step does them.
+                return
             if step % self.strategy.commit_every == 0:
                 self.state.commit()
             else:
@@ -322,11 +348,13 @@ def build(pl: Any) -> SimpleNamespace:
                 elastic_sampler.load_state_dict(self.pending_sampler_state)
                 self.pending_sampler_state = None
                 if trainer.fit_loop.restarting:
-                    # Lightning resumes counting this epoch's batches from the commit's
-                    offset = trainer.fit_loop.epoch_loop.batch_progress.current.completed
+                    offset = resumed_batches(trainer.fit_loop.epoch_loop)
             elif self.train_sampler is not None:
                 # a reload at an epoch's start: the new sampler starts from the old one's position
                 elastic_sampler.load_state_dict(self.train_sampler.state_dict())
+            # Lightning takes the loader's length now and sets the sampler's epoch only after: the length must be
+            # the coming epoch's (a no-op for a restored epoch, whose progress stays)
+            elastic_sampler.set_epoch(trainer.fit_loop.epoch_progress.current.processed)
             self.train_sampler = elastic_sampler
             rebuilt = update_dataloader(dataloader, elastic_sampler, mode=None)
             self.train_loader = EpochLoader(rebuilt, elastic_sampler, offset)
