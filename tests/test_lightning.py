@@ -182,3 +182,60 @@ def test_each_epoch_trains_every_sample_once_through_rollbacks_to_mid_epoch_comm
     for epoch in range(3):
         assert sorted(i for e, ids in model.seen if e == epoch for i in ids) == list(range(40)), epoch
     assert t.global_step == 30
+
+
+class _FailsInBackward(torch.autograd.Function):
+    """Raises in backward once the layers after it have their gradients: a ring lost in the middle of backward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise _Failing
+
+
+class _TwoLayers(pl.LightningModule):
+    def __init__(self, fail_at: set[int]) -> None:
+        super().__init__()
+        self.first = torch.nn.Linear(2, 4)
+        self.second = torch.nn.Linear(4, 1)
+        self.fail_at = fail_at
+
+    def training_step(self, batch, batch_idx):
+        _, x = batch
+        hidden = self.first(x)
+        if self.global_step in self.fail_at:
+            self.fail_at.discard(self.global_step)
+            hidden = _FailsInBackward.apply(hidden)
+        return self.second(hidden).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+@pytest.mark.usefixtures("world_of_one")
+def test_a_fit_entered_again_after_a_failure_mid_backward_trains_on():
+    """The failed fit's DDP had counted the second layer's gradients when its backward failed; left hooked on the
+    parameters, it counted them again in the next fit's first backward, which then failed ("marked ready twice")."""
+    from ray_elastic.lightning.prepare import LightningState, enter_fit
+
+    model = _TwoLayers({4})
+    t = prepare_trainer(
+        trainer(
+            max_epochs=1,
+            strategy=ElasticDDPStrategy(commit_every=2),
+            plugins=[ElasticEnvironment()],
+            enable_model_summary=False,
+            num_sanity_val_steps=0,
+        )
+    )
+    state = LightningState(t)
+    t.strategy.commits.state = state
+    state.save()
+    loader = DataLoader(_Indexed(), batch_size=4, shuffle=True)
+    with pytest.raises(_Failing):
+        type(t).fit(t, model, train_dataloaders=loader, ckpt_path=enter_fit(t.strategy, state, None))
+    type(t).fit(t, model, train_dataloaders=loader, ckpt_path=enter_fit(t.strategy, state, None))
+    assert t.global_step == 10

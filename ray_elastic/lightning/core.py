@@ -269,6 +269,7 @@ def build(pl: Any) -> SimpleNamespace:
             self.train_loader: EpochLoader | None = None  # told which batches ended their step
             self.pending_sampler_state: dict[str, Any] | None = None
             self.pending_commit: dict[str, Any] | None = None  # the commit the next fit resumes from
+            self._prepared: Any = None  # the last fit's ElasticDDP
             self._resumed = False
             self.in_ring = False  # inside prepare_trainer's fit, where the elastic ring exists
 
@@ -301,7 +302,13 @@ def build(pl: Any) -> SimpleNamespace:
             if not self._resumed:
                 # no commit was loaded (the first fit): every rank starts from rank 0's parameters
                 broadcast_parameters(model.state_dict(), root_rank=0)
-            return prepare_model(model, move_to_device=False, **self._ddp_kwargs)
+            if self._prepared is not None:
+                # The last fit's wrapper: a ring that failed mid-backward left its DDP's reducer hooked on these
+                # parameters and expecting that step's gradients, and it would count the next step's too
+                # ("marked ready twice"). Its reducer goes now, before another DDP hooks the same parameters.
+                self._prepared._drop()
+            self._prepared = prepare_model(model, move_to_device=False, **self._ddp_kwargs)
+            return self._prepared
 
         @contextmanager
         def block_backward_sync(self) -> Iterator[None]:
