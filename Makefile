@@ -78,6 +78,8 @@ bench: $(BENCH_STAMP)
 	$(BIN)/python bench/recovery.py
 	$(BIN)/python bench/state_size.py
 	$(BIN)/python bench/control_plane.py
+	$(BIN)/python bench/lightning.py
+	$(BIN)/python bench/transformers.py
 
 # the newcomer's sync where the network is the limit: nodes in network namespaces, links capped at 10 Gbit/s
 # (needs root; about 5 minutes)
