@@ -55,10 +55,22 @@ logger = logging.getLogger(__name__)
 _PER_RANK_FIELDS = ("is_local_process_zero", "is_world_process_zero")
 
 
+# the Trainer's loop parts prepare_trainer replaces or calls: transformers 5.3 cut its loop into them
+_LOOP_PARTS = ("set_initial_training_values", "_init_training_state", "_run_epoch")
+
+
 def refusals(trainer: Any) -> list[str]:
     """Why `trainer` cannot train elastically, one line per reason (empty: it can)."""
     args = trainer.args
     reasons = []
+    missing = [name for name in _LOOP_PARTS if not callable(getattr(trainer, name, None))]
+    if missing:
+        import transformers
+
+        reasons.append(
+            f"transformers {transformers.__version__}: its Trainer has no {', '.join(missing)}, the parts of the "
+            "training loop the elastic Trainer stands on (transformers >= 5.3); upgrade transformers"
+        )
     if getattr(args, "deepspeed", None) or getattr(trainer, "is_deepspeed_enabled", False):
         reasons.append("DeepSpeed (TrainingArguments.deepspeed): its engine owns a fixed world; use plain DDP")
     if getattr(args, "fsdp", None) or getattr(trainer, "is_fsdp_enabled", False):
