@@ -64,8 +64,9 @@ $(BENCH_STAMP): $(STAMP)
 	$(BIN)/pip install -q -e '.[torch,test,examples,bench]'
 	touch $(BENCH_STAMP)
 
-# every benchmark, within 15 minutes on the 2-core machine bench/RESULTS.md names; each prints a table and writes
-# bench/results/<name>.json (bench/RESULTS.md is written from them)
+# every benchmark; each prints a table and writes bench/results/<name>.json (bench/RESULTS.md is written from them).
+# Up to control_plane.py within 15 minutes on the 2-core machine bench/RESULTS.md names; lightning.py and
+# transformers.py took 10.6 and 12.7 minutes more there, at load 13-29 (fewer repetitions: --rt-reps 1 --rounds 3)
 bench: $(BENCH_STAMP)
 	$(BIN)/python bench/commit.py
 	$(BIN)/python bench/throughput.py
