@@ -216,8 +216,10 @@ def test_a_lightning_trainer_goes_on_through_a_sigkill_a_join_and_a_graceful_lea
     assert [s[1] for s in seen] == list(range(len(seen))), "no optimizer step lost or counted twice"
     assert value["global_step"] == implied_steps(seen)
     assert value["train_mse"] > 0  # the torchmetrics metric synced through the resizes
+    free_out = tmp_path / "free"
+    free_out.mkdir()
     free = elastic.ElasticTrainer(
-        lightning_train_fn, min_workers=4, max_workers=4, config={"out": str(out), "epochs": epochs}, verbose=0
+        lightning_train_fn, min_workers=4, max_workers=4, config={"out": str(free_out), "epochs": epochs}, verbose=0
     ).fit()
     assert free.return_value["epochs"] == epochs
     assert value["final_loss"] == pytest.approx(free.return_value["final_loss"], rel=0.05)
