@@ -173,9 +173,12 @@ def test_each_epoch_trains_every_sample_once_through_rollbacks_to_mid_epoch_comm
     t.strategy.commits.state = state
     state.save()  # what the run loop holds before the first fit: no commit yet
     loader = DataLoader(_Indexed(), batch_size=4, shuffle=True)
+    # a LightningDataModule's loader takes the same way as a DataLoader given to fit: alternate between them
+    data = {"datamodule": pl.LightningDataModule.from_datasets(_Indexed(), batch_size=4)} if commit_every == 5 else {}
     for _ in range(len(fail_at) + 1):  # what @elastic.run does after each failure: enter fit again
         try:
-            type(t).fit(t, model, train_dataloaders=loader, ckpt_path=enter_fit(t.strategy, state, None))
+            given = data or {"train_dataloaders": loader}
+            type(t).fit(t, model, **given, ckpt_path=enter_fit(t.strategy, state, None))
             break
         except _Failing:
             continue
