@@ -48,22 +48,16 @@ from pathlib import Path
 _HERE = str(Path(__file__).resolve().parent)
 sys.path[:] = [p for p in sys.path if os.path.realpath(p or ".") != _HERE] + [_HERE]
 
-import argparse  # noqa: E402
 import contextlib  # noqa: E402
 import functools  # noqa: E402
 import logging  # noqa: E402
-import random  # noqa: E402
-import statistics  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
 
 import ray.cloudpickle  # noqa: E402
 import step_log  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
 import turns  # noqa: E402
-from own_dashboard import local_cluster  # noqa: E402
-from results_file import write_results  # noqa: E402
+from framework_compare import compare, throughput_row  # noqa: E402
 
 import ray_elastic as elastic  # noqa: E402
 
@@ -251,94 +245,21 @@ def throughput(world: int, rounds: int, steps: int, workdir: str) -> dict:
         run_raytrain(config, world, os.path.join(workdir, "rt-storage"), f"rt-transformers-tput-{world}")
 
     rates = turns.measure({"elastic": run_elastic, "ddp": run_plain}, rounds, f"world {world}")
-    ratios = [e / d for e, d in zip(rates["elastic"], rates["ddp"], strict=True)]
-    return {
-        "world": world,
-        "steps": steps,
-        "elastic_steps_per_s": statistics.median(rates["elastic"]),
-        "ddp_steps_per_s": statistics.median(rates["ddp"]),
-        "elastic_samples_per_s": statistics.median(rates["elastic"]) * BATCH * world,
-        "ddp_samples_per_s": statistics.median(rates["ddp"]) * BATCH * world,
-        "ratio": statistics.median(ratios),
-        "ratio_min": min(ratios),
-        "ratio_max": max(ratios),
-        "elastic_rounds": rates["elastic"],
-        "ddp_rounds": rates["ddp"],
-    }
+    return throughput_row(world, steps, BATCH, rates)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--reps", type=int, default=3, help="ray-elastic recovery repetitions")
-    parser.add_argument("--rt-reps", type=int, default=2, help="Ray Train recovery repetitions (0 to skip)")
-    parser.add_argument("--rt-every", type=int, default=COMMIT_EVERY, help="Ray Train: steps between checkpoints")
-    parser.add_argument("--rounds", type=int, default=5, help="throughput rounds (0 to skip)")
-    parser.add_argument("--steps", type=int, default=30, help="timed steps per throughput window")
-    parser.add_argument("--worlds", default="2,4")
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
-    os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
-    rng = random.Random(args.seed)
-    kills = [{"rank": rng.randint(0, 3), "step": rng.randint(25, 55)} for _ in range(max(args.reps, args.rt_reps))]
-    el_rows, rt_rows, tput_rows = [], [], []
-    load_before, started = os.getloadavg(), time.monotonic()
-    with local_cluster(nodes=2, cpus=4) as (_, nodes), tempfile.TemporaryDirectory() as workdir:
-        slots = {node.node_id: 2 for node in nodes}
-        for rep in range(args.reps):
-            row = elastic_rep(kills[rep], slots, workdir, rep)
-            el_rows.append(row)
-            print(
-                f"ray-elastic rep {rep}: rank {row['kill_rank']} killed after step {row['kill_step']}: next step "
-                f"after {row['recovery_s']:.3f} s at world {row['world_after']} (reset {row['reset_s']:.3f} s), "
-                f"{row['steps_redone']} steps redone",
-                flush=True,
-            )
-        for rep in range(args.rt_reps):
-            row = raytrain_rep(kills[rep], args.rt_every, workdir, rep)
-            rt_rows.append(row)
-            print(
-                f"Ray Train rep {rep}: rank {row['kill_rank']} killed after step {row['kill_step']}: next step "
-                f"after {row['recovery_s']:.3f} s at world {row['world_after']}, {row['steps_redone']} steps redone",
-                flush=True,
-            )
-        if args.rounds:
-            for world in (int(w) for w in args.worlds.split(",")):
-                tput_rows.append(throughput(world, args.rounds, args.steps, workdir))
-    load_after, wall_s = os.getloadavg(), time.monotonic() - started
-    print(f"{wall_s:.0f} s; load average (1, 5, 15 min) before {load_before}, after {load_after}")
-    el_summary = step_log.summarize(el_rows) if el_rows else None
-    rt_summary = step_log.summarize(rt_rows) if rt_rows else None
-    print(f"{'recovery, SIGKILL 1 of 4':<48} {'reps':>4} {'p50 s':>8} {'max s':>8} {'steps redone':>12}")
-    for name, sm in (
-        ("ray-elastic prepare_trainer, 4 -> 3", el_summary),
-        (f"Ray Train prepare_trainer, ckpt every {args.rt_every}", rt_summary),
-    ):
-        if sm:
-            print(f"{name:<48} {sm['reps']:>4} {sm['p50_s']:>8.3f} {sm['max_s']:>8.3f} {sm['median_steps_redone']:>12}")
-    if tput_rows:
-        print(f"{'world':>5} {'elastic steps/s':>15} {'DDP steps/s':>11} {'ratio':>6} {'min':>6} {'max':>6}")
-        for r in tput_rows:
-            print(
-                f"{r['world']:>5} {r['elastic_steps_per_s']:>15.1f} {r['ddp_steps_per_s']:>11.1f} "
-                f"{r['ratio']:>6.3f} {r['ratio_min']:>6.3f} {r['ratio_max']:>6.3f}"
-            )
-    write_results(
+    compare(
         "transformers",
-        tput_rows,
+        ("ray-elastic prepare_trainer, 4 -> 3", "Ray Train prepare_trainer"),
+        elastic_rep,
+        raytrain_rep,
+        throughput,
+        commit_every=COMMIT_EVERY,
+        default_steps=30,
         transformers=transformers.__version__,
         batch_per_rank=BATCH,
-        commit_every=COMMIT_EVERY,
         warmup=WARMUP,
-        rounds=args.rounds,
-        seed=args.seed,
-        elastic_recovery_rows=el_rows,
-        elastic_recovery_summary=el_summary,
-        raytrain_recovery_rows=rt_rows,
-        raytrain_recovery_summary=rt_summary,
-        raytrain_checkpoint_every=args.rt_every,
-        wall_s=wall_s,
-        load_before=load_before,
-        load_after=load_after,
     )
 
 
