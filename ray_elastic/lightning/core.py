@@ -228,7 +228,8 @@ def build(pl: Any) -> SimpleNamespace:
             if batch_idx + 1 >= trainer.num_training_batches:
                 # The epoch's last batch: Lightning restores a checkpoint taken here as an epoch half ended and
                 # miscounts the epochs after it (the next one then trains nothing). Neither a commit nor a host
-                # check (which commits the live state) happens here; the next epoch's first step does them.
+                # check (which commits the live state) happens here: a commit due now is skipped, and a host
+                # change is seen at the next step.
                 return
             if step % self.strategy.commit_every == 0:
                 self.state.commit()

@@ -164,10 +164,7 @@ class _ElasticTrainer:
 
         self.trainer = trainer
         self.commit_every = commit_every
-        self._original = {
-            name: getattr(trainer, name)
-            for name in ("train", "set_initial_training_values", "_init_training_state", "_run_epoch")
-        }
+        self._original = {name: getattr(trainer, name) for name in ("train", *_LOOP_PARTS)}
         self._began = False  # on_train_begin reached the callbacks in this process
         args = trainer.args
         self.epoch_based = args.max_steps <= 0
