@@ -39,11 +39,19 @@ def run_namespaces_alive() -> list[dict]:
 
 
 def actor_pid(name: str, namespace: str) -> int:
-    """The process id of a run's named actor, from Ray's actor table (its own methods want the run's token)."""
+    """The process id of a run's named actor, from Ray's actor table (its own methods want the run's token).
+
+    `LookupError` while the actor has no process (pending or restarting):
+    Ray's table then says pid 0, and `os.kill(0, SIGKILL)` would kill the
+    test's own process group, the whole pytest run with it.
+    """
     import ray
 
     actor_id = ray.get_actor(name, namespace=namespace)._actor_id.hex()
-    return ray._private.state.actors(actor_id)["Pid"]
+    pid = ray._private.state.actors(actor_id)["Pid"]
+    if not isinstance(pid, int) or pid <= 0:
+        raise LookupError(f"actor {name} of {namespace} has no process (pid {pid!r})")
+    return pid
 
 
 def run_placement_groups_alive() -> list[str]:

@@ -204,7 +204,7 @@ class RayStartCluster:
             f"{self.dashboard_url}/api/v0/{resource}",
             params={"detail": "true", "limit": 10000},
             headers={"Authorization": f"Bearer {self.token}"},
-            timeout=30,
+            timeout=90,  # the dashboard answers its first queries slowly on a loaded machine; the tests read content
         )
         reply.raise_for_status()
         return reply.json()["data"]["result"]["result"]

@@ -133,7 +133,7 @@ def cluster_free_run(argv: list[str]):
 
 
 def test_run_with_a_discovery_script(ray_start_cluster, tmp_path):
-    (node,) = wait_until(lambda: ray_start_cluster.list_state("nodes"), 30, "the cluster's node in the state API")
+    (node,) = wait_until(lambda: ray_start_cluster.list_state("nodes"), 120, "the cluster's node in the state API")
     discover = tmp_path / "discover.sh"
     # two slots on the one node, though its 3 CPUs hold three workers: the script decides
     discover.write_text(f"#!/bin/sh\necho {node['node_ip']}:2\n")

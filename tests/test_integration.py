@@ -60,7 +60,10 @@ def start_and_reach_step(tmp_path, config: dict, step: int = 20, **trainer_kwarg
             **trainer_kwargs,
         )
     )
-    wait_until(signal_file.exists, 90, f"rank 0 to reach step {step}")
+    wait_until(lambda: signal_file.exists() or fut.done(), 90, f"rank 0 to reach step {step}")
+    if not signal_file.exists():  # fit() ended first: its own error says why (e.g. workers too slow to boot)
+        fut.result()
+        raise AssertionError(f"fit() returned before rank 0 reached step {step}")
     return fut
 
 

@@ -1,4 +1,7 @@
-"""The Lightning adapter without Ray: refusals, the LR rescale, the resumed epoch's loader, the op names."""
+"""The Lightning adapter without Ray: refusals, the LR rescale, the resumed epoch's loader, the op names.
+
+The rollback tests run Lightning's own fit and restore in this process, as rank 0 of a one-rank Gloo ring.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +9,8 @@ import lightning.pytorch as pl
 import pytest
 import pytorch_lightning
 import torch
-from torch.utils.data import DataLoader, TensorDataset
+from test_worker_runtime import no_ray, world_of_one  # noqa: F401 - fixtures
+from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from ray_elastic.lightning import ElasticDDPStrategy, ElasticEnvironment, prepare_trainer
 from ray_elastic.lightning.core import EpochLoader, _op_name, rescale_lr
@@ -100,3 +104,141 @@ def test_a_batch_counts_as_trained_when_its_step_ends_not_when_lightning_fetches
     for batch_idx, _ in enumerate(resumed, start=2):  # Lightning numbers the resumed epoch's batches from 2
         resumed.trained(batch_idx)
     assert fresh.num_remaining == 0
+
+
+class _Indexed(Dataset):
+    def __len__(self) -> int:
+        return 40
+
+    def __getitem__(self, i: int):
+        return i, torch.full((2,), i / 40)
+
+
+class _Failing(Exception):
+    pass
+
+
+class _Recording(pl.LightningModule):
+    """Records the samples each epoch trained; the record is in its checkpoint, so it rolls back with a commit."""
+
+    def __init__(self, fail_at: set[int]) -> None:
+        super().__init__()
+        self.net = torch.nn.Linear(2, 1)
+        self.seen: list[tuple[int, list[int]]] = []
+        self.fail_at = fail_at  # global steps that raise once, as a lost ring does
+
+    def training_step(self, batch, batch_idx):
+        ids, x = batch
+        if self.global_step in self.fail_at:
+            self.fail_at.discard(self.global_step)
+            raise _Failing
+        self.seen.append((self.current_epoch, ids.tolist()))
+        return self.net(x).pow(2).mean()
+
+    def on_save_checkpoint(self, checkpoint):
+        checkpoint["seen"] = list(self.seen)
+
+    def on_load_checkpoint(self, checkpoint):
+        self.seen = list(checkpoint["seen"])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+@pytest.mark.parametrize(
+    "commit_every, fail_at",
+    [(3, set()), (3, {7}), (3, {9}), (3, {10}), (3, {3, 14}), (5, {11}), (5, {10, 21}), (5, {9, 20, 29})],
+)
+@pytest.mark.usefixtures("world_of_one")
+def test_each_epoch_trains_every_sample_once_through_rollbacks_to_mid_epoch_commits(commit_every, fail_at):
+    """Failures after commits mid-epoch, on an epoch's last batch and on the next's first: 3 epochs of 10 batches.
+
+    Lightning resumed at the batch the commit's step ended, and the loader's
+    length must count that batch too; the epoch after a resumed one must be
+    as long as any other. Both once lost a batch or a whole epoch.
+    """
+    from ray_elastic.lightning.prepare import LightningState, enter_fit
+
+    model = _Recording(set(fail_at))
+    t = prepare_trainer(
+        trainer(
+            max_epochs=3,
+            strategy=ElasticDDPStrategy(commit_every=commit_every),
+            plugins=[ElasticEnvironment()],
+            enable_model_summary=False,
+            num_sanity_val_steps=0,
+        )
+    )
+    state = LightningState(t)
+    t.strategy.commits.state = state
+    state.save()  # what the run loop holds before the first fit: no commit yet
+    loader = DataLoader(_Indexed(), batch_size=4, shuffle=True)
+    # a LightningDataModule's loader takes the same way as a DataLoader given to fit: alternate between them
+    data = {"datamodule": pl.LightningDataModule.from_datasets(_Indexed(), batch_size=4)} if commit_every == 5 else {}
+    for _ in range(len(fail_at) + 1):  # what @elastic.run does after each failure: enter fit again
+        try:
+            given = data or {"train_dataloaders": loader}
+            type(t).fit(t, model, **given, ckpt_path=enter_fit(t.strategy, state, None))
+            break
+        except _Failing:
+            continue
+    for epoch in range(3):
+        assert sorted(i for e, ids in model.seen if e == epoch for i in ids) == list(range(40)), epoch
+    assert t.global_step == 30
+
+
+class _FailsInBackward(torch.autograd.Function):
+    """Raises in backward once the layers after it have their gradients: a ring lost in the middle of backward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise _Failing
+
+
+class _TwoLayers(pl.LightningModule):
+    def __init__(self, fail_at: set[int]) -> None:
+        super().__init__()
+        self.first = torch.nn.Linear(2, 4)
+        self.second = torch.nn.Linear(4, 1)
+        self.fail_at = fail_at
+
+    def training_step(self, batch, batch_idx):
+        _, x = batch
+        hidden = self.first(x)
+        if self.global_step in self.fail_at:
+            self.fail_at.discard(self.global_step)
+            hidden = _FailsInBackward.apply(hidden)
+        return self.second(hidden).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+@pytest.mark.usefixtures("world_of_one")
+def test_a_fit_entered_again_after_a_failure_mid_backward_trains_on():
+    """The failed fit's DDP had counted the second layer's gradients when its backward failed; left hooked on the
+    parameters, it counted them again in the next fit's first backward, which then failed ("marked ready twice")."""
+    from ray_elastic.lightning.prepare import LightningState, enter_fit
+
+    model = _TwoLayers({4})
+    t = prepare_trainer(
+        trainer(
+            max_epochs=1,
+            strategy=ElasticDDPStrategy(commit_every=2),
+            plugins=[ElasticEnvironment()],
+            enable_model_summary=False,
+            num_sanity_val_steps=0,
+        )
+    )
+    state = LightningState(t)
+    t.strategy.commits.state = state
+    state.save()
+    loader = DataLoader(_Indexed(), batch_size=4, shuffle=True)
+    with pytest.raises(_Failing):
+        type(t).fit(t, model, train_dataloaders=loader, ckpt_path=enter_fit(t.strategy, state, None))
+    type(t).fit(t, model, train_dataloaders=loader, ckpt_path=enter_fit(t.strategy, state, None))
+    assert t.global_step == 10

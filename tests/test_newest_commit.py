@@ -1,7 +1,7 @@
 """Rank 0 holds the newest commit, on a real cluster: a newcomer held back until every holder is gone.
 
 The sequence: w1 and w2 train; w3 boots and is held before its run loop;
-w4 boots, joins and syncs; then w2 dies, then w1. Only w4
+w4 boots, and is admitted when w2 dies, and syncs; then w1 dies. Only w4
 holds the trained state when w3 finally says it is ready. w3 is older
 (spawned first), and ranks used to follow spawn age: w3 became rank 0 and
 its untrained state overwrote w4's, sending the step counter back to 0.
@@ -44,6 +44,7 @@ def held_newcomer_train_fn(config: dict) -> dict:
     """
     folder = Path(config["folder"])
     me = current().worker_id
+    (folder / f"booted-{me}").touch()
     if me == config["held"]:
         (folder / f"holding-{me}").touch()
         _wait_for(folder / "release", 600)  # the test's own waits bound the run; a loaded machine is slow
@@ -109,9 +110,9 @@ def test_a_newcomer_held_back_until_every_holder_is_gone_does_not_overwrite_the_
         until(lambda: progress().get("step", 0) >= 20, "w1 and w2 to train 20 steps")
         hosts.write_text(json.dumps({a: 2, b: 1}))  # w3 boots on a, and is held
         until((tmp_path / "holding-w3").exists, "w3 to boot and be held")
-        hosts.write_text(json.dumps({a: 2, b: 2}))  # w4 boots on b and joins w1 and w2
+        hosts.write_text(json.dumps({a: 2, b: 2}))  # w4 boots on b; admitted once w2 dies (w3 holds the resize)
         # w2's death cools node b down: w4 must have started there before it, or it never would
-        until(lambda: progress().get("world_size") == 3, "w4 to boot and join w1 and w2")
+        until((tmp_path / "booted-w4").exists, "w4 to boot")
         at_kill = progress()["step"]
         (tmp_path / "kill-w2").touch()
         until(lambda: progress().get("world_size") == 2 and progress()["step"] >= at_kill + 20, "w1 and w4 to train")

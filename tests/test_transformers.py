@@ -32,7 +32,8 @@ def _args(**overrides) -> SimpleNamespace:
 
 
 def _trainer(args: SimpleNamespace, **overrides) -> SimpleNamespace:
-    return SimpleNamespace(**{"args": args, "model_init": None, "train_dataset": Tokens(), **overrides})
+    loop = {name: lambda *a: None for name in ("set_initial_training_values", "_init_training_state", "_run_epoch")}
+    return SimpleNamespace(**{"args": args, "model_init": None, "train_dataset": Tokens(), **loop, **overrides})
 
 
 def _tiny_trainer(tmp_path) -> transformers.Trainer:
@@ -63,6 +64,14 @@ def test_what_cannot_be_elastic_is_refused_before_training_by_name(overrides, na
     with pytest.raises(ValueError, match=named):
         prepare_trainer(trainer)
     assert not hasattr(trainer, "_ray_elastic"), "nothing of the Trainer was patched"
+
+
+def test_a_transformers_without_the_loop_parts_is_refused_naming_its_version(tmp_path):
+    trainer = _tiny_trainer(tmp_path)
+    trainer._run_epoch = None  # as in transformers before 5.3, whose training loop is one method
+    with pytest.raises(ValueError, match=rf"transformers {transformers.__version__}: .*_run_epoch.*>= 5\.3"):
+        prepare_trainer(trainer)
+    assert not hasattr(trainer, "_ray_elastic")
 
 
 def test_a_model_init_or_an_unsized_dataset_is_refused():

@@ -111,6 +111,27 @@ class EpochLoader:
         return getattr(loader, name)  # dataset, batch_size, num_workers ...
 
 
+def resumed_batches(epoch_loop: Any) -> int:
+    """The batch number Lightning resumes a restored epoch at: the batches the commit counts as done.
+
+    A commit is taken in `on_train_batch_end`, before Lightning counts that
+    batch completed. Lightning versions that know they restarted there
+    (`restarted_on_train_batch_end`) count it when the epoch loop resets,
+    after the loader is built, and go on with the next batch; older ones run
+    it again. The sampler counted it trained either way, so the loader's
+    length must start from the same number Lightning will, or the epoch's
+    last batch is never fetched (and the first one after the resume is
+    recorded as a batch further on).
+    """
+    completed = epoch_loop.batch_progress.current.completed
+    if not hasattr(type(epoch_loop), "restarted_on_train_batch_end"):
+        return completed  # a Lightning that runs the batch again
+    # the condition Lightning's loop reset reads (it has not run yet: the loader is built first)
+    total = epoch_loop.batch_progress.total
+    ended_its_step = total.ready == total.started == total.processed == total.completed + 1
+    return completed + 1 if ended_its_step else completed
+
+
 def build(pl: Any) -> SimpleNamespace:
     """`ElasticEnvironment`, `ElasticDDPStrategy` and the commit callback for the package `pl`."""
     from importlib import import_module
@@ -206,6 +227,12 @@ def build(pl: Any) -> SimpleNamespace:
             if step == self._last_step or self.state is None:
                 return  # gradient accumulation: no optimizer step, so nothing new to commit
             self._last_step = step
+            if batch_idx + 1 >= trainer.num_training_batches:
+                # The epoch's last batch: Lightning restores a checkpoint taken here as an epoch half ended and
+                # miscounts the epochs after it (the next one then trains nothing). Neither a commit nor a host
+                # check (which commits the live state) happens here: a commit due now is skipped, and a host
+                # change is seen at the next step.
+                return
             if step % self.strategy.commit_every == 0:
                 self.state.commit()
             else:
@@ -245,6 +272,7 @@ def build(pl: Any) -> SimpleNamespace:
             self.train_loader: EpochLoader | None = None  # told which batches ended their step
             self.pending_sampler_state: dict[str, Any] | None = None
             self.pending_commit: dict[str, Any] | None = None  # the commit the next fit resumes from
+            self._prepared: Any = None  # the last fit's ElasticDDP
             self._resumed = False
             self.in_ring = False  # inside prepare_trainer's fit, where the elastic ring exists
 
@@ -277,7 +305,13 @@ def build(pl: Any) -> SimpleNamespace:
             if not self._resumed:
                 # no commit was loaded (the first fit): every rank starts from rank 0's parameters
                 broadcast_parameters(model.state_dict(), root_rank=0)
-            return prepare_model(model, move_to_device=False, **self._ddp_kwargs)
+            if self._prepared is not None:
+                # The last fit's wrapper: a ring that failed mid-backward left its DDP's reducer hooked on these
+                # parameters and expecting that step's gradients, and it would count the next step's too
+                # ("marked ready twice"). Its reducer goes now, before another DDP hooks the same parameters.
+                self._prepared._drop()
+            self._prepared = prepare_model(model, move_to_device=False, **self._ddp_kwargs)
+            return self._prepared
 
         @contextmanager
         def block_backward_sync(self) -> Iterator[None]:
@@ -324,11 +358,13 @@ def build(pl: Any) -> SimpleNamespace:
                 elastic_sampler.load_state_dict(self.pending_sampler_state)
                 self.pending_sampler_state = None
                 if trainer.fit_loop.restarting:
-                    # Lightning resumes counting this epoch's batches from the commit's
-                    offset = trainer.fit_loop.epoch_loop.batch_progress.current.completed
+                    offset = resumed_batches(trainer.fit_loop.epoch_loop)
             elif self.train_sampler is not None:
                 # a reload at an epoch's start: the new sampler starts from the old one's position
                 elastic_sampler.load_state_dict(self.train_sampler.state_dict())
+            # Lightning takes the loader's length now and sets the sampler's epoch only after: the length must be
+            # the coming epoch's (a no-op for a restored epoch, whose progress stays)
+            elastic_sampler.set_epoch(trainer.fit_loop.epoch_progress.current.processed)
             self.train_sampler = elastic_sampler
             rebuilt = update_dataloader(dataloader, elastic_sampler, mode=None)
             self.train_loader = EpochLoader(rebuilt, elastic_sampler, offset)

@@ -83,6 +83,21 @@ class LightningState(elastic.ObjectState):
         return copy.deepcopy(self._saved["ckpt"])
 
 
+def enter_fit(strategy: Any, state: LightningState, ckpt_path: Any) -> Any:
+    """Ready `strategy` for one (re-)entry into Lightning's `fit`; the `ckpt_path` that fit resumes from.
+
+    The last commit when there is one (after a reset, or a newcomer's sync),
+    else the user's own `ckpt_path` (the first entry).
+    """
+    commit = state.commit_to_resume()
+    strategy.pending_commit = commit
+    strategy._resumed = False
+    strategy.pending_sampler_state = None
+    strategy.train_sampler = None
+    strategy.in_ring = True
+    return COMMIT_PATH if commit is not None else ckpt_path
+
+
 def _refuse_non_elastic(trainer: Any) -> None:
     strategy = type(trainer.strategy).__name__
     if any(name in strategy for name in _SHARDED):
@@ -161,13 +176,7 @@ def prepare_trainer(trainer: Any) -> Any:
 
         @elastic.run
         def train(state: LightningState) -> None:
-            commit = state.commit_to_resume()
-            strategy.pending_commit = commit
-            strategy._resumed = False
-            strategy.pending_sampler_state = None
-            strategy.train_sampler = None
-            strategy.in_ring = True
-            lightning_fit(model, *args, ckpt_path=COMMIT_PATH if commit is not None else ckpt_path, **kwargs)
+            lightning_fit(model, *args, ckpt_path=enter_fit(strategy, state, ckpt_path), **kwargs)
 
         try:
             train(state)

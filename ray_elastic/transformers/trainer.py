@@ -39,6 +39,7 @@ and `train(resume_from_checkpoint=...)`.
 from __future__ import annotations
 
 import copy
+import gc
 import logging
 import math
 from typing import Any
@@ -55,10 +56,22 @@ logger = logging.getLogger(__name__)
 _PER_RANK_FIELDS = ("is_local_process_zero", "is_world_process_zero")
 
 
+# the Trainer's loop parts prepare_trainer replaces or calls: transformers 5.3 cut its loop into them
+_LOOP_PARTS = ("set_initial_training_values", "_init_training_state", "_run_epoch")
+
+
 def refusals(trainer: Any) -> list[str]:
     """Why `trainer` cannot train elastically, one line per reason (empty: it can)."""
     args = trainer.args
     reasons = []
+    missing = [name for name in _LOOP_PARTS if not callable(getattr(trainer, name, None))]
+    if missing:
+        import transformers
+
+        reasons.append(
+            f"transformers {transformers.__version__}: its Trainer has no {', '.join(missing)}, the parts of the "
+            "training loop the elastic Trainer stands on (transformers >= 5.3); upgrade transformers"
+        )
     if getattr(args, "deepspeed", None) or getattr(trainer, "is_deepspeed_enabled", False):
         reasons.append("DeepSpeed (TrainingArguments.deepspeed): its engine owns a fixed world; use plain DDP")
     if getattr(args, "fsdp", None) or getattr(trainer, "is_fsdp_enabled", False):
@@ -151,10 +164,7 @@ class _ElasticTrainer:
 
         self.trainer = trainer
         self.commit_every = commit_every
-        self._original = {
-            name: getattr(trainer, name)
-            for name in ("train", "set_initial_training_values", "_init_training_state", "_run_epoch")
-        }
+        self._original = {name: getattr(trainer, name) for name in ("train", *_LOOP_PARTS)}
         self._began = False  # on_train_begin reached the callbacks in this process
         args = trainer.args
         self.epoch_based = args.max_steps <= 0
@@ -208,6 +218,11 @@ class _ElasticTrainer:
             return begin(args, state, control) if self._first_begin() else control
 
         handler.on_train_begin = on_train_begin
+        # Every entry of train() starts with Accelerate's free_memory(), whose gc.collect() walks every object of
+        # the process (0.3 s with torch and transformers loaded), and train() is entered again after each reset.
+        # What exists now (modules, model, optimizer) lives as long as the worker: frozen out of the collector's
+        # walks, a reset's collection only sees what was made since.
+        gc.freeze()
 
     # ---- entry points ------------------------------------------------------------------------
 

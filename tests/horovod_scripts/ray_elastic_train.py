@@ -16,9 +16,10 @@ progress callback, and `TestDiscovery` withdrawing and giving back hosts on
 a schedule. `--executor elastic-ray` runs it with `ElasticRayExecutor`,
 `--executor ray` with `RayExecutor(min_workers=..., max_workers=...)`.
 
-For the tests: `--kill-at EPOCH,BATCH` makes rank 1 SIGKILL itself there
-once; rank 0 appends a JSON line to LOG per epoch (world size, learning
-rate, samples processed) and the script prints the executor's result.
+For the tests: `--kill-at EPOCH,BATCH` makes rank 1 SIGKILL itself there,
+or at the first batch after it that has a rank 1, once; rank 0 appends a
+JSON line to LOG per epoch (world size, learning rate, samples processed)
+and the script prints the executor's result.
 """
 
 import argparse
@@ -93,7 +94,8 @@ class ProgressCallback:
 
 
 def maybe_kill(epoch, batch):
-    if args.kill_at is None or hvd.rank() != 1 or (epoch, batch) != tuple(map(int, args.kill_at.split(","))):
+    # at the first batch from there on where a rank 1 exists: the world may be 1 then, as discovery changes it
+    if args.kill_at is None or hvd.rank() != 1 or (epoch, batch) < tuple(map(int, args.kill_at.split(","))):
         return
     try:  # once per run, whoever holds rank 1 then
         os.close(os.open(args.log + ".killed", os.O_CREAT | os.O_EXCL))
