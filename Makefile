@@ -1,6 +1,7 @@
 # The two commands of the README, on a fresh machine:
 #   make demo   - bootstrap .venv and run the demo on a local multi-node Ray cluster
 #   make test   - bootstrap .venv and run the test suite
+#   make test-unit - tests/unit only (no Ray, under a minute)
 #   make test-pygloo - bootstrap .venv310 (Python 3.10, pygloo, no torch) and run the pygloo lane
 PY ?= python3.11
 VENV := .venv
@@ -12,7 +13,7 @@ PY310 ?= PYENV_VERSION=3.10.13 python3.10
 VENV310 := .venv310
 STAMP310 := $(VENV310)/.installed
 
-.PHONY: demo test test-pygloo lint bench bench-link soak venv venv310 clean nettools
+.PHONY: demo test test-unit test-pygloo lint bench bench-link soak venv venv310 clean nettools
 
 venv: $(STAMP)
 
@@ -43,11 +44,11 @@ $(STAMP310): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/python examples/demo.py
 
-# tests/test_netns.py needs iproute2's ip and tc: installed where missing (as root; without root those tests skip)
+# tests/integration/test_netns.py needs iproute2's ip and tc: installed where missing (as root; without root those tests skip)
 nettools:
 	@command -v ip >/dev/null && command -v tc >/dev/null || \
 		{ [ "$$(id -u)" = 0 ] && apt-get update -q && apt-get install -y -q iproute2; } || \
-		echo "iproute2 not installed: tests/test_netns.py will skip"
+		echo "iproute2 not installed: tests/integration/test_netns.py will skip"
 
 # the static checks first: ruff, the import contracts (pyproject's [tool.importlinter]) and mypy on the package
 test: $(STAMP) nettools
@@ -56,9 +57,13 @@ test: $(STAMP) nettools
 	$(BIN)/mypy
 	$(BIN)/python -m pytest -q -ra --durations=30 tests
 
+# tests/unit only: no Ray, no rings of processes; on two pytest-xdist workers, in under a minute
+test-unit: $(STAMP)
+	$(BIN)/python -m pytest -q -ra -n 2 tests/unit
+
 # the conformance suite and the numpy example through a SIGKILL, on pygloo
 test-pygloo: $(STAMP310)
-	$(VENV310)/bin/python -m pytest -q -ra tests/test_conformance.py tests/test_backends.py tests/test_collective_checks.py
+	$(VENV310)/bin/python -m pytest -q -ra tests/integration/test_conformance.py tests/unit/test_backends.py tests/integration/test_backends_cluster.py tests/unit/test_collective_checks.py
 
 # Ray Train (the peer the benchmarks compare with) only for the benchmarks
 BENCH_STAMP := $(VENV)/.installed-bench
@@ -95,7 +100,7 @@ bench-link: $(BENCH_STAMP) nettools
 # rank 0 waiting on a checkpoint store that takes 1.5 s per write (a commit every ~20 ms step, a checkpoint
 # every 10 commits): its duties are not slowness, and no worker may be evicted either
 soak: $(STAMP)
-	$(BIN)/python tests/soak.py --events 30
+	$(BIN)/python tests/support/soak.py --events 30
 	$(BIN)/python bench/straggler.py --arms calm,duties
 
 lint: $(STAMP)

@@ -2,7 +2,7 @@
 
 On a local cluster (a head without CPUs, where the driver and KV actors run,
 and two 2-CPU nodes), `ElasticTrainer(4, 4)` trains `counting_train_fn`
-(tests/workloads.py; a 10 ms step, a commit every 5 steps). Rank 0 SIGKILLs
+(tests/support/workloads.py; a 10 ms step, a commit every 5 steps). Rank 0 SIGKILLs
 the target's process right after step 50 (the time is written by the
 killing process). Per repetition:
 
@@ -39,7 +39,7 @@ from own_dashboard import local_cluster
 from ray.experimental import internal_kv
 from results_file import write_results
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "support"))
 
 from workloads import counting_train_fn  # noqa: E402
 

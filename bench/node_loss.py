@@ -1,11 +1,11 @@
 """Node loss on a cluster of distinct IPs: a silent partition, a SIGKILL, a drain notice; throughput vs loopback.
 
-The cluster is the test suite's multi-IP one (tests/netns_cluster.py): a
+The cluster is the test suite's multi-IP one (tests/support/netns_cluster.py): a
 `ray start` head on a bridge, two worker nodes of 2 CPUs, each in its own
 network namespace with its own address; 4 workers, 2 per node, train
-`counting_train_fn` (tests/workloads.py) with every option at its default
+`counting_train_fn` (tests/support/workloads.py) with every option at its default
 (`liveness_timeout` 5 s, `collective_timeout` 300 s). Each repetition is
-one `fit()` in a driver subprocess (tests/netns_fit.py):
+one `fit()` in a driver subprocess (tests/support/netns_fit.py):
 
 - silent: the node of a random rank is cut off (every packet dropped, no
   RST, as when a VM vanishes) at step 20, healed once the survivors train;
@@ -38,7 +38,7 @@ import tempfile
 import time
 from pathlib import Path
 
-TESTS = Path(__file__).resolve().parent.parent / "tests"
+TESTS = Path(__file__).resolve().parent.parent / "tests" / "support"
 sys.path.insert(0, str(TESTS))
 
 from netns_cluster import NetnsCluster, unavailable_reason  # noqa: E402

@@ -25,7 +25,7 @@ after the kill it restarts every worker and resumes from the last
 checkpoint. Fewer repetitions (`--rt-reps`): each takes tens of seconds.
 
 A large model beside them (`--large-reps`, default 3): a 25.1M-parameter
-MLP (tests/workloads.py `large_model_train_fn`, gradients in several
+MLP (tests/support/workloads.py `large_model_train_fn`, gradients in several
 buckets) where rank 2, which is not a ring neighbour of rank 0, SIGKILLs
 itself in the middle of backward with buckets in flight.
 
@@ -262,7 +262,7 @@ def large_rep(workdir: str, rep: int) -> dict:
     """The 25.1M-parameter model, 4 workers; rank 2 dies mid-backward at step 5."""
     import sys
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "support"))
     from workloads import large_model_train_fn
 
     marker = os.path.join(workdir, f"large-killed-{rep}")

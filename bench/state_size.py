@@ -46,7 +46,7 @@ ceiling, and its share of loopback then says how busy the rest of the
 machine was.
 
 `--link-gbit R` runs A and B as `ray start` nodes in network namespaces of
-their own (tests/netns_cluster.py; needs root), each node's link capped at R
+their own (tests/support/netns_cluster.py; needs root), each node's link capped at R
 Gbit/s each way by a token bucket, as a NIC of that speed: every byte to the
 newcomer on B crosses two capped links, while A's two ranks still talk over
 A's loopback (so the broadcast at world 2 is still loopback's). The newcomer's
@@ -100,7 +100,7 @@ from results_file import write_results
 import ray_elastic as elastic
 from ray_elastic.runtime.ring_ops import group
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "support"))
 from netns_cluster import NetnsCluster, unavailable_reason  # noqa: E402
 
 GB = 1e9
@@ -576,7 +576,7 @@ def memory_available(need: float, timeout: float = 60.0) -> float:
 def run_on_netns(link_gbit: float) -> int:
     """The benchmark in a child process, on nodes A and B in network namespaces with capped links; its exit code.
 
-    A and B are `ray start` nodes of 2 CPUs in namespaces of their own (tests/netns_cluster.py), each link
+    A and B are `ray start` nodes of 2 CPUs in namespaces of their own (tests/support/netns_cluster.py), each link
     capped at `link_gbit` each way: A's two ranks still talk over A's own loopback, and every byte to or from
     B crosses the capped links. The child connects with the head's token in its environment, which Ray reads
     when it loads.

@@ -3,7 +3,7 @@
 4 workers on 4 one-CPU nodes of a local cluster (`ray.cluster_utils`, a
 head without CPUs), the small MLP of the other benchmarks, one thread per
 worker. At step 100 one node's processes (its raylet and, under it, its
-worker) are put under a cgroup v1 CPU quota (`tests/cpu_quota.py`) of a
+worker) are put under a cgroup v1 CPU quota (`tests/support/cpu_quota.py`) of a
 third of the CPU share they used over the steps before (measured from
 their CPU time), so that node computes at a third of its speed: a noisy
 neighbour, a throttled CPU. The run goes on for `--slow-s` seconds after,
@@ -67,7 +67,7 @@ from own_dashboard import local_cluster
 from results_file import write_results
 from small_mlp import make_mlp, sgd_step
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
 from cpu_quota import CpuQuota, cluster_node_pids, tree  # noqa: E402
 
 SLOW_AT = 100  # the step at which the node drops

@@ -1,5 +1,9 @@
 """Shared fixtures: one local multi-node Ray cluster for the whole session.
 
+The tests: `unit/` (no Ray, no processes of their own), `integration/` (a Ray
+cluster, or a ring of real processes; each marked `integration` here), and
+`support/` (their helpers, workloads and scripts; on `sys.path` from here).
+
 The cluster (`ray.cluster_utils.Cluster`) has a head with no CPUs and two
 nodes of 2 CPUs, so 4 worker slots on 2 hosts. Tests that add or remove nodes
 put the cluster back as they found it. `no_leaks` checks after a test that
@@ -17,7 +21,15 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent / "support"))
+_INTEGRATION = Path(__file__).parent / "integration"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Everything under integration/ is `-m integration`, marked there or not."""
+    for item in items:
+        if _INTEGRATION in item.path.parents:
+            item.add_marker(pytest.mark.integration)
 
 
 def wait_until(predicate: Callable[[], object], timeout: float, what: str, interval: float = 0.05) -> object:

@@ -6,7 +6,7 @@ kill workers, publish a generation, query the members' activity, look for a
 durable checkpoint, ask the autoscaler for resources. It never waits and
 never calls Ray, so every path (a death during a reset, deaths together, a
 newcomer dying before admission, `max_failures`, a deadlock, each deadline)
-is tested by replaying message scripts in milliseconds (`tests/test_driver_core.py`).
+is tested by replaying message scripts in milliseconds (`tests/unit/test_driver_core.py`).
 
 The core composes parts, each deciding one thing over the shared
 `RunRecord` (the options, the workers, the hosts, the events, the actions,
