@@ -33,6 +33,22 @@ def test_the_trainers_keywords_are_the_table_and_their_defaults_its_defaults():
         assert f"{o.name}:" in ElasticTrainer.__doc__, f"the trainer's docstring does not document {o.name}"
 
 
+# ElasticTrainer's signature before the options table: a call written for it keeps its meaning
+BEFORE = [
+    *("train_fn", "min_workers", "max_workers", "config", "resources_per_worker", "discovery", "backend"),
+    *("elastic_timeout", "reset_limit", "cooldown_range", "discovery_interval", "discovery_timeout"),
+    *("liveness_timeout", "collective_timeout", "max_failures", "checkpoint_dir", "checkpoint_every"),
+    *("checkpoint_keep", "keep_metrics", "datasets", "data_cpus", "data_starvation_timeout", "evict_stragglers"),
+    "verbose",
+]
+
+
+def test_the_trainers_existing_keywords_keep_their_order_and_new_options_are_keyword_only():
+    params = list(inspect.signature(ElasticTrainer).parameters.values())
+    assert [p.name for p in params if p.kind is p.POSITIONAL_OR_KEYWORD] == BEFORE
+    assert [p.name for p in params if p.kind is p.KEYWORD_ONLY] == ["checkpoint_timeout"]
+
+
 def test_run_config_has_a_field_per_option_with_the_tables_default():
     fields = {f.name: f for f in dataclasses.fields(RunConfig)}
     assert set(BY_NAME) <= set(fields)
