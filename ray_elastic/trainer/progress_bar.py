@@ -18,8 +18,8 @@ from typing import Any
 
 logger = logging.getLogger("ray_elastic")
 
-# kinds whose reset_duration is no recovery (nobody waited), so their line has no "recovered in"
-_NO_PAUSE = ("newcomer_failed", "resumed")
+# kinds that paused no training (nobody waited): their detail alone, as it happens, with no "recovered in"
+_NO_PAUSE = ("newcomer_failed", "resumed", "backend_changed", "data_slow", "snapshot_refused")
 
 
 def _short(value: Any) -> str:

@@ -135,8 +135,26 @@ def test_a_death_during_a_reset_supersedes_it_and_late_syncs_are_ignored():
     s.sync(gen3)
     assert s.core.state is DriverState.RUNNING
     gen2_event, gen3_event = [e for e in s.core.events if e.kind is EventKind.WORKER_FAILED]
-    assert gen2_event.reset_duration is None and gen3_event.reset_duration is not None
+    # w1's reset was not over when w3 died: it ends with generation 3's sync, as w3's does
+    assert gen2_event.reset_duration >= gen3_event.reset_duration >= 0
     assert s.core.failures.cooldown.cooling(s.now) == {"A", "C"}
+
+
+def test_a_death_during_the_first_sync_still_ends_the_start_event_and_fit_is_sent_it_until_then():
+    """The start line ("started with N workers in X s") waits for the start event's reset to end: it must end."""
+    s = Script(min_workers=1)
+    s.send(m.HostsDiscovered({"A": 1, "B": 1}))
+    s.send(*[m.WorkerReady(a.worker_id) for a in s.of(m.Spawn)])
+    start = next(e for e in s.core.events if e.kind is EventKind.START)
+    s.send(m.WorkerDied("w2", "killed", node_alive=True))  # before generation 1 synced
+    [gen2] = s.of(m.Publish)
+    assert gen2.generation == 2 and start.reset_duration is None
+    seen = len(s.core.events)  # fit() has seen every event so far
+    first, resent = s.core.events.since(seen)
+    assert start in resent and first == 0, "an event whose reset has not ended is sent to fit() again"
+    s.sync(gen2)
+    assert start.reset_duration is not None
+    assert s.core.events.since(len(s.core.events)) == (len(s.core.events), [])
 
 
 def test_a_sync_arriving_right_after_the_publish_is_counted():

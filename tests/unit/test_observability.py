@@ -32,6 +32,9 @@ def test_event_lines_say_what_happened_how_long_it_took_and_the_sizes():
     assert describe(added.to_dict()).endswith("; resized in 0.15 s, world size 4 -> 6")
     start = _event("start", 0, 4, 0, 7.0, "4 workers")
     assert describe(start.to_dict()) == "[ray-elastic] started with 4 workers in 7.0 s"
+    # what paused no training is said as it happens, without a recovery it did not have
+    slow = _event("data_slow", 0, 4, 4, 0.0, "block 3 of dataset 'train' took 61.0 s to produce")
+    assert describe(slow.to_dict()) == "[ray-elastic] block 3 of dataset 'train' took 61.0 s to produce"
 
 
 def test_progress_logs_each_completed_event_once_where_there_is_no_terminal(caplog):

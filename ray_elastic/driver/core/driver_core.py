@@ -156,7 +156,7 @@ class DriverCore:
     def refuse_snapshot(self, why: str, now: float) -> None:
         """A restarted driver found a snapshot older than the run's (written back): say so, and fail with it."""
         self.record.now = now
-        self.record.events.append(self.generations.event(EventKind.SNAPSHOT_REFUSED, why, now))
+        self.record.events.append(self.generations.event(EventKind.SNAPSHOT_REFUSED, why, now, paused=False))
         self.record.fail(f"{why}; the restarted driver refused it, and the run cannot go on from it")
 
     # ---- a restarted driver -----------------------------------------------------
@@ -289,10 +289,10 @@ class DriverCore:
                 f"block {msg.block} of dataset {msg.dataset!r} took {msg.seconds:.1f} s to produce; its pipeline "
                 "was running (slow, not starved of CPUs)"
             )
-            record.events.append(gens.event(EventKind.DATA_SLOW, detail, now))
+            record.events.append(gens.event(EventKind.DATA_SLOW, detail, now, paused=False))
         elif isinstance(msg, m.BackendNote):
             if not any(e.kind is EventKind.BACKEND_CHANGED and e.detail == msg.reason for e in record.events):
-                record.events.append(gens.event(EventKind.BACKEND_CHANGED, msg.reason, now))
+                record.events.append(gens.event(EventKind.BACKEND_CHANGED, msg.reason, now, paused=False))
         elif isinstance(msg, m.Tick):
             self.paces.release(now)
             if not gens.check_wait(now, cooling=len(self.failures.cooldown.cooling(now))):

@@ -6,12 +6,18 @@ them to `fit()` on every status poll, and scan all of them at every sync.
 So the log keeps the newest `capacity` events (counting the ones it let go)
 and hands `fit()` only the events it has not seen, plus those still waiting
 for their reset to end (their `reset_duration` is filled in later).
+
+An event waits for the generation that absorbs it to sync. When a newer
+generation replaces that one before it synced (a death during the first
+sync), the event's reset ends with the newer one's: `open_events` hands it
+over then, so no event waits for ever (the start event's line included).
 """
 
 from __future__ import annotations
 
 import logging
 from collections import deque
+from itertools import islice
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -31,6 +37,7 @@ class EventLog:
         self.capacity = capacity
         self._events: deque[Event] = deque()
         self.dropped = 0  # events let go: the run-wide number of `self[0]`
+        self._open = 0  # run-wide number of the oldest event that may still wait for its reset to end
 
     def append(self, event: Event) -> None:
         self._events.append(event)
@@ -52,17 +59,26 @@ class EventLog:
                 found.append(ev)
         return found[::-1]
 
+    def open_events(self, generation: int) -> list[Event]:
+        """The events of `generation` or older whose reset has not ended, oldest first: its sync ends them."""
+        start = self._skip_settled()
+        return [e for e in islice(self._events, start, None) if e.reset_duration is None and e.generation <= generation]
+
     def since(self, seen: int) -> tuple[int, list[Event]]:
-        """The events from run-wide number `seen` on, and any older one whose reset has not ended yet.
+        """The events from run-wide number `seen` on, and every older one whose reset has not ended yet.
 
         Returns the run-wide number of the first event returned, and the events.
         """
-        first = max(seen, self.dropped)
-        for number in range(min(first, self.dropped + len(self._events)) - 1, self.dropped - 1, -1):
-            if self._events[number - self.dropped].reset_duration is not None:
-                break
-            first = number
-        return first, [self._events[i] for i in range(first - self.dropped, len(self._events))]
+        first = max(min(seen, self._skip_settled() + self.dropped), self.dropped)
+        return first, list(islice(self._events, first - self.dropped, None))
+
+    def _skip_settled(self) -> int:
+        """The index of the oldest event whose reset may not have ended (len(self) if none)."""
+        i = max(self._open - self.dropped, 0)
+        while i < len(self._events) and self._events[i].reset_duration is not None:
+            i += 1
+        self._open = i + self.dropped
+        return i
 
     def __iter__(self) -> Iterator[Event]:
         return iter(self._events)

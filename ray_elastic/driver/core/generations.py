@@ -65,9 +65,15 @@ class Generations:
     def resets(self) -> int:
         return max(0, self.generation - 1)
 
-    def event(self, kind: EventKind, detail: str, now: float) -> Event:
-        """An event at `now`, in the current generation and world size (re-bound if it waits for the next)."""
-        return self.record.event(kind, detail, now, len(self.plan), self.generation)
+    def event(self, kind: EventKind, detail: str, now: float, paused: bool = True) -> Event:
+        """An event at `now`, in the current generation and world size (re-bound if it waits for the next).
+
+        `paused=False`: a note that stopped no training (a slow data block): it has no reset to wait for.
+        """
+        ev = self.record.event(kind, detail, now, len(self.plan), self.generation)
+        if not paused:
+            ev.reset_duration = 0.0
+        return ev
 
     # ---- what the other parts tell it ----------------------------------------------
     def later(self, event: Event) -> None:
@@ -262,7 +268,7 @@ class Generations:
         if self.record.phase.current is RESETTING:
             self.record.phase.move(RUNNING, f"every member of generation {self.generation} synced", self.record.now)
         place, self._synced_commits = self._synced_commits, None
-        for ev in self.record.events.of_generation(msg.generation):
+        for ev in self.record.events.open_events(msg.generation):  # a replaced generation's end with this one
             if ev.reset_duration is None:
                 ev.reset_duration = max(0.0, msg.at - ev.time)
                 if ev.kind is not EventKind.START:
