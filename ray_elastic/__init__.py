@@ -16,6 +16,10 @@ from ray_elastic.collective import Average, CollectiveMismatchError, Max, Min, R
 from ray_elastic.elastic import run
 from ray_elastic.events import Event
 from ray_elastic.exceptions import (
+    CheckpointError,
+    DataStarvedError,
+    DeviceConflictError,
+    DiscoveryError,
     HorovodInternalError,
     HostsUpdatedInterrupt,
     RendezvousTimeoutError,
@@ -101,6 +105,10 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "Average",
+    "CheckpointError",
+    "DataStarvedError",
+    "DeviceConflictError",
+    "DiscoveryError",
     "CollectiveMismatchError",
     "ElasticTrainer",
     "get_dataset_shard",

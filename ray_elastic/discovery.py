@@ -34,14 +34,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeoutError
 from dataclasses import dataclass
 
+from ray_elastic.exceptions import DiscoveryError
+
 logger = logging.getLogger(__name__)
 
 HostSlots = dict[str, int]
 _REAP_S = 5.0  # a killed discovery script's pipes closing: a process that left its session may hold them
-
-
-class DiscoveryError(RuntimeError):
-    """Discovery failed; the message carries the source's own error text."""
 
 
 @dataclass(frozen=True)

@@ -12,11 +12,13 @@ class Event:
     `time` is seconds since the epoch; `world_size` the size of the
     generation that absorbed the change, `previous_world_size` the size before
     it; `reset_duration` the seconds from the change to the last rank
-    finishing its sync in that generation (None if training ended first).
+    finishing its sync in that generation (0.0 for what paused no training;
+    None while that sync goes on, or if training ended first). The kinds
+    are `protocol.EventKind`'s; the user guide's Monitoring section says
+    when each happens.
     """
 
     time: float
-    # start, worker_failed, newcomer_failed, hosts_added, hosts_removed, reset_requested, restarted, resumed
     kind: str
     world_size: int
     generation: int

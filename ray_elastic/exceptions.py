@@ -104,3 +104,11 @@ class TrainingFailedError(RuntimeError):
     def __init__(self, message: str, return_value: object = None) -> None:
         super().__init__(message)
         self.return_value = return_value
+
+
+class CheckpointError(RuntimeError):
+    """A durable checkpoint could not be written or read, or holds what its opener refused (pickles)."""
+
+
+class DiscoveryError(RuntimeError):
+    """Discovery failed; the message carries the source's own error text."""

@@ -5,14 +5,12 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from ray_elastic.exceptions import CheckpointError
+
 if TYPE_CHECKING:
     from collections.abc import Callable
 
 R = TypeVar("R")
-
-
-class CheckpointError(RuntimeError):
-    """A durable checkpoint could not be written or read."""
 
 
 def bounded_call(timeout: float, what: str, fn: Callable[[], R]) -> R:

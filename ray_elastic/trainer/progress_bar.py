@@ -19,7 +19,10 @@ from typing import Any
 logger = logging.getLogger("ray_elastic")
 
 # kinds that paused no training (nobody waited): their detail alone, as it happens, with no "recovered in"
-_NO_PAUSE = ("newcomer_failed", "resumed", "backend_changed", "data_slow", "snapshot_refused")
+_NO_PAUSE = (
+    *("newcomer_failed", "resumed", "straggler_found", "kv_restarted", "driver_restarted"),
+    *("backend_changed", "data_slow", "snapshot_refused"),
+)
 
 
 def _short(value: Any) -> str:
