@@ -52,6 +52,8 @@ def test_the_events_table_lists_every_event_kind_once():
 
 
 def test_the_guide_holds_no_measurement_diary():
-    diary = re.compile(r"(?i)this machine|this project's|\b20\d\d-\d\d-\d\d|\bissue[ -]\d|not built yet|for now|this release")
+    diary = re.compile(
+        r"(?i)this machine|this project's|\b20\d\d-\d\d-\d\d|\bissue[ -]\d|not built yet|for now|this release"
+    )
     found = [line.strip()[:100] for line in GUIDE.splitlines() if diary.search(line)]
     assert not found, f"the user guide reads as a development log here: {found}"
