@@ -42,8 +42,8 @@ def share_family(packed: bytes) -> bytes | ray.ObjectRef:
 
     Gloo's addresses compress several-fold, so for a thousand ranks the reply
     still goes back inline. Against handing every rank an object reference
-    (which makes each reader a borrower the actor has to track), that halved
-    the actor's CPU per call at 1024 callers (bench/RESULTS.md, item 8).
+    (which makes each reader a borrower the actor has to track), that costs
+    the actor far less CPU per call when a thousand ranks ask at once.
     """
     return packed if len(packed) <= _INLINE_FAMILY_BYTES else ray.put(packed)
 

@@ -191,8 +191,8 @@ class TorchDistGroup(CollectiveGroup):
         Most works end within a few milliseconds of the wait: a short wait in
         torch's C++ catches those. Only a longer one registers a Python
         callback on Gloo's thread, which takes the GIL to run and competes
-        with the training thread for it (RESULTS.md item 12: such callbacks
-        made Gloo's thread use 40-70% more CPU than under plain DDP).
+        with the training thread for it (and makes Gloo's thread use
+        markedly more CPU than under plain DDP).
         """
         if self.abortable and self.abandoned is None and not work.is_completed():
             try:

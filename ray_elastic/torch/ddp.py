@@ -21,8 +21,8 @@ until Gloo's `collective_timeout` (300 s). On NCCL, DDP runs on the ring's
 process group as it is (NCCL has its own watchdog).
 On Gloo, when every rank of the generation runs on one machine, our group
 sums the buckets through shared memory instead of Gloo's TCP loopback
-(`ray_elastic.collective.shm`: 2.7-15x faster per sum on 2 cores; DDP's step
-at 0.93M and 23.1M parameters 1.1-1.4x Ray Train's, RESULTS.md item 12).
+(`ray_elastic.collective.shm`, several times faster per sum; `bench/throughput.py`
+compares the step with Ray Train's).
 `gradient_as_bucket_view` defaults to True (each `.grad` is a view into
 DDP's bucket: DDP scales each gradient into its bucket and copies nothing
 back, one pass over the gradients per step where DDP's default makes two);
@@ -248,8 +248,8 @@ class _Cadence:
     """Which checks agree on the host-change notice (Gloo): about every `AGREE_EVERY_S` of training.
 
     An agreement is one more meeting of all the ranks, and on a small model
-    the step is short enough for it to count (0.93M parameters, 4 ranks on 2
-    cores: 8-10% of a step's CPU; RESULTS.md item 12). So each agreement
+    the step is short enough for it to count (a small model on a few cores
+    spends a noticeable share of a step's CPU on it). So each agreement
     also settles how many checks come before the next one: every rank
     proposes how many of its checks fit in `AGREE_EVERY_S` (from the time
     between its last two checks), the proposals are summed with the
@@ -332,8 +332,8 @@ class _AbandonableGroup(dist.ProcessGroup):
     the process (SIGSEGV in `parseCppCommHookResult`) on a failed future.
     The reducer therefore gets Gloo's own work, and nothing of ours runs on
     Gloo's thread when it ends: a Python callback there must take the GIL
-    from the training thread, and such callbacks made Gloo's thread use
-    40-70% more CPU than under plain DDP (RESULTS.md item 12). One exception
+    from the training thread, and such callbacks make Gloo's thread use
+    markedly more CPU than under plain DDP. One exception
     (`settle`): with `static_graph`, the first backward of each DDP reduces
     every bucket from a final callback and finalizes in the same call, before
     ours can run; for that backward the reducer gets a future that never
