@@ -76,7 +76,7 @@ def one(action: str, workdir: Path, rep: int) -> dict:
     config = {"faults": faults, "steps": STEPS, "step_time": 0.01, "deadline_s": 300}
     result = elastic.ElasticTrainer(counting_train_fn, 4, 4, config=config, verbose=0).fit()
     killed = json.loads(marker.read_text())["time"]
-    steps = [m["step"] for m in result.metrics]
+    steps = [m["step"] for m in result.metrics_history]
     times = result.metric_times
     gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
     after = [b - a for a, b in zip(times, times[1:], strict=False) if b > killed]

@@ -102,7 +102,7 @@ def run_elastic(ds, batch: int, workers: int = 2, **extra) -> dict:
         cooldown_range=(600, 600),
         verbose=0,
     ).fit()
-    return {**result.return_value, "events": [e.kind for e in result.events], "metrics": result.metrics}
+    return {**result.return_value, "events": [e.kind for e in result.events], "metrics": result.metrics_history}
 
 
 def raytrain_train_fn(config: dict) -> None:

@@ -127,7 +127,7 @@ def one_rep(kill_rank: int, kill_step: int, workdir: str, rep: int, ddp: bool = 
         verbose=0,
     ).fit()
     killed = json.loads(Path(marker).read_text())
-    after = [(t, m) for t, m in zip(result.metric_times, result.metrics, strict=True) if t > killed["time"]]
+    after = [(t, m) for t, m in zip(result.metric_times, result.metrics_history, strict=True) if t > killed["time"]]
     # the survivors' first step at 3; if there is none (the killed host's cool-down ended first, so the
     # survivors resumed at 4), the first step after the kill that went back (the rollback), at any size
     pairs = list(zip(after, after[1:], strict=False))
@@ -174,7 +174,7 @@ def scale_rep(nodes: list[str], workdir: str, rep: int, ddp: bool) -> dict:
     Path(stop).touch()
     runner.join(120)
     result = box["result"]
-    times, metrics = result.metric_times, result.metrics
+    times, metrics = result.metric_times, result.metrics_history
     first4 = next(i for i, m in enumerate(metrics) if m["world_size"] == 4)
     first2 = next(i for i, m in enumerate(metrics) if i > first4 and m["world_size"] == 2)
     return {
@@ -271,7 +271,7 @@ def large_rep(workdir: str, rep: int) -> dict:
         large_model_train_fn, 2, 4, config=config, cooldown_range=(600, 600), verbose=0
     ).fit()
     killed = json.loads(Path(marker).read_text())
-    t_next = next(t for t, m in zip(result.metric_times, result.metrics, strict=True) if t > killed["time"])
+    t_next = next(t for t, m in zip(result.metric_times, result.metrics_history, strict=True) if t > killed["time"])
     return {
         "kill_rank": 2,
         "kill_step": killed["step"],

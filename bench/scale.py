@@ -143,7 +143,7 @@ def one_rep(cluster: Cluster, base_node: str, workdir: str, rep: int) -> dict:
     cluster.remove_node(node)
     result = box["result"]
     times = result.metric_times
-    metrics = result.metrics
+    metrics = result.metrics_history
     first4 = next(i for i, m in enumerate(metrics) if m["world_size"] == 4)
     first2 = next(i for i, m in enumerate(metrics) if i > first4 and m["world_size"] == 2)
     return {

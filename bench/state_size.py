@@ -421,7 +421,7 @@ def one_size(
         runner.join(300)
     result = box["result"]
     logs = read_logs(workdir)
-    times, metrics = result.metric_times, result.metrics
+    times, metrics = result.metric_times, result.metrics_history
     ev_up = [e for e in result.events if e.kind == "hosts_added"]
     ev_fail = next(e for e in result.events if e.kind == "worker_failed")
     killed = json.loads(Path(paths["killed"]).read_text())

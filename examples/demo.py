@@ -57,11 +57,11 @@ class DemoHook:
 
 
 def timeline(result: elastic.Result) -> list[str]:
-    t0 = result.metric_times[0]
+    t0, history = result.metric_times[0], result.metrics_history
     lines, start = [], 0
-    for i in range(1, len(result.metrics) + 1):
-        if i == len(result.metrics) or result.metrics[i]["world_size"] != result.metrics[start]["world_size"]:
-            m0, m1 = result.metrics[start], result.metrics[i - 1]
+    for i in range(1, len(history) + 1):
+        if i == len(history) or history[i]["world_size"] != history[start]["world_size"]:
+            m0, m1 = history[start], history[i - 1]
             lines.append(
                 f"  {result.metric_times[start] - t0:6.1f} s - {result.metric_times[i - 1] - t0:6.1f} s  "
                 f"world size {m0['world_size']}  steps {m0['step']}-{m1['step']}"
@@ -113,7 +113,7 @@ def main() -> int:
     result = outcome["result"]
 
     killed_at = json.loads(Path(workdir, "killed").read_text())["time"]
-    next_step = next(t for t, m in zip(result.metric_times, result.metrics, strict=True) if t > killed_at)
+    next_step = next(t for t, m in zip(result.metric_times, result.metrics_history, strict=True) if t > killed_at)
     print("\nworld-size timeline (rank 0's steps):")
     print("\n".join(timeline(result)))
     print("\nmembership events:")
@@ -128,7 +128,7 @@ def main() -> int:
     print(f"ranks held bitwise-equal state after every sync: {equal}")
     print(
         f"test accuracy {value['accuracy']:.3f} after {EPOCHS} epochs, "
-        f"{value['steps']} steps; final loss {result.metrics[-1]['loss']:.3f}"
+        f"{value['steps']} steps; final loss {result.metrics['loss']:.3f}"
     )
     png = result.plot_timeline(Path("demo_output") / "timeline.png")
     print(f"timeline plot (world size and steps/s, events marked): {os.path.relpath(png)}")

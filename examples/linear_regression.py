@@ -53,7 +53,7 @@ def main() -> None:
     trainer = elastic.ElasticTrainer(train_fn, min_workers=2, max_workers=4, config={"steps": 200, "lr": 0.05})
     result = trainer.fit()
     print("learned w:", np.round(result.return_value["w"], 3), "true w:", TRUE_W)
-    print("final loss:", result.metrics[-1]["loss"])
+    print("final loss:", result.metrics["loss"])
 
 
 if __name__ == "__main__":

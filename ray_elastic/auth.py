@@ -2,7 +2,7 @@
 
 Ray has no per-job authentication: any job connected to the cluster can
 list a run's named actors (`ray.util.list_named_actors(all_namespaces=True)`)
-and call them, i.e. read its metrics, inject metrics into `Result.metrics`,
+and call them, i.e. read its metrics, inject metrics into `Result.metrics_history`,
 publish a generation on its KV actor or tell its workers to leave. So
 `fit()` draws a random token per run (`RunToken`, 128 bits, never printed
 or logged), hands it to the run's actors when it creates them, and every

@@ -309,8 +309,8 @@ def summary(result: Any, seconds: float, return_value: bool = True) -> str:
     for ev in result.events:
         took = f"{ev.reset_duration:.2f} s" if ev.reset_duration is not None else "-"
         lines.append(f"  {ev.kind:15s} world size {ev.world_size}  reset {took:>7s}  {ev.detail}")
-    if result.metrics:
-        lines.append(f"last metrics ({len(result.metrics)} reported): {short.repr(result.metrics[-1])}")
+    if result.metrics_history:
+        lines.append(f"last metrics ({len(result.metrics_history)} reported): {short.repr(result.metrics)}")
     if return_value:
         lines.append(f"return value: {short.repr(result.return_value)}")
     return "\n".join(lines)

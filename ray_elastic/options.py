@@ -305,9 +305,9 @@ OPTIONS: tuple[Option, ...] = (
     # ---- results: what fit() keeps ----
     Option(
         "keep_metrics", "results", 100_000, _or_none(check_int(0)),
-        "how many of rank 0's newest reports `Result.metrics` keeps (default 100,000; None keeps all); older ones "
-        "are counted in `Result.metrics_dropped`. The driver holds only the reports `fit()` has not fetched yet, "
-        "so its memory stays bounded either way.",
+        "how many of rank 0's newest reports `Result.metrics_history` keeps (default 100,000; None keeps all); "
+        "older ones are counted in `Result.metrics_dropped`. The driver holds only the reports `fit()` has not "
+        "fetched yet, so its memory stays bounded either way.",
         "rank 0's newest N reports kept for the summary; older ones are only counted", _N,
     ),
 )

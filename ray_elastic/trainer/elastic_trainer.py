@@ -54,13 +54,16 @@ class Result:
     """What `fit()` returns.
 
     - `return_value`: what rank 0's `train_fn` returned.
-    - `metrics`: the dicts rank 0 passed to `report()`, in order.
+    - `metrics`: rank 0's last `report()` (a dict, empty if it reported
+      nothing), as Ray Train's `Result.metrics` is.
+    - `metrics_history`: every dict rank 0 passed to `report()`, in order;
+      `metrics_dataframe` the same as a pandas DataFrame (needs pandas).
     - `metric_times`: when each was reported (seconds since the epoch).
     - `events`: membership events (`Event`: time, kind, world size, reset duration).
     - `resets`: how many times the ring was re-formed.
     - `run_id`: the run's id, the `run_id` tag of its Ray metrics.
     - `metrics_dropped`: reports not kept (older than the newest
-      `keep_metrics`); `metrics` holds the newest ones.
+      `keep_metrics`); `metrics_history` holds the newest ones.
     - `checkpoint_error`: None, or why the last durable checkpoint (to
       `checkpoint_dir`) could not be written after its retries; training
       finished and `return_value` is rank 0's, but a later run resumes from
@@ -70,7 +73,7 @@ class Result:
     """
 
     return_value: Any
-    metrics: list[dict[str, Any]] = field(default_factory=list)
+    metrics_history: list[dict[str, Any]] = field(default_factory=list)
     metric_times: list[float] = field(default_factory=list)
     events: list[Event] = field(default_factory=list)
     resets: int = 0
@@ -78,6 +81,20 @@ class Result:
     metrics_dropped: int = 0
     checkpoint_error: str | None = None
     checkpoint_path: str | None = None
+
+    @property
+    def metrics(self) -> dict[str, Any]:
+        """Rank 0's last report (empty if it reported nothing): Ray Train's `Result.metrics`."""
+        return self.metrics_history[-1] if self.metrics_history else {}
+
+    @property
+    def metrics_dataframe(self) -> Any:
+        """Every report of rank 0 as a pandas DataFrame, one row each, with a `time` column (needs pandas)."""
+        try:
+            import pandas as pd
+        except ImportError as e:
+            raise ImportError("Result.metrics_dataframe needs pandas (pip install pandas)") from e
+        return pd.DataFrame(self.metrics_history).assign(time=self.metric_times)
 
     @property
     def checkpoint(self) -> Any:
@@ -268,7 +285,7 @@ class ElasticTrainer:
             raise TrainingFailedError(outcome.error or "training failed", value)
         return Result(
             return_value=value,
-            metrics=[m for _, m in reports.kept],
+            metrics_history=[m for _, m in reports.kept],
             metric_times=[t for t, _ in reports.kept],
             events=[Event(**e) for e in outcome.events],
             resets=outcome.resets,

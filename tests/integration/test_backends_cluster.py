@@ -91,7 +91,7 @@ def test_numpy_example_trains_through_a_sigkill(cluster, no_leaks, tmp_path, bac
     assert result.resets >= 1
     assert result.return_value["steps"] == steps
     # the kill came after step 12's update, before its commit at 15: rank 0 redoes steps 11 and 12
-    reported = [m["step"] for m in result.metrics]
+    reported = [m["step"] for m in result.metrics_history]
     assert reported.count(11) == 2 and reported.count(12) == 2, reported[:20]
     np.testing.assert_allclose(result.return_value["w"], linear_regression.TRUE_W, atol=0.05)
 

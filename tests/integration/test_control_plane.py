@@ -42,7 +42,7 @@ def test_kv_actor_sigkilled_mid_run_costs_nothing(cluster, no_leaks, tmp_path):
     assert kinds == ["start", "kv_restarted"], result.events
     assert result.resets == 0, "no reset, no rollback: the rings needed no keys"
     assert result.return_value["steps"] == 120
-    assert [m["step"] for m in result.metrics] == list(range(1, 121)), "every step once, none redone"
+    assert [m["step"] for m in result.metrics_history] == list(range(1, 121)), "every step once, none redone"
     assert_same_state(result)
 
 
@@ -71,7 +71,7 @@ def test_kv_actor_sigkilled_during_a_rendezvous_costs_one_more_reset(cluster, no
 
 def steps_once_each(result) -> list[int]:
     """The steps rank 0 reported, each once, in order; a rollback's redone steps are counted by the caller."""
-    return sorted({m["step"] for m in result.metrics})
+    return sorted({m["step"] for m in result.metrics_history})
 
 
 def test_driver_sigkilled_mid_run_then_with_the_kv_actor_costs_no_step(cluster, no_leaks, tmp_path):
@@ -89,7 +89,7 @@ def test_driver_sigkilled_mid_run_then_with_the_kv_actor_costs_no_step(cluster, 
     assert result.resets == 0, "no reset and no rollback: the workers trained on without their driver"
     assert result.return_value["steps"] == 200 and result.return_value["world_size"] == 4
     # every report reached fit() once and in order, those the dead drivers held unfetched included
-    assert [m["step"] for m in result.metrics] == list(range(1, 201))
+    assert [m["step"] for m in result.metrics_history] == list(range(1, 201))
     assert_same_state(result)
 
 
@@ -116,7 +116,7 @@ def test_driver_killed_during_a_reset_and_during_a_scale_up(cluster, no_leaks, t
     )
     final = result.return_value["steps"]
     assert result.return_value["world_size"] == 4
-    steps = [m["step"] for m in result.metrics]
+    steps = [m["step"] for m in result.metrics_history]
     assert steps_once_each(result) == list(range(1, final + 1)), "no step missing"
     assert len(steps) - final <= 5, f"only the steps since the last commit (every 5) are redone: {len(steps) - final}"
     assert_same_state(result)

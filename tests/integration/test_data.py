@@ -142,7 +142,7 @@ def test_a_parquet_dataset_is_trained_exactly_once_through_a_kill_a_join_and_a_l
     assert "worker_failed" in kinds and "hosts_added" in kinds and "hosts_removed" in kinds, result.events
     epochs = result.return_value["epochs"]
     assert epochs >= 2 and len(set(result.return_value["digests"])) == 1, result.return_value
-    max_world = max(m["world_size"] for m in result.metrics)
+    max_world = max(m["world_size"] for m in result.metrics_history)
     figures = check_ledger(str(ledger_dir), n, epochs=epochs, max_world=max_world)  # the soak's: by row id here
     assert figures["samples_checked"] >= epochs * n
     assert figures["rolled_back_lines"] > 0, "the SIGKILL rolled some steps back, and they were trained again"

@@ -43,7 +43,7 @@ def test_failure_inside_commit_rolls_back_to_that_commit(cluster, no_leaks, tmp_
     result = run({"faults": [f], "steps": 60})
     assert sizes(result) == [4, 3]
     # the victim died inside the commit of step 20; the survivors had finished theirs and resume after it
-    first_after = next(m for m in result.metrics if m["world_size"] == 3)
+    first_after = next(m for m in result.metrics_history if m["world_size"] == 3)
     assert first_after["step"] == 21
     assert_same_state(result)
 
@@ -178,7 +178,7 @@ def test_two_trainers_at_once_do_not_see_each_other(cluster, no_leaks):
     )
     results = [r.result(timeout=120) for r in runs]
     for i, result in enumerate(results):
-        assert [m["step"] for m in result.metrics] == list(range(1, 151 + 50 * i))
+        assert [m["step"] for m in result.metrics_history] == list(range(1, 151 + 50 * i))
         assert result.resets == 0 and sizes(result) == [2]
         assert_same_state(result)
 

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.integration
 
 
 def first_after(result, since: float):
-    return next((t, m) for t, m in zip(result.metric_times, result.metrics, strict=False) if t > since)
+    return next((t, m) for t, m in zip(result.metric_times, result.metrics_history, strict=False) if t > since)
 
 
 def test_sigkill_recovers_from_last_commit_and_refills_the_slot(cluster, no_leaks, tmp_path):
@@ -42,7 +42,7 @@ def test_sigkill_recovers_from_last_commit_and_refills_the_slot(cluster, no_leak
     killed_at = json.loads(open(f["marker"]).read())["time"]
     recovered_at, first = next(
         (t, m)
-        for t, m in zip(result.metric_times, result.metrics, strict=False)
+        for t, m in zip(result.metric_times, result.metrics_history, strict=False)
         if t > killed_at and m["world_size"] == 3
     )
     # the kill came after step 32, before its commit: survivors resume from the commit at step 30
@@ -92,12 +92,11 @@ def test_node_added_grows_the_world_without_rollback(cluster, no_leaks, tmp_path
     finally:
         cluster.remove_node(node)
     assert sizes(result) == [4, 6]
-    steps = [m["step"] for m in result.metrics]
+    steps = [m["step"] for m in result.metrics_history]
     assert steps == list(range(1, len(steps) + 1)), "a graceful add must not roll back"
     # survivors kept training while the newcomers booted
-    during_boot = [
-        m for t, m in zip(result.metric_times, result.metrics, strict=False) if t > added_at and m["world_size"] == 4
-    ]
+    history = zip(result.metric_times, result.metrics_history, strict=False)
+    during_boot = [m for t, m in history if t > added_at and m["world_size"] == 4]
     assert len(during_boot) >= 10
     added = [e for e in result.events if e.kind == "hosts_added"]
     assert len(added) == 1 and added[0].world_size == 6 and added[0].reset_duration is not None
@@ -122,7 +121,7 @@ def test_node_withdrawn_by_discovery_leaves_cleanly(cluster, no_leaks, tmp_path)
     hosts_file.write_text(json.dumps({first: 2}))
     result = fut.result(timeout=120)
     assert sizes(result) == [4, 2]
-    steps = [m["step"] for m in result.metrics]
+    steps = [m["step"] for m in result.metrics_history]
     assert steps == list(range(1, len(steps) + 1)), "a graceful removal must not roll back"
     assert [e.kind for e in result.events] == ["start", "hosts_removed"]
     assert_same_state(result)
@@ -139,8 +138,8 @@ def test_rank0_killed_oldest_survivor_takes_over_with_the_commit(cluster, no_lea
         verbose=0,
     ).fit()
     victim = json.loads(open(f["marker"]).read())["worker"]
-    before = {m["rank0"] for m in result.metrics if m["world_size"] == 4}
-    after = [m for m in result.metrics if m["world_size"] == 3]
+    before = {m["rank0"] for m in result.metrics_history if m["world_size"] == 4}
+    after = [m for m in result.metrics_history if m["world_size"] == 3]
     assert before == {victim} == {"w1"}
     assert after[0]["rank0"] == "w2", "the oldest survivor becomes rank 0"
     assert after[0]["step"] == 31, "state rolls back to the last commit (step 30)"
@@ -194,7 +193,7 @@ def test_user_exception_fails_fast_with_its_traceback(cluster, no_leaks, tmp_pat
 
 def test_fit_returns_rank0_value_and_metrics_in_order(cluster, no_leaks):
     result = ElasticTrainer(counting_train_fn, 2, 3, config={"steps": 25}, verbose=0).fit()
-    assert [m["step"] for m in result.metrics] == list(range(1, 26))
+    assert [m["step"] for m in result.metrics_history] == list(range(1, 26))
     assert result.return_value["steps"] == 25 and result.return_value["world_size"] == 3
     assert result.resets == 0
     assert_same_state(result)
@@ -232,7 +231,7 @@ def test_single_host_waits_out_its_cooldown_and_refills(cluster, no_leaks, tmp_p
         verbose=0,
     ).fit()
     assert sizes(result) == [2]  # never trained below min_workers
-    steps = [m["step"] for m in result.metrics]
+    steps = [m["step"] for m in result.metrics_history]
     assert steps[: steps.index(12)] == list(range(1, 12)) and steps[-1] == 40
     assert steps[steps.index(12) + 1] == 11, "after the crash training resumes from the commit at step 10"
     # the crashed slot came back after its cool-down, in the same reset

@@ -128,9 +128,9 @@ def test_a_newcomer_held_back_until_every_holder_is_gone_does_not_overwrite_the_
         raise
     (tmp_path / "finish").touch()
     result = fut.result(timeout=90)
-    after = [m for m in result.metrics if m["rank0"] != "w1" and m["world_size"] == 2][-40:]
+    after = [m for m in result.metrics_history if m["rank0"] != "w1" and m["world_size"] == 2][-40:]
     assert after and {m["rank0"] for m in after} == {"w4"}, "the holder of the trained state is rank 0, not w3"
-    resumed = min(m["step"] for m in result.metrics if m["rank0"] == "w4")
+    resumed = min(m["step"] for m in result.metrics_history if m["rank0"] == "w4")
     assert resumed > trained["step"] - 5, f"training went back from step {trained['step']} to {resumed}"
     assert result.return_value["worker"] == "w4"
     assert result.return_value["weights"] == [float(result.return_value["step"])] * 4

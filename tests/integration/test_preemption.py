@@ -52,7 +52,7 @@ def test_a_drained_nodes_workers_leave_gracefully_and_are_not_replaced_there(clu
     finally:
         cluster.remove_node(node)
     assert sizes(result) == [6, 4], "the drained node's workers left; none was started there again"
-    steps = [m["step"] for m in result.metrics]
+    steps = [m["step"] for m in result.metrics_history]
     assert steps == list(range(1, len(steps) + 1)), "a preemption notice must not roll anything back"
     kinds = [e.kind for e in result.events]
     assert kinds == ["start", "preempted"], kinds

@@ -39,7 +39,7 @@ def test_the_readme_example_trains_and_prints_its_summary(cluster, no_leaks, tmp
     script.write_text(readme_example())
     result = runpy.run_path(str(script), run_name="__main__")["result"]
 
-    metrics, world = result.metrics, result.events[-1].world_size
+    metrics, world = result.metrics_history, result.events[-1].world_size
     assert [e.kind for e in result.events] == ["start"], f"a fault-free run had membership events: {result.events}"
     assert sorted({m["epoch"] for m in metrics}) == [0, 1, 2, 3, 4], "an epoch was lost or never reported"
     steps_per_epoch = math.ceil(4096 / (32 * world))

@@ -55,10 +55,10 @@ def test_reports_are_deep_copies_checked_at_the_call_and_kept_from_before_run(cl
     result = ElasticTrainer(_reporting_train_fn, 2, 2, config={"steps": 12}, verbose=0).fit(
         on_report=lambda m: fetched.append((threading.current_thread().name, m))
     )
-    assert [m for _, m in fetched] == result.metrics, "on_report sees every report once, in order"
+    assert [m for _, m in fetched] == result.metrics_history, "on_report sees every report once, in order"
     assert {name for name, _ in fetched} == {fit_thread}, "on_report runs in the thread that called fit()"
-    assert result.metrics[0] == {"phase": "setup"}
-    steps = result.metrics[1:]
+    assert result.metrics_history[0] == {"phase": "setup"}
+    steps = result.metrics_history[1:]
     assert [m["step"] for m in steps] == list(range(1, 13)), "a refused metric must not stop the later ones"
     assert all(m["history"] == list(range(1, m["step"] + 1)) for m in steps), "reports are snapshots"
     (refused,) = result.return_value["refused"]
@@ -202,5 +202,5 @@ def test_another_job_cannot_read_inject_or_steer_a_run(cluster, no_leaks, tmp_pa
             ray.get(ref, timeout=30)
             pytest.fail(f"another job could {what}")
     result = fut.result(timeout=120)
-    assert not [m for m in result.metrics if m.get("injected")]
-    assert [e.kind for e in result.events] == ["start"] and result.metrics[-1]["step"] == 120
+    assert not [m for m in result.metrics_history if m.get("injected")]
+    assert [e.kind for e in result.events] == ["start"] and result.metrics_history[-1]["step"] == 120

@@ -39,7 +39,7 @@ def test_a_discovery_blip_returning_no_hosts_costs_nothing(cluster, no_leaks, tm
     blip.touch()
     wait_until(lambda: not blip.exists(), 30, "discovery to answer {} once")
     result = fut.result(timeout=120)
-    steps = [m["step"] for m in result.metrics]
+    steps = [m["step"] for m in result.metrics_history]
     assert steps == list(range(1, len(steps) + 1)), "nothing may be rolled back or restarted"
     assert [e.kind for e in result.events] == ["start"] and result.resets == 0
     assert_same_state(result)
@@ -60,9 +60,9 @@ def test_a_replaced_host_pool_hands_the_trained_state_over(cluster, no_leaks, tm
     )
     hosts_file.write_text(json.dumps({second: 2}))
     result = fut.result(timeout=180)
-    steps = [m["step"] for m in result.metrics]
+    steps = [m["step"] for m in result.metrics_history]
     assert steps == list(range(1, len(steps) + 1)), "the state must be handed over, never restarted from scratch"
-    assert result.metrics[-1]["rank0"] not in ("w1", "w2"), "training ends on the new pool"
+    assert result.metrics_history[-1]["rank0"] not in ("w1", "w2"), "training ends on the new pool"
     assert sizes(result)[-1] == 2
     assert {e.kind for e in result.events} >= {"hosts_removed", "hosts_added"}
     assert not [e for e in result.events if e.kind in ("worker_failed", "restarted")]
@@ -266,7 +266,7 @@ def test_a_long_c_call_holding_the_gil_is_not_taken_for_a_hang(cluster, no_leaks
     # the call (about 6 s, calibrated under load) outlasted liveness_timeout=2 s several times over
     assert time.time() - json.loads(marker.read_text())["time"] > 3.0, "the ranks waited out rank 1's call"
     assert result.resets == 0 and [e.kind for e in result.events] == ["start"], result.events
-    assert [m["step"] for m in result.metrics] == list(range(1, 31))
+    assert [m["step"] for m in result.metrics_history] == list(range(1, 31))
 
 
 def test_a_worker_silent_in_a_gil_holding_call_without_cpu_use_is_still_killed(cluster, no_leaks, tmp_path):

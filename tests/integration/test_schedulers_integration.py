@@ -59,17 +59,17 @@ def test_schedulers_and_a_prepared_loader_through_a_kill_a_join_and_a_leave(clus
     assert {"worker_failed", "hosts_added", "hosts_removed"} <= set(kinds), kinds
     assert result.return_value["world_size"] == 2
     assert len(set(result.return_value["digests"])) == 1, "the ranks ended with different parameters"
-    steps = [m["step"] for m in result.metrics]
+    steps = [m["step"] for m in result.metrics_history]
     assert len(steps) > len(set(steps)), "no step was redone: the kill rolled nothing back"
-    assert {3, 4, 2} <= {m["world_size"] for m in result.metrics}
+    assert {3, 4, 2} <= {m["world_size"] for m in result.metrics_history}
     curve = lr_curve(max(steps))
-    for m in result.metrics:
+    for m in result.metrics_history:
         assert m["held"], f"step {m['step']}: a scheduler or optimizer in the state is no longer the loop's own"
         for kind, lr, expected in zip(KINDS, m["lrs"], curve[m["step"] - 1], strict=True):
             assert lr == expected, f"{path}, {kind}: LR {lr} at step {m['step']}, fault-free {expected}"
     # prepare_data_loader: every sample once per complete epoch (padding aside), counting only steps that stood
     last: dict[int, dict] = {}
-    for m in result.metrics:
+    for m in result.metrics_history:
         last[m["step"]] = m  # a step redone after the rollback replaces the undone one
     epochs: dict[int, Counter] = {}
     for m in last.values():

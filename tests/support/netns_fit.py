@@ -55,7 +55,7 @@ def main() -> None:
         json.dumps(
             {
                 "return_value": result.return_value,
-                "metrics": result.metrics,
+                "metrics": result.metrics_history,
                 "metric_times": result.metric_times,
                 "events": [e.to_dict() for e in result.events],
                 "nodes": nodes,

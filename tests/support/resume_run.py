@@ -71,7 +71,7 @@ def main() -> None:
                 "digests": result.return_value["digests"],
                 "n": result.return_value["n"],
                 "events": [e.to_dict() for e in result.events],
-                "first_step": result.metrics[0]["step"],
+                "first_step": result.metrics_history[0]["step"],
             }
         )
     )

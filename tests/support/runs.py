@@ -17,7 +17,7 @@ from ray_elastic import ElasticTrainer
 def sizes(result) -> list[int]:
     """The world sizes rank 0 trained at, in order, repeats collapsed."""
     out: list[int] = []
-    for m in result.metrics:
+    for m in result.metrics_history:
         if not out or out[-1] != m["world_size"]:
             out.append(m["world_size"])
     return out

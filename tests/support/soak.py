@@ -236,7 +236,7 @@ def run_soak(cluster: object, events: int, seed: int = 0, epochs: int = 40) -> d
     assert len(chaos.done) >= events, f"training ended after {len(chaos.done)} of {events} chaos events"
     assert value["epochs"] == epochs
     assert len(set(value["digests"])) == 1, "ranks ended with different parameters"
-    max_world = max(m["world_size"] for m in result.metrics)
+    max_world = max(m["world_size"] for m in result.metrics_history)
     figures = check_ledger(ledger_dir, value["n"], epochs, max_world)
     failed = [e for e in result.events if e.kind in ("worker_failed", "newcomer_failed")]
     for event in chaos.done:

@@ -2,7 +2,7 @@
 
 `counting_train_fn` is a small numpy model trained with `ObjectState` and
 `elastic.allreduce`; rank 0 reports every step (step, world size, its worker
-id), so a test reads the whole story from `Result.metrics`. Faults are
+id), so a test reads the whole story from `Result.metrics_history`. Faults are
 declared in the config and fire once each (a marker file records that it
 fired, and when), so a worker that replaces the victim does not repeat it.
 
