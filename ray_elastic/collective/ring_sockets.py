@@ -4,10 +4,11 @@ torch's Gloo cannot cancel a collective (`ProcessGroupGloo.abort()` and
 `shutdown()` leave a pending work running: measured with torch 2.13). An
 abandoned work therefore stays on Gloo's thread; if the network heals first,
 it completes, in place, into the tensor it was given, which by then belongs
-to a later generation or to the user (invariant 7 in DESIGN.md). What does
-end it is its connection: once a ring's sockets are shut down, every work
-pending on them fails within a millisecond, and the peers on the other end
-get a reset instead of the data still queued for them.
+to a later generation or to the user, and nothing a dead generation computes
+may reach live state. What does end it is its connection: once a ring's
+sockets are shut down, every work pending on them fails within a
+millisecond, and the peers on the other end get a reset instead of the data
+still queued for them.
 
 Gloo opens its connections while the process group is created: a listener,
 the connections its listener accepts (local port = the listener's) and the

@@ -1,12 +1,13 @@
 """Objects that save and load themselves (`state_dict()`/`load_state_dict()`), restored in place.
 
 LR schedulers, `GradScaler`, an EMA, a user's own class: the training loop
-holds the object, so a rollback must change that object, not replace the
-attribute with a copy (a deep copy of a scheduler drives a deep copy of the
-optimizer, and the real optimizer's LR silently stops changing: invariant 8
-in DESIGN.md). A commit keeps a deep copy of `state_dict()`; a restore hands
-a copy of it to `load_state_dict()`; a newcomer receives rank 0's in the sync
-and loads it into the object its own `train_fn` built.
+holds the object, and that object is the one that rolls back: a rollback
+changes it in place and never replaces the attribute with a copy (a deep
+copy of a scheduler drives a deep copy of the optimizer, and the real
+optimizer's LR silently stops changing). A commit keeps a deep
+copy of `state_dict()`; a restore hands a copy of it to `load_state_dict()`;
+a newcomer receives rank 0's in the sync and loads it into the object its
+own `train_fn` built.
 """
 
 from __future__ import annotations
