@@ -226,7 +226,8 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "max_failures", "failure", 0, check_int(0),
         "how many exceptions raised by `train_fn` to retry as a failure of that worker (for flaky hardware); 0 "
-        "(default) fails the run at the first one, with its traceback.",
+        "(default) fails the run at the first one, with its traceback. Worker deaths are recovered in place and "
+        "never counted here (Ray Train's `FailureConfig(max_failures=)` counts failures that restart the run).",
         "exceptions of FUNCTION to retry as that worker's failure; 0 fails at the first", _N,
     ),
     # ---- timeouts: every wait of the run is bounded by one of these ----
