@@ -132,20 +132,37 @@ class RunsCode:
         return (open, (self.marker, "w"))
 
 
+def snapshot_key(namespace: str) -> bytes:
+    """The GCS key of the run's driver snapshot (`driver/<run id>`; the run's namespace is `ray_elastic_<run id>`)."""
+    return f"driver/{namespace.removeprefix('ray_elastic_')}".encode()
+
+
+def write_back_until_fit_ends(fut, key: bytes, value: bytes) -> None:
+    """Write `value` as the run's snapshot until the restarted driver has read it and `fit()` ended.
+
+    A write can land after `fit()`'s clean-up deleted the snapshot (it ends a moment before the future does):
+    the key is deleted once more at the end, so no snapshot of this run outlives the test.
+    """
+    deadline = time.monotonic() + 120
+    try:
+        while not fut.done():  # the dead driver writes no more; the restarted one reads what is there
+            assert time.monotonic() < deadline, "fit() did not end within 120 s of the driver's restart"
+            ray.experimental.internal_kv._internal_kv_put(key, value, overwrite=True, namespace="ray_elastic")
+            with contextlib.suppress(FutureTimeout):
+                fut.exception(timeout=0.05)  # fit() ending ends the writes
+    finally:
+        ray.experimental.internal_kv._internal_kv_del(key, namespace="ray_elastic")
+
+
 def test_a_forged_driver_snapshot_is_refused_and_the_run_fails_naming_why(cluster, no_leaks, tmp_path):
     """Issue 34: another job wrote a pickle into driver/<run_id> and restarted the driver, which ran it."""
     fut = start_and_reach_step(tmp_path, config={"steps": 10**6, "deadline_s": 120}, step=5, max_workers=2)
     [driver] = [a for a in run_namespaces_alive() if a["name"] == "driver"]
-    [key] = ray.experimental.internal_kv._internal_kv_list(b"driver/", namespace="ray_elastic")
+    key = snapshot_key(driver["namespace"])
     marker = tmp_path / "hostile_code_ran"
     forged = pickle.dumps(RunsCode(str(marker)))
     ray.kill(ray.get_actor("driver", namespace=driver["namespace"]), no_restart=False)  # needs no token
-    deadline = time.monotonic() + 120
-    while not fut.done():  # written until the restarted driver has read it (the dead one writes no more)
-        assert time.monotonic() < deadline, "fit() did not end within 120 s of the driver's restart"
-        ray.experimental.internal_kv._internal_kv_put(key, forged, overwrite=True, namespace="ray_elastic")
-        with contextlib.suppress(FutureTimeout):
-            fut.exception(timeout=0.05)  # fit() ending ends the writes
+    write_back_until_fit_ends(fut, key, forged)
     with pytest.raises(TrainingFailedError, match="not signed with this run's secret"):
         fut.result(timeout=120)
     assert not marker.exists(), "the forged snapshot's code never ran"
@@ -155,17 +172,12 @@ def test_an_older_snapshot_of_the_run_written_back_is_refused_by_the_restarted_d
     """A signed snapshot of the run itself, from earlier, verifies: its write counter gives it away."""
     fut = start_and_reach_step(tmp_path, config={"steps": 10**6, "deadline_s": 120}, step=5, max_workers=2)
     [driver] = [a for a in run_namespaces_alive() if a["name"] == "driver"]
-    [key] = ray.experimental.internal_kv._internal_kv_list(b"driver/", namespace="ray_elastic")
+    key = snapshot_key(driver["namespace"])
     old = ray.experimental.internal_kv._internal_kv_get(key, namespace="ray_elastic")
     newer = lambda: ray.experimental.internal_kv._internal_kv_get(key, namespace="ray_elastic")[32:40]  # noqa: E731
     wait_until(lambda: newer() != old[32:40], 30, "the driver to write a newer snapshot")
     ray.kill(ray.get_actor("driver", namespace=driver["namespace"]), no_restart=False)
-    deadline = time.monotonic() + 120
-    while not fut.done():  # written back until the restarted driver has read it
-        assert time.monotonic() < deadline, "fit() did not end within 120 s of the driver's restart"
-        ray.experimental.internal_kv._internal_kv_put(key, old, overwrite=True, namespace="ray_elastic")
-        with contextlib.suppress(FutureTimeout):
-            fut.exception(timeout=0.05)
+    write_back_until_fit_ends(fut, key, old)
     with pytest.raises(TrainingFailedError, match="an older snapshot of this run was written back"):
         fut.result(timeout=120)
 
