@@ -55,7 +55,7 @@ test: $(STAMP) nettools
 	$(BIN)/ruff check ray_elastic tests examples bench
 	$(BIN)/lint-imports
 	$(BIN)/mypy
-	$(BIN)/python -m pytest -q -ra --durations=30 tests
+	$(BIN)/python -m pytest -q -ra --durations=30 tests/unit tests/integration
 
 # tests/unit only: no Ray, no rings of processes; on two pytest-xdist workers, in under a minute
 test-unit: $(STAMP)
