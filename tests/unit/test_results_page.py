@@ -1,0 +1,87 @@
+"""bench/RESULTS.md is a results page: a section for every benchmark, no development log.
+
+Every script under bench/ that writes bench/results/<name>.json (through
+bench/results_file.py's `write_results`, directly or through
+bench/framework_compare.py) has a `## ` section of its own whose
+**Command** line runs it. The page carries no dates, no "issue N"
+references and no "this machine" / "this session": figures are read as
+results, not as a diary of who ran what when.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).parents[2]
+BENCH = ROOT / "bench"
+PAGE = BENCH / "RESULTS.md"
+
+# the helpers that write results for others: not benchmarks of their own
+_WRITERS = {"results_file.py", "framework_compare.py"}
+
+
+def benchmark_scripts() -> list[str]:
+    """The bench/*.py scripts that write a results file, directly or through framework_compare."""
+    found = []
+    for path in sorted(BENCH.glob("*.py")):
+        if path.name in _WRITERS:
+            continue
+        text = path.read_text()
+        if re.search(r"\bwrite_results\b", text) or re.search(r"^from framework_compare import", text, re.M):
+            found.append(path.name)
+    return found
+
+
+def sections(text: str) -> dict[str, str]:
+    """Each `## ` heading's title and the text under it, up to the next `## ` heading."""
+    parts = re.split(r"^## +(.+?)\s*$", text, flags=re.M)
+    return {parts[i]: parts[i + 1] for i in range(1, len(parts) - 1, 2)}
+
+
+def scripts_with_a_command(text: str) -> set[str]:
+    """The scripts named on a **Command** line that opens a section's body."""
+    named = set()
+    for body in sections(text).values():
+        for line in body.splitlines():
+            if line.startswith("**Command**"):
+                named.update(re.findall(r"bench/(\w+\.py)", line))
+    return named
+
+
+def diary_marks(text: str) -> list[str]:
+    """Dates, issue references and 'this machine' / 'this session' found in the text."""
+    marks = re.findall(r"\b\d{4}-\d{2}-\d{2}\b", text)
+    marks += re.findall(r"\bissues?\s+#?\d+", text, re.I)
+    marks += re.findall(r"\bthis\s+(?:machine|session)\b", text, re.I)
+    return marks
+
+
+def test_the_benchmarks_are_found():
+    scripts = benchmark_scripts()
+    assert {"recovery.py", "throughput.py", "state_size.py", "lightning.py", "transformers.py"} <= set(scripts)
+    assert not {"cpu_account.py", "small_mlp.py", "turns.py"} & set(scripts)
+
+
+def test_every_benchmark_has_a_section_with_its_command():
+    named = scripts_with_a_command(PAGE.read_text())
+    missing = [s for s in benchmark_scripts() if s not in named]
+    assert not missing, f"bench/RESULTS.md has no section whose **Command** line runs: {', '.join(missing)}"
+
+
+def test_the_page_reads_as_results_not_as_a_log():
+    marks = diary_marks(PAGE.read_text())
+    assert not marks, f"bench/RESULTS.md carries dates, issue numbers or 'this machine/session': {marks}"
+
+
+def test_the_checks_catch_what_they_look_for():
+    assert diary_marks("run on 2026-11-22; see issue 12, Issue #4; on This machine; this session") == [
+        "2026-11-22",
+        "issue 12",
+        "Issue #4",
+        "This machine",
+        "this session",
+    ]
+    assert diary_marks("ray-project/ray#37633, 1024 ranks, 10-100 ms") == []
+    page = "# R\n## A\n**Command**: `.venv/bin/python bench/a.py`\n## B\ntext naming bench/b.py\n"
+    assert scripts_with_a_command(page) == {"a.py"}
