@@ -54,7 +54,8 @@ examples:
 
 the function is called as FUNCTION(config) in every worker, config being the
 dict built from --config. A discovery script prints one 'host' or 'host:slots'
-line per host that may run workers (hosts: Ray node IDs or unique IPs), as
+line per host that may run workers (a host: a Ray node ID, or an IP address or
+hostname that belongs to exactly one Ray node), as
 Horovod's --host-discovery-script does; it is run again every
 --discovery-interval seconds, so hosts can come and go.
 

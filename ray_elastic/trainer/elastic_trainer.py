@@ -124,7 +124,8 @@ class ElasticTrainer:
         config: passed to `train_fn`; must be picklable.
         discovery: None for the Ray cluster's alive nodes; a callable returning
             `{host: slots}`; or the path of an executable printing `host:slots`
-            lines. Hosts are Ray node IDs (a unique IP is accepted).
+            lines. A host is a Ray node ID, or an IP address or hostname
+            that belongs to exactly one Ray node.
         datasets: Ray Datasets by name (the option `datasets` below).
         verbose: 0 silences progress and event lines; 1 shows them.
 
