@@ -13,7 +13,7 @@ PY310 ?= PYENV_VERSION=3.10.13 python3.10
 VENV310 := .venv310
 STAMP310 := $(VENV310)/.installed
 
-.PHONY: demo test test-unit test-pygloo lint bench bench-link soak venv venv310 clean nettools
+.PHONY: demo demo-docs test test-unit test-pygloo lint bench bench-link soak venv venv310 clean nettools
 
 venv: $(STAMP)
 
@@ -43,6 +43,12 @@ $(STAMP310): pyproject.toml
 
 demo: $(STAMP)
 	$(BIN)/python examples/demo.py
+
+# the demo run whose printed lines and plot the README shows: both are rewritten from one run
+demo-docs: $(STAMP)
+	mkdir -p demo_output
+	PYTHONUNBUFFERED=1 $(BIN)/python examples/demo.py > demo_output/printed.txt 2>&1; status=$$?; \
+		cat demo_output/printed.txt; [ $$status = 0 ] && $(BIN)/python examples/demo.py --readme demo_output/printed.txt
 
 # tests/integration/test_netns.py needs iproute2's ip and tc: installed where missing (as root; without root those tests skip)
 nettools:

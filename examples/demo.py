@@ -7,6 +7,10 @@ training, then adds a third worker node. Prints the test accuracy, the
 world-size timeline, each membership event with its recovery time, and the
 time from the SIGKILL to the survivors' next completed step, and saves a
 timeline plot to demo_output/timeline.png.
+
+`make demo-docs` runs it, then `demo.py --readme PRINTED` puts what it
+printed into README.md (between its demo-output markers) and its plot into
+docs/demo_timeline.png: the README's output and picture are one run's.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -24,6 +29,7 @@ from pathlib import Path
 import ray
 from ray.cluster_utils import Cluster
 
+ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).parent))
 
 from digits import train_fn  # noqa: E402
@@ -140,5 +146,25 @@ def main() -> int:
     return 0
 
 
+BEGIN, END = "<!-- demo output: make demo-docs -->\n```\n", "```\n<!-- end of demo output -->"
+
+
+def update_readme(
+    printed: Path, readme: Path = ROOT / "README.md", picture: Path = ROOT / "docs" / "demo_timeline.png"
+) -> None:
+    """Put the demo's printed lines into the README's block and its plot into docs/demo_timeline.png."""
+    text = readme.read_text()
+    if BEGIN not in text or END not in text:
+        raise SystemExit(f"{readme} has no demo-output markers ({BEGIN.splitlines()[0]!r})")
+    head, rest = text.split(BEGIN, 1)
+    tail = rest.split(END, 1)[1]
+    readme.write_text(head + BEGIN + printed.read_text().rstrip("\n") + "\n" + END + tail)
+    shutil.copyfile(Path("demo_output") / "timeline.png", picture)
+    print(f"{readme} and {picture} now hold this run's output")
+
+
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--readme"]:
+        update_readme(Path(sys.argv[2]))
+        sys.exit(0)
     sys.exit(main())

@@ -198,6 +198,10 @@ class Cooldown:
     def is_cooling(self, host: str, now: float) -> bool:
         return self._until.get(host, 0.0) > now
 
+    def remembers(self, host: str) -> bool:
+        """Whether a failure of `host` still counts (it cooled down, or cools down now)."""
+        return host in self._until
+
     def cooling(self, now: float) -> set[str]:
         return {h for h, until in self._until.items() if until > now}
 

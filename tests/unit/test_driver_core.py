@@ -199,6 +199,20 @@ def test_hosts_added_boot_while_the_others_train_and_join_in_one_reset():
     [added] = [e for e in s.core.events if e.kind is EventKind.HOSTS_ADDED]
     assert added.world_size == 4 and added.previous_world_size == 2
     assert "admitted after booting 5.0 s" in added.detail and added.time == s.now + 1000.0
+    assert added.detail.startswith("2 new worker(s) on node C,"), added.detail
+
+
+def test_a_replacement_on_a_node_back_from_its_cool_down_says_so():
+    s = Script(min_workers=1)
+    s.start({"A": 1, "B": 1})
+    s.send(m.WorkerDied("w2", "killed", node_alive=True))
+    s.sync(s.of(m.Publish)[0])
+    s.send(m.Tick(), after=11.0)  # B's 10 s cool-down is over
+    [spawn] = s.of(m.Spawn)
+    assert spawn.host == "B"
+    s.send(m.WorkerReady(spawn.worker_id))
+    [added] = [e for e in s.core.events if e.kind is EventKind.HOSTS_ADDED]
+    assert added.detail.startswith("1 new worker(s) on node B (back after its cool-down),"), added.detail
 
 
 def test_hosts_withdrawn_by_discovery_leave_gracefully_once_a_second_poll_confirms_it():

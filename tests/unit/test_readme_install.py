@@ -129,3 +129,28 @@ def test_every_example_file_the_readme_names_exists():
 def test_the_page_carries_no_dates_machines_or_issue_numbers(page: Path):
     found = history_in(page.read_text())
     assert not found, f"{page.relative_to(ROOT)} says when or where, not what: " + "; ".join(found)
+
+
+def test_make_demo_docs_rewrites_the_readmes_output_block_and_picture_from_one_run(tmp_path, monkeypatch):
+    import sys
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    try:
+        from demo import update_readme
+    finally:
+        sys.path.remove(str(ROOT / "examples"))
+    readme = tmp_path / "README.md"
+    readme.write_text((ROOT / "README.md").read_text())
+    printed = tmp_path / "printed.txt"
+    printed.write_text("[ray-elastic] started with 4 workers in 1.0 s\nthis run's lines\n")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "demo_output").mkdir()
+    (tmp_path / "demo_output" / "timeline.png").write_bytes(b"png of this run")
+    update_readme(printed, readme, tmp_path / "picture.png")
+    text = readme.read_text()
+    block = "[ray-elastic] started with 4 workers in 1.0 s\nthis run's lines\n"
+    assert "<!-- demo output: make demo-docs -->\n```\n" + block + "```\n" in text
+    assert text.count("this run's lines") == 1 and "make demo-docs" in text
+    assert (tmp_path / "picture.png").read_bytes() == b"png of this run"
+    outside = (ROOT / "README.md").read_text().split("<!-- demo output")[0]
+    assert text.startswith(outside), "nothing outside the block changed"

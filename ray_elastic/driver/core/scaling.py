@@ -107,7 +107,8 @@ class Scaling:
         added = [self._spawn(host, now) for host, count in add.items() for _ in range(count)]
         gens = self.generations
         if added and gens.generation > 0:
-            gens.announce(gens.event(EventKind.HOSTS_ADDED, f"{len(added)} new worker(s)", now), frozenset(added))
+            detail = f"{len(added)} new worker(s) {self._where(add)}"
+            gens.announce(gens.event(EventKind.HOSTS_ADDED, detail, now), frozenset(added))
         self._request_autoscale()
 
     def _usable_hosts(self, staying: list[WorkerRecord]) -> dict[str, int]:
@@ -152,6 +153,18 @@ class Scaling:
             keep.host[:8],
         )
         return keep.worker_id
+
+    def _where(self, add: Mapping[str, int]) -> str:
+        """Which nodes newcomers start on, for the event's line: a node back from its cool-down says so."""
+        hosts = [h for h, count in add.items() if count]
+        back = [h for h in hosts if self.cooldown.remembers(h)]
+        names = ", ".join(h[:8] for h in hosts)
+        where = f"on node {names}" if len(hosts) == 1 else f"on nodes {names}"
+        if back and len(hosts) == 1:
+            where += " (back after its cool-down)"
+        elif back:
+            where += f" ({', '.join(h[:8] for h in back)} back after its cool-down)"
+        return where
 
     def _spawn(self, host: str, now: float) -> str:
         rec = self.record.roster.new(host, now)
