@@ -119,14 +119,22 @@ class _Relay:
         self.handover_s = handover_s
         self._reported: tuple[int, int, int] | None = None  # the order of the newest checkpoint handed to Tune
         self._looked = 0.0
+        self._listing: list[tuple[str, dict[str, Any]]] = []  # the complete checkpoints when last listed
 
     def __call__(self, metrics: dict[str, Any], stamp: float | None = None) -> None:
         from ray import tune
 
         path = None
-        if self.store is not None and time.monotonic() - self._looked >= _CHECKPOINT_LOOK_S:
-            listing = f"listing the checkpoints in {self.store.url} for Tune (bounded by checkpoint_timeout)"
-            path = bounded_call(self.handover_s, listing, lambda: self._new_checkpoint(stamp))
+        if self.store is not None:
+            # Listed at most once a second, but every report is matched against the listing: reports come in
+            # bursts (fit() fetches them twice a second), and a burst's first report is older than a checkpoint
+            # its later ones may carry.
+            if time.monotonic() - self._looked >= _CHECKPOINT_LOOK_S:
+                store = self.store
+                listing = f"listing the checkpoints in {store.url} for Tune (bounded by checkpoint_timeout)"
+                self._listing = bounded_call(self.handover_s, listing, lambda: list(store.complete()))
+                self._looked = time.monotonic()
+            path = self._new_checkpoint(stamp)
         if path is None:
             tune.report(dict(metrics))
             return
@@ -144,11 +152,9 @@ class _Relay:
         bounded_call(self.handover_s, what, hand_over)
 
     def _new_checkpoint(self, stamp: float | None) -> str | None:
-        """The newest checkpoint committed at or before `stamp` and newer than the last handed over, or None."""
-        assert self.store is not None
-        self._looked = time.monotonic()
+        """The newest listed checkpoint committed at or before `stamp` and newer than the last handed over, or None."""
         chosen = None
-        for path, meta in self.store.complete():
+        for path, meta in self._listing:
             committed = meta.get("committed_at", meta.get("written_at", 0.0))
             if stamp is not None and committed > stamp:
                 continue  # it holds state newer than this report: it goes with a later one

@@ -146,6 +146,20 @@ def test_the_checkpoint_handed_to_tune_is_the_one_its_report_saw(relay_parts):
     assert [m["step"] for m, _ in fake.reports] == [15, 16, 25]
 
 
+def test_a_burst_of_reports_hands_over_the_checkpoint_its_later_reports_saw(relay_parts, monkeypatch):
+    """fit() fetches reports in bursts; the store is listed once a second, at the burst's first (oldest) report."""
+    trial, store, fake = relay_parts
+    monkeypatch.setattr(trial, "_CHECKPOINT_LOOK_S", 3600.0)  # one listing for the whole burst
+    store.keep = 3
+    store.write({"step": 5}, {"generation": 1, "commit": 5, "committed_at": 50.0})
+    store.write({"step": 10}, {"generation": 1, "commit": 10, "committed_at": 100.0})
+    relay = trial._Relay(store)
+    for step in (6, 11, 12):  # one burst: the first report predates the commit of step 10, the next ones do not
+        relay({"step": step}, step * 10.0 + 5)
+    handed = [None if c is None else elastic.load_checkpoint(c.path)["step"] for _, c in fake.reports]
+    assert handed == [5, 10, None], "the checkpoint of step 10 went with the first report that saw it"
+
+
 def test_a_hand_over_that_hangs_fails_the_trial_naming_the_checkpoint(relay_parts, monkeypatch):
     import threading
 
