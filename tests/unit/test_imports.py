@@ -129,3 +129,9 @@ def test_the_graph_sees_the_package_as_it_is():
     assert "ray_elastic.collective.base" in edges["ray_elastic.collective.torch_dist"]
     assert "ray_elastic.collective.activity" in edges["ray_elastic.collective.base"]
     assert ("ray_elastic.collective.factory", "ray_elastic.collective.nccl") in {(m, t) for m, t, _ in inner}
+
+
+def test_every_module_says_what_it_owns_in_its_docstring():
+    """A newcomer opens a file and reads its first lines: each module (`__init__` too) opens with its job."""
+    silent = [str(path) for path in _modules(PACKAGE).values() if not ast.get_docstring(ast.parse(path.read_text()))]
+    assert not silent, f"modules without a docstring saying what they own: {silent}"
