@@ -20,14 +20,13 @@ from __future__ import annotations
 import json
 import os
 import sys
-import threading
 import time
-from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import wait_until
+from runs import fit_in_thread
 from workloads import FileDiscovery, _fire_faults
 
 import ray_elastic as elastic
@@ -101,19 +100,6 @@ def ledger_train_fn(config: dict) -> dict:
         }
 
     return train(state)
-
-
-def fit_in_thread(trainer: ElasticTrainer) -> Future:
-    fut: Future = Future()
-
-    def target() -> None:
-        try:
-            fut.set_result(trainer.fit())
-        except BaseException as e:  # noqa: BLE001 - handed to the test
-            fut.set_exception(e)
-
-    threading.Thread(target=target, daemon=True).start()
-    return fut
 
 
 @pytest.mark.integration
