@@ -13,6 +13,8 @@ no actor and no placement group of any run is left.
 from __future__ import annotations
 
 import logging
+import os
+import re
 import sys
 import time
 import warnings
@@ -30,6 +32,33 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if _INTEGRATION in item.path.parents:
             item.add_marker(pytest.mark.integration)
+
+
+# what a worker, a ring or Ray reads of its environment (libraries' own caches, set on import, aside)
+_READ_BY_WORKERS = re.compile(
+    r"(HOROVOD_|RAY_|GLOO_|NCCL_|TORCH_DISTRIBUTED|MASTER_|CUDA_VISIBLE|OMP_NUM_THREADS$|(LOCAL_)?RANK$|WORLD_SIZE$)"
+)
+
+
+@pytest.fixture(autouse=True)
+def _environment_left_as_found(request):
+    """A unit test leaves `os.environ` as it found it: the session's Ray cluster, started
+    after the unit tests, hands its environment to every worker (a leaked HOROVOD_RANK=0
+    once gave every rank of a later cluster test rank 0's place)."""
+    before = {k: v for k, v in os.environ.items() if _READ_BY_WORKERS.match(k)}
+    yield
+    if _INTEGRATION in request.node.path.parents:
+        return  # ray.init and Ray's own fixtures set variables for the session
+    changed = sorted(
+        k for k in set(before) | set(os.environ) if _READ_BY_WORKERS.match(k) and before.get(k) != os.environ.get(k)
+    )
+    if changed:
+        for k in changed:
+            if k in before:
+                os.environ[k] = before[k]
+            else:
+                del os.environ[k]
+        pytest.fail(f"the test left environment variables changed: {changed} (use monkeypatch.setenv)")
 
 
 def wait_until(predicate: Callable[[], object], timeout: float, what: str, interval: float = 0.05) -> object:

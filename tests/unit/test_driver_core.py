@@ -764,7 +764,8 @@ def test_a_worker_killed_as_hung_is_dead_at_once_even_if_its_run_then_returns():
     s.send(m.WorkerExited("w2", Finished(1)))  # its run() had returned: no WorkerDied will come
     assert s.core.is_void("w2") and "w2" not in s.core.alive_ids() and s.core.state is DriverState.RESETTING
     failed = [e for e in s.core.events if e.kind is EventKind.WORKER_FAILED]
-    assert len(failed) == 1 and "w2 (rank 1) on node B was killed" in failed[0].detail
+    assert len(failed) == 1 and "w2 (rank 1) on node B was killed: " in failed[0].detail
+    assert "answer" in failed[0].detail, f"the event does not say why w2 was killed: {failed[0].detail}"
 
 
 def test_rank0_killed_as_hung_after_returning_does_not_leave_the_run_hanging():
@@ -786,6 +787,9 @@ def test_a_newcomer_killed_at_its_boot_deadline_is_never_admitted_even_if_it_say
     assert s.of(m.Kill) == [m.Kill("w3", failed=True)]
     s.send(m.WorkerReady("w3"))  # it was only slow: its ready beats its death to the driver
     assert s.of(m.Publish) == [] and s.core.generation == 1 and "w3" not in s.core.plan
+    # the event says why a process the user saw alive was ended
+    [lost] = [e for e in s.core.events if e.kind is EventKind.NEWCOMER_FAILED]
+    assert "w3 on node C was killed before joining: it did not become ready within elastic_timeout=60 s" in lost.detail
 
 
 def test_messages_of_a_worker_killed_as_hung_cause_no_extra_reset():

@@ -10,6 +10,7 @@ the scripts.
 from __future__ import annotations
 
 import io
+import os
 import re
 import sys
 import threading
@@ -21,10 +22,12 @@ import torch
 import ray_elastic
 import ray_elastic.horovod.torch as hvd
 from ray_elastic import cli
+from ray_elastic.assignment import WorkerSlot
 from ray_elastic.horovod.common import elastic as common_elastic
 from ray_elastic.horovod.common.exceptions import HorovodInternalError, HostsUpdatedInterrupt
 from ray_elastic.horovod.script import END_OF_OUTPUT, RankPrefixedStream, WorkerLinePrinter, rank_prefixed_output
 from ray_elastic.horovod.torch.ops import reduce_op
+from ray_elastic.runtime.process import set_current
 
 # ---- the module, without Ray ---------------------------------------------------------------
 
@@ -73,6 +76,34 @@ def test_init_outside_a_worker_says_how_to_launch():
     with pytest.raises(RuntimeError, match=r"run this script with `ray-elastic run SCRIPT.py"):
         hvd.init()
     assert not hvd.is_initialized()
+
+
+class _PlacedWorker:
+    """What hvd.init() reads of a worker: its id and its slot in the generation it joined."""
+
+    def __init__(self, worker_id, rank):
+        self.worker_id = worker_id
+        self.slot = WorkerSlot(worker_id, "node-a", rank, 2, rank, 2, 0, 1)
+
+    def joined_slot(self):
+        return self.slot
+
+
+def test_init_sets_this_workers_first_place_over_a_horovod_rank_the_process_inherited(monkeypatch):
+    # a local Ray cluster's workers inherit the environment of the process that started it: one that
+    # had run a horovod.ray worker in-process carried HOROVOD_RANK=0 into every rank (a CI failure)
+    monkeypatch.setattr(os, "environ", {**os.environ, "HOROVOD_RANK": "0", "HOROVOD_SIZE": "7"})
+    monkeypatch.setattr(hvd, "_placed_worker", None)
+    try:
+        set_current(_PlacedWorker("w2", rank=1))
+        hvd.init()
+        assert (os.environ["HOROVOD_RANK"], os.environ["HOROVOD_SIZE"]) == ("1", "2")
+        # after a reset the variables keep the first place, as horovodrun's do
+        set_current(_PlacedWorker("w2", rank=0))
+        hvd.init()
+        assert os.environ["HOROVOD_RANK"] == "1"
+    finally:
+        set_current(None)
 
 
 def test_fp16_compression_sends_half_and_returns_the_original_dtype():

@@ -5,6 +5,8 @@ integration/test_horovod_ray_cluster.py.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 import ray_elastic.horovod.ray as hray
@@ -137,7 +139,7 @@ def test_num_hosts_places_exactly_num_workers_per_host_on_each_node_and_skips_sm
     assert plan.add == {"old": 2, "mid": 2}  # 2 nodes x 2 workers, none split 3 + 1
 
 
-def test_horovod_ray_names_with_no_counterpart_warn_or_raise_naming_themselves():
+def test_horovod_ray_names_with_no_counterpart_warn_or_raise_naming_themselves(monkeypatch):
     import queue
 
     settings = RayExecutor.create_settings()
@@ -148,6 +150,7 @@ def test_horovod_ray_names_with_no_counterpart_warn_or_raise_naming_themselves()
         RayExecutor(settings, num_workers=2)
     # horovod.ray's worker logging hook: dicts go to the queue it was given, as there
     q = queue.Queue()
+    monkeypatch.setattr(os, "environ", dict(os.environ))  # a worker sets HOROVOD_RANK... in its own process
     hray.BaseHorovodWorker().set_queue(q)
     try:
         hray.ray_logger.log({"loss": 1.0})

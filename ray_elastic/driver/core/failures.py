@@ -83,9 +83,16 @@ class Failures:
         then it must neither be admitted to a generation nor speak for one.
         """
         self.record.act(m.Kill(rec.worker_id, failed=True))
-        self.on_died(rec.worker_id, why, True, now, what="was killed")
+        self.on_died(rec.worker_id, why, True, now, what="was killed", because=why)
 
-    def on_died(self, worker_id: str, reason: str, node_alive: bool, now: float, what: str = "died") -> None:
+    def on_died(
+        self, worker_id: str, reason: str, node_alive: bool, now: float, what: str = "died", because: str = ""
+    ) -> None:
+        """A worker is gone: release it, cool its node down (unless the node went too), and say so in an event.
+
+        `because`, for a worker the driver killed, is the driver's reason: the
+        event says why a process that looked alive to the user was ended.
+        """
         record, gens = self.record, self.generations
         rec = record.roster.get(worker_id)
         if rec is None or rec.status not in ALIVE:
@@ -107,11 +114,13 @@ class Failures:
             return
         if was_member:
             self._causes.append(f"worker {worker_id} ({where}): {reason}")
-            detail = f"worker {worker_id} ({where}) on node {rec.host[:8]} {what}{note}"
+            why = f": {because}" if because else ""
+            detail = f"worker {worker_id} ({where}) on node {rec.host[:8]} {what}{why}{note}"
             gens.later(gens.event(EventKind.WORKER_FAILED, detail, now))
         else:
             # a newcomer lost before it joined: a fault, but nobody trained with it, so no reset
-            detail = f"worker {worker_id} on node {rec.host[:8]} {what} before joining{note}"
+            why = f": {because}" if because else ""
+            detail = f"worker {worker_id} on node {rec.host[:8]} {what} before joining{why}{note}"
             ev = gens.event(EventKind.NEWCOMER_FAILED, detail, now)
             ev.reset_duration = 0.0
             record.events.append(ev)

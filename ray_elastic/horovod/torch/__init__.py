@@ -80,6 +80,9 @@ _NOT_IN_A_WORKER = (
 )
 
 
+_placed_worker: str | None = None  # the worker whose first place the HOROVOD_* variables hold
+
+
 def init(comm: Any = None, process_sets: Any = None) -> None:
     """Join the ring of this worker's generation; a second call does nothing."""
     if comm is not None:
@@ -99,8 +102,13 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
         "HOROVOD_CROSS_SIZE": slot.cross_size,
         "HOROVOD_HOSTNAME": slot.host,
     }
-    for key, value in start.items():
-        os.environ.setdefault(key, str(value))  # the first place, as horovodrun sets them at spawn
+    global _placed_worker
+    if _placed_worker != ctx.worker_id:
+        # this worker's first place, as horovodrun sets them at spawn and never again; set, not
+        # defaulted: a value the process inherited (a shell that ran under horovodrun, a local
+        # cluster started from a process that had them) is another process's place
+        os.environ.update({key: str(value) for key, value in start.items()})
+        _placed_worker = ctx.worker_id
 
 
 def shutdown() -> None:
