@@ -231,11 +231,11 @@ def epoch_ids_train_fn(config: dict) -> dict:
 
 def test_a_run_whose_workers_would_take_every_cpu_keeps_one_for_ray_data(cluster, no_leaks, tmp_path, caplog):
     """Two nodes of 2 CPUs, max_workers=4: measured, 0 batches in 10 minutes before data_cpus existed."""
-    n = write_parquet(tmp_path / "data", files=16, rows_per_file=250)
+    n = write_parquet(tmp_path / "data", files=8, rows_per_file=250)
     ds = ray_data.read_parquet(str(tmp_path / "data"))
     with caplog.at_level(logging.INFO, logger="ray_elastic"):
         result = elastic.ElasticTrainer(
-            epoch_ids_train_fn, min_workers=2, max_workers=4, config={"epochs": 2}, datasets={"train": ds}
+            epoch_ids_train_fn, min_workers=2, max_workers=4, config={"epochs": 1}, datasets={"train": ds}
         ).fit()
     assert "keeping 1 CPU(s) of the cluster free for Ray Data's read and map tasks (data_cpus=1" in caplog.text
     assert "3 worker slot(s) of the 4 the cluster holds" in caplog.text

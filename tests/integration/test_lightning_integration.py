@@ -5,8 +5,8 @@ workers: rank 1 is SIGKILLed mid-epoch, a node joins, then that node leaves
 gracefully, and the test then asks the run to end at the next epoch's end.
 Each step records every rank's sample ids (gathered over the ring) in the
 module's checkpoint, so the record rolls back with the commit and covers
-the ranks that left. A fault-free 4-worker run of as many epochs gives the
-loss to compare with.
+the ranks that left. A fault-free run of as many epochs (plain SGD in this
+process, the same global batch) gives the loss to compare with.
 """
 
 from __future__ import annotations
@@ -216,10 +216,31 @@ def test_a_lightning_trainer_goes_on_through_a_sigkill_a_join_and_a_graceful_lea
     assert [s[1] for s in seen] == list(range(len(seen))), "no optimizer step lost or counted twice"
     assert value["global_step"] == implied_steps(seen)
     assert value["train_mse"] > 0  # the torchmetrics metric synced through the resizes
-    free_out = tmp_path / "free"
-    free_out.mkdir()
-    free = elastic.ElasticTrainer(
-        lightning_train_fn, min_workers=4, max_workers=4, config={"out": str(free_out), "epochs": epochs}, verbose=0
-    ).fit()
-    assert free.return_value["epochs"] == epochs
-    assert value["final_loss"] == pytest.approx(free.return_value["final_loss"], rel=0.05)
+    assert value["final_loss"] == pytest.approx(reference_loss(epochs), rel=0.05)
+
+
+def reference_loss(epochs: int) -> float:
+    """A fault-free run's final loss, in this process: plain SGD on the same data, `epochs` epochs.
+
+    4 DDP ranks of 16 samples whose gradients are averaged take the same
+    step as one process taking all 64, at the LR `ElasticDDPStrategy` scales
+    by the world size (`scale_lr`: 0.01 x 4; at 3 ranks an epoch has 4/3 the
+    steps at 3/4 the LR); only the initial weights and the sample order
+    differ, as they do between two elastic runs. No Ray and no Lightning: a
+    second cluster run cost more than the faulty one's checks.
+    """
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(N, 8, generator=g)
+    y = x @ torch.arange(1.0, 9.0).unsqueeze(1) + 0.1 * torch.randn(N, 1, generator=g)
+    torch.manual_seed(0)
+    net = torch.nn.Linear(8, 1)
+    opt = torch.optim.SGD(net.parameters(), lr=0.01 * 4)
+    for _ in range(epochs):
+        for idx in torch.randperm(N).split(4 * BATCH):
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(net(x[idx]), y[idx]).backward()
+            opt.step()
+    with torch.no_grad():
+        return float(torch.nn.functional.mse_loss(net(x), y))

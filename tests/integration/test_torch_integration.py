@@ -31,20 +31,41 @@ def fault(tmp_path, rank, step, action="sigkill"):
 
 
 def test_digits_with_three_faults_matches_a_fault_free_run(cluster, no_leaks, tmp_path):
-    clean = run()
     faulty = run([fault(tmp_path, 1, 30), fault(tmp_path, 0, 90), fault(tmp_path, 1, 150, "exit")])
     assert [e.kind for e in faulty.events].count("worker_failed") == 3
-    for result in (clean, faulty):
-        value = result.return_value
-        assert value["accuracy"] >= 0.95
-        assert len(set(value["final_digests"])) == 1, "ranks ended with different state"
-    checks = faulty.return_value["sync_checks"]
+    value = faulty.return_value
+    assert len(set(value["final_digests"])) == 1, "ranks ended with different state"
+    checks = value["sync_checks"]
     assert len(checks) >= 4 and all(c["equal"] for c in checks), f"state differed after a sync: {checks}"
-    # The two runs train at different world sizes (the learning rate scales with it) for as long as the
-    # replacements take to join, so their models are not the same one: on the 360 test digits they differ by
-    # a few, which crossed the 0.01 (3.6 digits) this allowed before. A rollback that lost or repeated
-    # training costs far more; the digests above catch a rank that diverged, exactly.
-    assert abs(faulty.return_value["accuracy"] - clean.return_value["accuracy"]) <= 0.02
+    # A fault-free run's accuracy depends on the order it saw the samples in: 0.967 to 0.986 over five orders
+    # here, and a run through faults sees another order (the world size, so the split, changes). A rollback that
+    # lost or repeated training costs far more than that spread; the digests above catch a rank that diverged.
+    clean = [reference_accuracy(order) for order in range(5)]
+    assert value["accuracy"] >= min(clean) - 0.01, f"accuracy {value['accuracy']:.4f}; fault-free runs: {clean}"
+
+
+def reference_accuracy(order: int, epochs: int = 12, world: int = 4) -> float:
+    """A fault-free run of digits.py's training, in this process: 4 ranks' batches at once, their LR, one order.
+
+    4 ranks of 16 averaging their gradients take one step of 64, at the LR
+    digits.py scales by the world size. No Ray: a second cluster run cost as
+    much as the faulty one, and gave one sample of the spread, not the spread.
+    """
+    import torch
+    import torch.nn.functional as F
+    from digits import DEFAULTS, accuracy, load_data, make_model
+
+    torch.manual_seed(DEFAULTS["seed"])
+    x, y, x_test, y_test = load_data(DEFAULTS["seed"])
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=DEFAULTS["lr"] * world, momentum=0.9)
+    g = torch.Generator().manual_seed(order)
+    for _ in range(epochs):
+        for idx in torch.randperm(len(y), generator=g).split(DEFAULTS["batch_size"] * world):
+            opt.zero_grad()
+            F.cross_entropy(model(x[idx]), y[idx]).backward()
+            opt.step()
+    return accuracy(model, x_test, y_test)
 
 
 def test_broadcast_helpers_and_gradient_averaging_in_real_workers(cluster, no_leaks):
