@@ -85,3 +85,18 @@ def test_the_checks_catch_what_they_look_for():
     assert diary_marks("ray-project/ray#37633, 1024 ranks, 10-100 ms") == []
     page = "# R\n## A\n**Command**: `.venv/bin/python bench/a.py`\n## B\ntext naming bench/b.py\n"
     assert scripts_with_a_command(page) == {"a.py"}
+
+
+def test_a_results_file_says_which_python_ray_and_torch_made_its_figures(tmp_path, monkeypatch):
+    import json
+    import platform
+    from importlib import metadata
+
+    monkeypatch.syspath_prepend(str(BENCH))
+    import results_file
+
+    monkeypatch.setattr(results_file, "__file__", str(tmp_path / "results_file.py"))  # writes under tmp_path
+    meta = json.loads(results_file.write_results("versions", [{"x": 1}], note="n").read_text())["meta"]
+    versions = (platform.python_version(), metadata.version("ray"), metadata.version("torch"))
+    assert (meta["python"], meta["ray"], meta["torch"]) == versions
+    assert meta["note"] == "n"
