@@ -28,10 +28,17 @@ _INTEGRATION = Path(__file__).parent / "integration"
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Everything under integration/ is `-m integration`, marked there or not."""
+    """Everything under integration/ is `-m integration`, marked there or not.
+
+    The tests of the `ray start` cluster (Jobs, notebooks, the CLI) run last,
+    together: that cluster idles beside the session's one from its first
+    test to the session's end, and its processes took CPU from every test
+    in between.
+    """
     for item in items:
         if _INTEGRATION in item.path.parents:
             item.add_marker(pytest.mark.integration)
+    items.sort(key=lambda item: "ray_start_cluster" in getattr(item, "fixturenames", ()))
 
 
 # what a worker, a ring or Ray reads of its environment (libraries' own caches, set on import, aside)
