@@ -60,6 +60,19 @@ class PatternDataset:
         return {k: torch.stack([f[k] for f in features]) for k in ("input_ids", "labels")}
 
 
+def tiny_gpt2():
+    """One layer of GPT-2 built from a config (nothing downloaded), its initial weights from seed 0."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(
+            n_layer=1, n_embd=32, n_head=2, n_positions=SEQ, vocab_size=VOCAB, bos_token_id=0, eos_token_id=0
+        )
+    )
+
+
 def hf_train_fn(config: dict) -> dict:
     import torch
     import transformers
@@ -68,12 +81,7 @@ def hf_train_fn(config: dict) -> dict:
     from ray_elastic.transformers import prepare_trainer
 
     Path(config["starts"], f"{os.getpid()}").touch()  # one file per train_fn start: restarts would show
-    torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(
-        transformers.GPT2Config(
-            n_layer=1, n_embd=32, n_head=2, n_positions=SEQ, vocab_size=VOCAB, bos_token_id=0, eos_token_id=0
-        )
-    )
+    model = tiny_gpt2()
     dataset = PatternDataset()
 
     class Story(transformers.TrainerCallback):
@@ -199,12 +207,7 @@ def reference_loss(tmp_path: Path, max_steps: int) -> float:
     import torch
     import transformers
 
-    torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(
-        transformers.GPT2Config(
-            n_layer=1, n_embd=32, n_head=2, n_positions=SEQ, vocab_size=VOCAB, bos_token_id=0, eos_token_id=0
-        )
-    )
+    model = tiny_gpt2()
     dataset = PatternDataset()
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path / "reference-out"),
