@@ -161,7 +161,7 @@ def _storage_lost_train_fn(config):
     def train(state):
         while state.step < 8:
             state.step += 1
-            if state.step == 5 and elastic.rank() == 0:  # the checkpoint storage goes away mid-run
+            if state.step == 8 and elastic.rank() == 0:  # the storage goes away before the last commit
                 _replace_with_a_file(Path(config["ckpt"]))
             state.commit()
         return "trained"
