@@ -11,6 +11,7 @@ not yet fetched). `fit()`'s caller dying takes the whole run with it.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import pickle
 import signal
@@ -24,48 +25,43 @@ import pytest
 import ray
 from conftest import actor_pid, run_namespaces_alive, run_placement_groups_alive, wait_until
 from runs import assert_same_state, fault, start_and_reach_step
-from workloads import counting_train_fn
+from workloads import FileDiscovery, counting_train_fn
 
 from ray_elastic import ElasticTrainer, TrainingFailedError
 
 pytestmark = pytest.mark.integration
 
 
-def test_kv_actor_sigkilled_mid_run_costs_nothing(cluster, no_leaks, tmp_path):
-    # 100 steps of 50 ms after step 20: the run outlasts the KV actor's restart (1-2 s), which it records
-    config = {"steps": 120, "step_time": 0.05, "deadline_s": 120}
-    fut = start_and_reach_step(tmp_path, config=config, min_workers=4)
-    [kv] = [a for a in run_namespaces_alive() if a["name"] == "kv"]
-    os.kill(actor_pid("kv", kv["namespace"]), signal.SIGKILL)
-    result = fut.result(timeout=120)
-    kinds = [e.kind for e in result.events]
-    assert kinds == ["start", "kv_restarted"], result.events
-    assert result.resets == 0, "no reset, no rollback: the rings needed no keys"
-    assert result.return_value["steps"] == 120
-    assert [m["step"] for m in result.metrics_history] == list(range(1, 121)), "every step once, none redone"
-    assert_same_state(result)
+def three_slots(cluster, tmp_path) -> FileDiscovery:
+    """Discovery offering 3 slots (2 on one node, 1 on the other): 3 workers take them all, so a dead worker's
+    slot is refilled only when its host's cool-down ends, never at once on a free slot elsewhere."""
+    first, second = (n.node_id for n in cluster.worker_nodes_at_start)
+    hosts = tmp_path / "hosts.json"
+    hosts.write_text(json.dumps({first: 2, second: 1}))
+    return FileDiscovery(str(hosts))
 
 
 def test_kv_actor_sigkilled_during_a_rendezvous_costs_one_more_reset(cluster, no_leaks, tmp_path):
     """A member dies, and while the survivors form the next ring the KV actor dies too."""
     faults = [
-        fault(tmp_path, rank=3, step=25),
+        fault(tmp_path, rank=2, step=25),
         {**fault(tmp_path, rank=0, step=0, action="kill_kv", name="kv"), "phase": "rendezvous"},
     ]
     result = ElasticTrainer(
         counting_train_fn,
         min_workers=2,
-        max_workers=4,
+        max_workers=3,
         # steps of 50 ms after the kill: the run outlasts the driver's noticing the KV actor's restart (the ranks'
         # ring forms as soon as the KV is back, and 35 steps of 5 ms sometimes ended the run before the driver's event)
         config={"faults": faults, "steps": 60, "step_time": 0.05, "deadline_s": 120},
-        cooldown_range=(60, 60),  # the dead rank's slot stays empty: the world goes 4 -> 3
+        discovery=three_slots(cluster, tmp_path),
+        cooldown_range=(60, 60),  # the dead rank's slot stays empty: the world goes 3 -> 2
         verbose=0,
     ).fit()
     kinds = [e.kind for e in result.events]
     assert "kv_restarted" in kinds and "worker_failed" in kinds, result.events
     assert result.resets <= 2, f"at most one more reset than the death needs: {result.events}"
-    assert result.return_value["steps"] == 60 and result.return_value["world_size"] == 3
+    assert result.return_value["steps"] == 60 and result.return_value["world_size"] == 2
     assert_same_state(result)
 
 
@@ -74,30 +70,34 @@ def steps_once_each(result) -> list[int]:
     return sorted({m["step"] for m in result.metrics_history})
 
 
-def test_driver_sigkilled_mid_run_then_with_the_kv_actor_costs_no_step(cluster, no_leaks, tmp_path):
-    """The driver's process SIGKILLed by a test outside the run; later the driver's and the KV actor's at once."""
-    # the second kill comes seconds after the first (30 ms steps), once the first restart is done
-    faults = [fault(tmp_path, rank=0, step=150, action="kill_both")]
-    config = {"faults": faults, "steps": 200, "step_time": 0.03, "deadline_s": 120}
-    fut = start_and_reach_step(tmp_path, config=config, min_workers=4)
+def test_driver_then_kv_then_both_sigkilled_mid_run_cost_no_step(cluster, no_leaks, tmp_path):
+    """The driver's process SIGKILLed by a test outside the run; later the KV actor's (between resets the rings
+    need no keys, so it costs nothing); later still the driver's and the KV actor's at once."""
+    # each kill comes seconds after the one before (30 ms steps), once its restart is done
+    faults = [
+        fault(tmp_path, rank=0, step=100, action="kill_kv"),
+        fault(tmp_path, rank=0, step=200, action="kill_both"),
+    ]
+    config = {"faults": faults, "steps": 260, "step_time": 0.03, "deadline_s": 120}
+    fut = start_and_reach_step(tmp_path, config=config, min_workers=2, max_workers=2)
     [driver] = [a for a in run_namespaces_alive() if a["name"] == "driver"]
     os.kill(actor_pid("driver", driver["namespace"]), signal.SIGKILL)
     result = fut.result(timeout=120)
     kinds = [e.kind for e in result.events]
-    assert kinds[:2] == ["start", "driver_restarted"], result.events
-    assert sorted(kinds[2:]) == ["driver_restarted", "kv_restarted"], result.events
-    assert result.resets == 0, "no reset and no rollback: the workers trained on without their driver"
-    assert result.return_value["steps"] == 200 and result.return_value["world_size"] == 4
+    assert kinds[:3] == ["start", "driver_restarted", "kv_restarted"], result.events
+    assert sorted(kinds[3:]) == ["driver_restarted", "kv_restarted"], result.events
+    assert result.resets == 0, "no reset and no rollback: the workers trained on without their driver or KV actor"
+    assert result.return_value["steps"] == 260 and result.return_value["world_size"] == 2
     # every report reached fit() once and in order, those the dead drivers held unfetched included
-    assert [m["step"] for m in result.metrics_history] == list(range(1, 201))
+    assert [m["step"] for m in result.metrics_history] == list(range(1, 261)), "every step once, none redone"
     assert_same_state(result)
 
 
 def test_driver_killed_during_a_reset_and_during_a_scale_up(cluster, no_leaks, tmp_path):
-    """Rank 3 dies; the driver is SIGKILLed while the survivors form the next ring, and again while the
+    """Rank 2 dies; the driver is SIGKILLed while the survivors form the next ring, and again while the
     replacement (its host back after the cool-down) receives the state."""
     faults = [
-        fault(tmp_path, rank=3, step=15),
+        fault(tmp_path, rank=2, step=15),
         {**fault(tmp_path, rank=0, step=10, action="kill_driver", name="in-reset"), "phase": "rendezvous"},
         {
             **fault(tmp_path, rank=0, step=0, action="kill_driver", name="in-scale-up"),
@@ -105,17 +105,23 @@ def test_driver_killed_during_a_reset_and_during_a_scale_up(cluster, no_leaks, t
             "phase": "newcomer_sync",
         },
     ]
-    # trains until the world, down to 3 after the death, is 4 again, and 20 steps more
-    config = {"faults": faults, "until_world": 4, "signal_world_size": 3, "extra_steps": 20, "deadline_s": 150}
+    # trains until the world, down to 2 after the death, is 3 again, and 20 steps more
+    config = {"faults": faults, "until_world": 3, "signal_world_size": 2, "extra_steps": 20, "deadline_s": 150}
     result = ElasticTrainer(
-        counting_train_fn, min_workers=2, max_workers=4, config=config, cooldown_range=(1, 1), verbose=0
+        counting_train_fn,
+        min_workers=2,
+        max_workers=3,
+        config=config,
+        discovery=three_slots(cluster, tmp_path),
+        cooldown_range=(1, 1),
+        verbose=0,
     ).fit()
     kinds = [e.kind for e in result.events]
     assert kinds == ["start", "worker_failed", "driver_restarted", "hosts_added", "driver_restarted"], (
         f"no worker lost or rolled back because of the driver: {result.events}"
     )
     final = result.return_value["steps"]
-    assert result.return_value["world_size"] == 4
+    assert result.return_value["world_size"] == 3
     steps = [m["step"] for m in result.metrics_history]
     assert steps_once_each(result) == list(range(1, final + 1)), "no step missing"
     assert len(steps) - final <= 5, f"only the steps since the last commit (every 5) are redone: {len(steps) - final}"

@@ -97,7 +97,7 @@ def ledger_train_fn(config: dict) -> dict:
 
 
 def test_a_parquet_dataset_is_trained_exactly_once_through_a_kill_a_join_and_a_leave(cluster, no_leaks, tmp_path):
-    n = write_parquet(tmp_path / "data", files=12)
+    n = write_parquet(tmp_path / "data", files=6)  # 120 batches of 500 an epoch: the events are step-driven
     host_a, host_b = (node.node_id for node in cluster.worker_nodes_at_start)
     hosts = tmp_path / "hosts.json"
     hosts.write_text(json.dumps({host_a: 2, host_b: 1}))

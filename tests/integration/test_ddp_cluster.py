@@ -4,15 +4,18 @@ On the session's cluster (2 nodes x 2 CPUs): a run of digits with a DDP
 model at world 4 lives through a SIGKILL of rank 3 before its backward, the
 replacement's scale-up back to 4 and a graceful removal of a host down to
 2, and the ranks must hold bitwise-equal state after every sync and train
-every sample exactly once per epoch (the soak's ledger check). It runs
-twice: with the gradient sums in shared memory (the nodes share this
-machine), and over Gloo, as on several machines (there rank 1, no ring
-neighbour of rank 3, must leave DDP's reducer at the driver's abandon, not
-at Gloo's 300 s timeout). A second run checks DDP's semantics in real workers:
-gradients averaged as DDP averages them, `no_sync()` accumulation, options
-passed through, no collective of its own for `check_host_updates()` after a
-step, and a user's exception still failing the run. Without Ray, in rings of
-processes, the reduction is checked against plain DDP's at world 2 and 3.
+every sample exactly once per epoch (the soak's ledger check). It runs over
+Gloo, as on several machines (there rank 1, no ring neighbour of rank 3,
+must leave DDP's reducer at the driver's abandon, not at Gloo's 300 s
+timeout); DDP through shared memory, which these nodes would use, goes
+through a kill, a join and a leave in test_schedulers_integration.py[ddp].
+A second run checks DDP's semantics in real workers: gradients averaged as
+DDP averages them, `no_sync()` accumulation, options passed through, no
+collective of its own for `check_host_updates()` after a step, and a user's
+exception still failing the run; before it, the same workers check the
+torch helpers (`broadcast_parameters`, `broadcast_optimizer_state`,
+`DistributedOptimizer`'s averaging). Without Ray, in rings of processes,
+the reduction is checked against plain DDP's at world 2 and 3.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import pytest
 import torch
 from conftest import wait_until
 from runs import fit_in_thread
-from workloads import FileDiscovery, _fire_faults
+from workloads import FileDiscovery, _fire_faults, torch_checks_train_fn
 
 import ray_elastic as elastic
 from ray_elastic import ElasticTrainer, TrainingFailedError
@@ -103,13 +106,11 @@ def ledger_train_fn(config: dict) -> dict:
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("reduction", ["shared memory", "gloo"])
-def test_ddp_through_sigkill_scale_up_and_graceful_removal_exactly_once_and_equal(
-    cluster, no_leaks, tmp_path, reduction
-):
-    """The session's workers share one machine: their sums go through shared memory unless the run says Gloo
+def test_ddp_through_sigkill_scale_up_and_graceful_removal_exactly_once_and_equal(cluster, no_leaks, tmp_path):
+    """The session's workers share one machine: their sums would go through shared memory, but the run says Gloo
     (as ranks on several machines do), where rank 1, no ring neighbour of rank 3, leaves DDP's reducer at the
-    driver's abandon."""
+    driver's abandon. (DDP over shared memory through a kill, a join and a leave: test_schedulers_integration.py,
+    its [ddp] case; a rank killed mid-backward over shared memory: test_torch_integration.py's 25M model.)"""
     hosts_file = tmp_path / "hosts.json"
     first, second = (n.node_id for n in cluster.worker_nodes_at_start)
     hosts_file.write_text(json.dumps({first: 2, second: 2}))
@@ -123,7 +124,7 @@ def test_ddp_through_sigkill_scale_up_and_graceful_removal_exactly_once_and_equa
         "faults": [
             {"rank": 3, "step": 12, "phase": "backward", "action": "sigkill", "marker": str(tmp_path / "killed")}
         ],
-        "gloo": reduction == "gloo",
+        "gloo": True,
     }
     fut = fit_in_thread(
         ElasticTrainer(
@@ -161,7 +162,7 @@ def test_ddp_through_sigkill_scale_up_and_graceful_removal_exactly_once_and_equa
     assert failed.world_size == 3 and failed.reset_duration is not None and failed.reset_duration < 10, failed
     assert max(e.world_size for e in result.events) == 4
     value = result.return_value
-    assert value["shared"] == [reduction == "shared memory"] * 2, f"{reduction} expected, got {value['shared']}"
+    assert value["shared"] == [False] * 2, f"Gloo expected, got shared memory: {value['shared']}"
     assert len(set(value["digests"])) == 1, "ranks ended with different state"
     assert len(value["sync_checks"]) >= 2 and all(value["sync_checks"]), "state differed right after a sync"
     figures = check_ledger(str(ledger_dir), value["n"], value["epochs"], max_world=4)
@@ -225,9 +226,19 @@ def semantics_train_fn(config: dict) -> dict:
     return train(state)
 
 
+def torch_helpers_then_semantics_train_fn(config: dict) -> dict:
+    """The torch helpers' checks (collectives before `@elastic.run`), then DDP's semantics, in the same workers."""
+    return {"torch": torch_checks_train_fn(config), **semantics_train_fn(config)}
+
+
 @pytest.mark.integration
-def test_ddp_semantics_in_real_workers(cluster, no_leaks):
-    found = ElasticTrainer(semantics_train_fn, 2, 2, verbose=0).fit().return_value
+def test_ddp_semantics_and_the_torch_helpers_in_real_workers(cluster, no_leaks):
+    found = ElasticTrainer(torch_helpers_then_semantics_train_fn, 2, 2, verbose=0).fit().return_value
+    helpers = found["torch"]
+    assert helpers["distinct_before"] == 2, "the check needs ranks that start different"
+    assert helpers["distinct_after"] == 1, "broadcast_parameters + broadcast_optimizer_state made every rank equal"
+    assert helpers["buckets"] > 1
+    assert helpers["averaged_ok"] == [True, True], "DistributedOptimizer averaged every rank's gradients"
     assert found["local_after_no_sync"], "inside no_sync() the gradient stays local"
     assert found["averaged"], "after no_sync() the next backward averages the accumulated sums, as DDP does"
     assert found["unused_grad"] is None, "find_unused_parameters reached DDP: the unused branch got no gradient"

@@ -61,7 +61,10 @@ def ranks_and_sum(scale):
 
 
 @pytest.mark.integration
-def test_a_static_executor_keeps_its_workers_and_returns_every_rank_in_order(cluster, no_leaks):
+def test_a_static_executor_keeps_its_workers_and_returns_every_rank_in_order_and_names_a_dead_one(cluster, no_leaks):
+    import signal
+    import time
+
     import ray
 
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -85,21 +88,7 @@ def test_a_static_executor_keeps_its_workers_and_returns_every_rank_in_order(clu
         with pytest.raises(ZeroDivisionError, match="division"):
             executor.run(lambda: 1 / 0)
         assert executor.execute(lambda w: w.calls) == [2, 2, 2, 2]  # a user error leaves the workers serving
-    finally:
-        executor.shutdown()
-
-
-@pytest.mark.integration
-def test_a_static_executor_whose_worker_dies_fails_the_next_call_naming_the_rank(cluster, no_leaks):
-    import signal
-    import time
-
-    import ray
-
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    executor = RayExecutor(RayExecutor.create_settings(timeout_s=30), num_workers=2)
-    executor.start()
-    try:
+        # a worker that dies: the next call fails naming its rank, at once
         pids = executor.run(os.getpid)
         os.kill(pids[1], signal.SIGKILL)  # the cluster's nodes run on this machine
         started = time.monotonic()

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import re
 import time
 import urllib.request
 
 import pytest
 from conftest import wait_until
-from workloads import counting_train_fn
+from runs import assert_same_state, sizes
+from workloads import FileDiscovery, counting_train_fn
 
 from ray_elastic import ElasticTrainer
 
@@ -35,15 +37,26 @@ def _series(text: str, name: str, run_id: str) -> list[float]:
 
 @pytest.mark.integration
 def test_ray_metrics_reach_prometheus_and_the_timeline_plots_a_real_run(cluster, no_leaks, tmp_path):
-    fault = {"rank": 1, "step": 30, "action": "sigkill", "marker": str(tmp_path / "fired")}
+    """Also the fault matrix's cell "a failure inside a commit rolls back to that commit" (test_faults.py):
+    rank 1 dies inside the commit of step 20, and no newcomer takes its place (3 -> 2)."""
+    first, second = (n.node_id for n in cluster.worker_nodes_at_start)
+    hosts = tmp_path / "hosts.json"
+    hosts.write_text(json.dumps({first: 2, second: 1}))  # every slot taken: the victim's is not refilled
+    fault = {"rank": 1, "step": 20, "action": "sigkill", "phase": "commit", "marker": str(tmp_path / "fired")}
     result = ElasticTrainer(
         counting_train_fn,
         2,
-        4,
+        3,
         config={"faults": [fault], "steps": 150, "step_time": 0.01},
-        cooldown_range=(30, 60),
+        discovery=FileDiscovery(str(hosts)),
+        cooldown_range=(60, 60),
         verbose=0,
     ).fit()
+    assert sizes(result) == [3, 2]
+    # the victim died inside the commit of step 20; the survivors had finished theirs and resume after it
+    first_after = next(m for m in result.metrics_history if m["world_size"] == 2)
+    assert first_after["step"] == 21
+    assert_same_state(result)
     assert result.resets >= 1
     run_id = result.run_id
 
@@ -61,7 +74,7 @@ def test_ray_metrics_reach_prometheus_and_the_timeline_plots_a_real_run(cluster,
     started = time.monotonic()
     got = wait_until(exported, 60, f"the run's metrics on Ray's Prometheus endpoints (run_id {run_id})", interval=1)
     print(f"metrics visible {time.monotonic() - started:.1f} s after fit() returned: {got}")
-    assert got["world"][-1] == 3, "world size after the crash: 4 -> 3"
+    assert got["world"][-1] == 2, "world size after the crash: 3 -> 2"
     assert sum(got["resets"]) == result.resets
     assert sum(got["recoveries"]) >= 1
     assert max(got["rate"]) > 1
