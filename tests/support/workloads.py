@@ -213,21 +213,6 @@ class FileDiscovery:
             return json.load(f)
 
 
-class BlipDiscovery(FileDiscovery):
-    """`FileDiscovery` that answers `{}` once each time the test creates `blip_file` (a one-poll blip)."""
-
-    def __init__(self, path: str, blip_file: str) -> None:
-        super().__init__(path)
-        self.blip_file = blip_file
-
-    def __call__(self) -> dict:
-        try:
-            os.unlink(self.blip_file)
-        except FileNotFoundError:
-            return super().__call__()
-        return {}
-
-
 class FaultHook:
     """A picklable step hook that fires the declared faults (see `_fire_faults`)."""
 
