@@ -85,7 +85,9 @@ class RunConfig:
         """
         values = check_all(options)
         if values["max_workers"] < values["min_workers"]:
-            raise ValueError(f"max_workers ({values['max_workers']}) must be >= min_workers ({values['min_workers']})")
+            raise ValueError(
+                f"max_workers ({values['max_workers']}) must be >= min_workers ({values['min_workers']})"
+            )
         requested = values["backend"]
         return cls(
             **{**values, "backend": resolve_backend(requested, values["resources_per_worker"])},

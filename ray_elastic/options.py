@@ -173,60 +173,35 @@ _S = {"type": float, "metavar": "S"}
 OPTIONS: tuple[Option, ...] = (
     # ---- scaling: how many workers, of what, growing how ----
     Option(
-        "min_workers",
-        "scaling",
-        None,
-        check_int(1),
+        "min_workers", "scaling", None, check_int(1),
         "the run waits (up to `elastic_timeout`) until this many workers are ready, and pauses if fewer remain.",
-        "wait for at least N workers (required, or -np)",
-        _N,
-        ("--min-np", "--min-num-proc"),
-        "min_num_proc",
+        "wait for at least N workers (required, or -np)", _N, ("--min-np", "--min-num-proc"), "min_num_proc",
     ),
     Option(
-        "max_workers",
-        "scaling",
-        None,
-        check_int(1),
+        "max_workers", "scaling", None, check_int(1),
         "the world never grows beyond this.",
-        "never grow past N (default: -np, else --min-workers)",
-        _N,
-        ("--max-np", "--max-num-proc"),
-        "max_num_proc",
+        "never grow past N (default: -np, else --min-workers)", _N, ("--max-np", "--max-num-proc"), "max_num_proc",
     ),
     Option(
-        "resources_per_worker",
-        "scaling",
-        None,
-        _check_resources,
+        "resources_per_worker", "scaling", None, _check_resources,
         'one worker\'s Ray resources (default `{"CPU": 1}`); each worker gets a placement group with one such bundle.',
         "Ray resources of one worker, e.g. CPU=2,GPU=1 (repeatable; default CPU=1)",
         {"type": _resource_pairs, "action": "extend", "metavar": "NAME=AMOUNT[,...]"},
     ),
     Option(
-        "backend",
-        "scaling",
-        "auto",
-        _check_backend,
+        "backend", "scaling", "auto", _check_backend,
         '"auto" (NCCL for GPU workers, else torch Gloo if torch is installed, else pygloo), "gloo", "pygloo" or '
         '"nccl" (GPU workers: `resources_per_worker` must ask for a GPU).',
         "collective backend: auto (NCCL for GPU workers, else torch Gloo, else pygloo), gloo, pygloo or nccl",
         {"choices": BACKENDS},
     ),
     Option(
-        "discovery_interval",
-        "scaling",
-        1.0,
-        check_seconds,
+        "discovery_interval", "scaling", 1.0, check_seconds,
         "seconds between discovery polls.",
-        "seconds between discovery polls",
-        _S,
+        "seconds between discovery polls", _S,
     ),
     Option(
-        "evict_stragglers",
-        "scaling",
-        True,
-        _check_bool,
+        "evict_stragglers", "scaling", True, _check_bool,
         "let a worker go when it is persistently slower than the others (1.5x their median compute per step for "
         "~15 s) and the run is predicted faster without it: it leaves gracefully (no step redone), its host cools "
         "down over `cooldown_range` and is offered again on probation (default True). False keeps it and only "
@@ -237,99 +212,58 @@ OPTIONS: tuple[Option, ...] = (
     ),
     # ---- failure: what a failure costs, and when the run gives up ----
     Option(
-        "reset_limit",
-        "failure",
-        None,
-        _or_none(check_int(0)),
+        "reset_limit", "failure", None, _or_none(check_int(0)),
         "fail after this many resets (None: unbounded).",
-        "fail after N resets (default: unbounded)",
-        _N,
-        (),
-        "reset_limit",
+        "fail after N resets (default: unbounded)", _N, (), "reset_limit",
     ),
     Option(
-        "cooldown_range",
-        "failure",
-        (10.0, 300.0),
-        _check_cooldown,
-        "(min, max) seconds a host whose worker failed is held back, doubling with each failure, then offered again.",
+        "cooldown_range", "failure", (10.0, 300.0), _check_cooldown,
+        "(min, max) seconds a host whose worker failed is held back, doubling with each failure, then offered "
+        "again.",
         "seconds a host whose worker failed gets no new worker, doubling per failure",
-        {"type": float, "nargs": 2, "metavar": ("MIN", "MAX")},
-        ("--blacklist-cooldown-range",),
-        "cooldown_range",
+        {"type": float, "nargs": 2, "metavar": ("MIN", "MAX")}, ("--blacklist-cooldown-range",), "cooldown_range",
     ),
     Option(
-        "max_failures",
-        "failure",
-        0,
-        check_int(0),
+        "max_failures", "failure", 0, check_int(0),
         "how many exceptions raised by `train_fn` to retry as a failure of that worker (for flaky hardware); 0 "
         "(default) fails the run at the first one, with its traceback. Worker deaths are recovered in place and "
         "never counted here (Ray Train's `FailureConfig(max_failures=)` counts failures that restart the run).",
-        "exceptions of FUNCTION to retry as that worker's failure; 0 fails at the first",
-        _N,
+        "exceptions of FUNCTION to retry as that worker's failure; 0 fails at the first", _N,
     ),
     # ---- timeouts: every wait of the run is bounded by one of these ----
     Option(
-        "elastic_timeout",
-        "timeouts",
-        600.0,
-        check_seconds,
+        "elastic_timeout", "timeouts", 600.0, check_seconds,
         "seconds to wait for `min_workers` (at start and after losing workers), for a newcomer to boot and for "
         "placement; and the longest `fit()` waits for a driver actor that answers nothing.",
-        "seconds to wait for --min-workers, a newcomer's boot or a placement",
-        _S,
-        (),
-        "elastic_timeout",
+        "seconds to wait for --min-workers, a newcomer's boot or a placement", _S, (), "elastic_timeout",
     ),
     Option(
-        "discovery_timeout",
-        "timeouts",
-        30.0,
-        check_seconds,
+        "discovery_timeout", "timeouts", 30.0, check_seconds,
         "seconds one discovery call (callable or script) may take; a script still running then is killed. The "
         "first failure fails the run; later ones are retried with a warning until `elastic_timeout` passes "
         "without a success. It also bounds `fit()`'s own look at `checkpoint_dir` before the run starts.",
-        "seconds one discovery call may take; a script still running is killed",
-        _S,
+        "seconds one discovery call may take; a script still running is killed", _S,
     ),
     Option(
-        "liveness_timeout",
-        "timeouts",
-        5.0,
-        check_seconds,
+        "liveness_timeout", "timeouts", 5.0, check_seconds,
         "a worker that does not answer a ping within this many seconds and uses no CPU is killed and treated as "
         "failed; one busy in a long C call that holds the GIL is spared up to `collective_timeout`.",
-        "a worker not answering a ping within S seconds, and not computing, is killed as failed",
-        _S,
+        "a worker not answering a ping within S seconds, and not computing, is killed as failed", _S,
     ),
     Option(
-        "collective_timeout",
-        "timeouts",
-        300.0,
-        check_seconds,
+        "collective_timeout", "timeouts", 300.0, check_seconds,
         "seconds one collective (or forming one ring) may take.",
-        "seconds one collective, or forming one ring, may take",
-        _S,
-        (),
-        "timeout_s",
+        "seconds one collective, or forming one ring, may take", _S, (), "timeout_s",
     ),
     Option(
-        "checkpoint_timeout",
-        "timeouts",
-        None,
-        _or_none(check_seconds),
+        "checkpoint_timeout", "timeouts", None, _or_none(check_seconds),
         "seconds one durable checkpoint write, the final flush, a resume's read, or a hand-over to Ray Tune may "
         "take (None, the default: `collective_timeout`).",
-        "seconds one durable checkpoint write or read may take (default: --collective-timeout)",
-        _S,
+        "seconds one durable checkpoint write or read may take (default: --collective-timeout)", _S,
     ),
     # ---- checkpoint: durable checkpoints ----
     Option(
-        "checkpoint_dir",
-        "checkpoint",
-        None,
-        _check_checkpoint_dir,
+        "checkpoint_dir", "checkpoint", None, _check_checkpoint_dir,
         "a local directory or an fsspec URL for durable checkpoints (None: in-memory commits only). Rank 0 writes "
         "the committed state there every `checkpoint_every` commits, as plain files (`torch.save`d state dicts, "
         "JSON) in a directory of its own, complete before it counts; a `fit()` that finds a checkpoint there "
@@ -340,63 +274,42 @@ OPTIONS: tuple[Option, ...] = (
         {"metavar": "DIR_OR_URL"},
     ),
     Option(
-        "checkpoint_every",
-        "checkpoint",
-        10,
-        check_int(1),
+        "checkpoint_every", "checkpoint", 10, check_int(1),
         "commits between two durable checkpoints (default 10).",
-        "commits between durable checkpoints",
-        {"type": int, "metavar": "K"},
+        "commits between durable checkpoints", {"type": int, "metavar": "K"},
     ),
     Option(
-        "checkpoint_keep",
-        "checkpoint",
-        2,
-        check_int(1),
+        "checkpoint_keep", "checkpoint", 2, check_int(1),
         "how many of the newest checkpoints `checkpoint_dir` keeps (default 2: the latest, and the one before it "
         "while the latest is written); older ones are removed after each write.",
-        "how many of the newest durable checkpoints --checkpoint-dir keeps",
-        _N,
+        "how many of the newest durable checkpoints --checkpoint-dir keeps", _N,
     ),
     # ---- data: Ray Data input ----
     Option(
-        "datasets",
-        "data",
-        (),
-        _check_names,
-        'Ray Datasets by name (`{"train": ray.data.read_parquet(...)}`), streamed by the run\'s feed actor; '
+        "datasets", "data", (), _check_names,
+        "Ray Datasets by name (`{\"train\": ray.data.read_parquet(...)}`), streamed by the run's feed actor; "
         "inside `train_fn`, `elastic.get_dataset_shard(name)` is this rank's shard, trained exactly once per epoch "
         "through every reset when it is in the committed state (`docs/user-guide.md`). Needs `ray[data]` (the "
         "`data` extra). The run's options hold their names.",
     ),
     Option(
-        "data_cpus",
-        "data",
-        1,
-        check_int(0),
+        "data_cpus", "data", 1, check_int(0),
         "with `datasets=`, how many whole CPUs of the cluster the workers leave free for Ray Data's read and map "
         "tasks (default 1: what one task asks for by default; raise it for a pipeline whose tasks or actors ask "
         "for more). Workers holding every CPU starve the pipeline. 0 lets the workers take every CPU.",
     ),
     Option(
-        "data_starvation_timeout",
-        "data",
-        60.0,
-        check_seconds,
+        "data_starvation_timeout", "data", 60.0, check_seconds,
         "seconds a rank may wait for a block that the pipeline does not produce while the cluster has no free "
         "CPU; then the run fails with a `DataStarvedError` naming `data_cpus` (default 60).",
     ),
     # ---- results: what fit() keeps ----
     Option(
-        "keep_metrics",
-        "results",
-        100_000,
-        _or_none(check_int(0)),
+        "keep_metrics", "results", 100_000, _or_none(check_int(0)),
         "how many of rank 0's newest reports `Result.metrics_history` keeps (default 100,000; None keeps all); "
         "older ones are counted in `Result.metrics_dropped`. The driver holds only the reports `fit()` has not "
         "fetched yet, so its memory stays bounded either way.",
-        "rank 0's newest N reports kept for the summary; older ones are only counted",
-        _N,
+        "rank 0's newest N reports kept for the summary; older ones are only counted", _N,
     ),
 )
 
@@ -424,7 +337,9 @@ def docs(indent: str = "        ", width: int = 110) -> str:
 
     lines = []
     for o in OPTIONS:
-        lines += textwrap.wrap(f"{o.name}: {o.doc}", width, initial_indent=indent, subsequent_indent=indent + "    ")
+        lines += textwrap.wrap(
+            f"{o.name}: {o.doc}", width, initial_indent=indent, subsequent_indent=indent + "    "
+        )
     return "\n".join(lines)
 
 

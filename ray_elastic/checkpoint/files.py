@@ -59,22 +59,8 @@ class _Unsafe(Exception):
     """A value `torch.load(weights_only=True)` cannot read back: its entry is pickled instead."""
 
 
-_NUMPY_TO_PLAIN = (
-    "bool_",
-    "int8",
-    "int16",
-    "int32",
-    "int64",
-    "uint8",
-    "uint16",
-    "uint32",
-    "uint64",
-    "float16",
-    "float32",
-    "float64",
-    "complex64",
-    "complex128",
-)
+_NUMPY_TO_PLAIN = ("bool_", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+                   "float16", "float32", "float64", "complex64", "complex128")
 
 
 def _weights_only_form(value: Any) -> Any:

@@ -161,17 +161,15 @@ class CheckpointStore:
         except FileNotFoundError:
             return None
         except Exception as e:  # noqa: BLE001 - not a manifest this library wrote: never the latest
-            logger.warning(
-                "ignoring the checkpoint %s: its %s cannot be read (%s: %s)", path, META_FILE, type(e).__name__, e
-            )
+            logger.warning("ignoring the checkpoint %s: its %s cannot be read (%s: %s)", path, META_FILE,
+                           type(e).__name__, e)
             return None
         return meta if isinstance(meta, dict) else None
 
     def _complete(self, found: list[_Found] | None = None) -> list[_Found]:
         """The complete checkpoints, oldest first by their manifests' (run, generation, commit)."""
-        return sorted(
-            (f for f in (self._found() if found is None else found) if f.meta is not None), key=lambda f: f.key
-        )
+        return sorted((f for f in (self._found() if found is None else found) if f.meta is not None),
+                      key=lambda f: f.key)
 
     def checkpoints(self) -> list[str]:
         """The complete checkpoints' paths, oldest first."""

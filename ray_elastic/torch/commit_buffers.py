@@ -35,6 +35,7 @@ def swappable(t: torch.Tensor, b: torch.Tensor) -> bool:
     )
 
 
+
 class TensorBuffers:
     """Buffers that mirror a list of tensors: allocated once and reused, refilled in the background after a restore.
 

@@ -53,7 +53,8 @@ def check_dataset_names(train_fn: Callable[..., Any], datasets: Mapping[str, Any
     if asked - set(datasets):
         given = f"datasets {sorted(datasets)}" if datasets else "no datasets="
         raise ValueError(
-            f"train_fn asks get_dataset_shard for {sorted(asked - set(datasets))}, but ElasticTrainer was given {given}"
+            f"train_fn asks get_dataset_shard for {sorted(asked - set(datasets))}, but ElasticTrainer "
+            f"was given {given}"
         )
 
 
