@@ -112,14 +112,13 @@ class Failures:
         logger.warning("worker %s (%s) on node %s died: %s%s", worker_id, where, rec.host[:8], reason, note)
         if slot is not None and slot.rank == 0 and self.finishing.rank0_lost(rec, reason):
             return
+        why = f": {because}" if because else ""
         if was_member:
             self._causes.append(f"worker {worker_id} ({where}): {reason}")
-            why = f": {because}" if because else ""
             detail = f"worker {worker_id} ({where}) on node {rec.host[:8]} {what}{why}{note}"
             gens.later(gens.event(EventKind.WORKER_FAILED, detail, now))
         else:
             # a newcomer lost before it joined: a fault, but nobody trained with it, so no reset
-            why = f": {because}" if because else ""
             detail = f"worker {worker_id} on node {rec.host[:8]} {what} before joining{why}{note}"
             ev = gens.event(EventKind.NEWCOMER_FAILED, detail, now)
             ev.reset_duration = 0.0
