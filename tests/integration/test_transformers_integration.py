@@ -73,6 +73,33 @@ def tiny_gpt2():
     )
 
 
+def training_args(output_dir: str, max_steps: int, per_rank_batch: int):
+    """The run's and the reference's `TrainingArguments`: the same LR, seed and steps; only the batch differs."""
+    import transformers
+
+    return transformers.TrainingArguments(
+        output_dir=output_dir,
+        max_steps=max_steps,
+        per_device_train_batch_size=per_rank_batch,
+        learning_rate=1e-2,
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        logging_steps=10,
+        seed=0,
+        disable_tqdm=True,
+        remove_unused_columns=False,
+    )
+
+
+def final_loss(model, dataset: PatternDataset) -> float:
+    """The model's loss over every sequence of the dataset."""
+    import torch
+
+    with torch.no_grad():
+        return model(input_ids=dataset.tokens, labels=dataset.tokens).loss.item()
+
+
 def hf_train_fn(config: dict) -> dict:
     import torch
     import transformers
@@ -107,19 +134,7 @@ def hf_train_fn(config: dict) -> dict:
             if config.get("signal") and elastic.size() < 4:
                 time.sleep(0.4)  # keeps the run going while the newcomer boots; all ranks alike
 
-    args = transformers.TrainingArguments(
-        output_dir=config["out"],
-        max_steps=config["max_steps"],
-        per_device_train_batch_size=4,
-        learning_rate=1e-2,
-        use_cpu=True,
-        report_to=[],
-        save_strategy="no",
-        logging_steps=10,
-        seed=0,
-        disable_tqdm=True,
-        remove_unused_columns=False,
-    )
+    args = training_args(config["out"], config["max_steps"], per_rank_batch=4)
     trainer = prepare_trainer(
         transformers.Trainer(
             model=model, args=args, train_dataset=dataset, data_collator=dataset.collate, callbacks=[Story()]
@@ -131,9 +146,7 @@ def hf_train_fn(config: dict) -> dict:
     flat = torch.cat([p.detach().reshape(-1) for p in trainer.model.parameters()])
     digests = elastic.allgather_object(hashlib.sha256(flat.numpy().tobytes()).hexdigest())
     pids = elastic.allgather_object(os.getpid())
-    with torch.no_grad():
-        batch = dataset.tokens
-        loss = trainer.model(input_ids=batch, labels=batch).loss.item()
+    loss = final_loss(trainer.model, dataset)
     return {
         "global_step": trainer.state.global_step,
         "digests": digests,
@@ -204,24 +217,11 @@ def reference_loss(tmp_path: Path, max_steps: int) -> float:
     averaged; only the sample order differs, as it does between any two
     elastic runs. No Ray: seconds instead of a second cluster run.
     """
-    import torch
     import transformers
 
     model = tiny_gpt2()
     dataset = PatternDataset()
-    args = transformers.TrainingArguments(
-        output_dir=str(tmp_path / "reference-out"),
-        max_steps=max_steps,
-        per_device_train_batch_size=16,
-        learning_rate=1e-2,
-        use_cpu=True,
-        report_to=[],
-        save_strategy="no",
-        seed=0,
-        disable_tqdm=True,
-        remove_unused_columns=False,
-    )
+    args = training_args(str(tmp_path / "reference-out"), max_steps, per_rank_batch=16)
     trainer = transformers.Trainer(model=model, args=args, train_dataset=dataset, data_collator=dataset.collate)
     trainer.train()
-    with torch.no_grad():
-        return trainer.model(input_ids=dataset.tokens, labels=dataset.tokens).loss.item()
+    return final_loss(trainer.model, dataset)
