@@ -80,6 +80,18 @@ def wait_until(predicate: Callable[[], object], timeout: float, what: str, inter
         time.sleep(interval)
 
 
+def written_lines(path: Path) -> list[str]:
+    """The lines a live run has finished writing to `path`: an unterminated last line is left for the next read.
+
+    A worker's `write(line + "\\n")` can be seen half done by a reader polling
+    the file meanwhile (a healed-partition test once read half a JSON line).
+    """
+    if not path.exists():
+        return []
+    text = path.read_text()
+    return text[: text.rfind("\n") + 1].splitlines()
+
+
 def run_namespaces_alive() -> list[dict]:
     import ray
 

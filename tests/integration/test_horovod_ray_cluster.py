@@ -143,6 +143,20 @@ SCRIPT = Path(__file__).parents[1] / "support" / "horovod_scripts" / "ray_elasti
 SAMPLES, LR = 512, 0.01
 
 
+def run_example(script: Path, argv: list[str], env: dict, cwd: Path) -> subprocess.CompletedProcess:
+    """Run a horovod example script to its end; one that outlasts 240 s fails with what it printed.
+
+    240 s is under pytest's 300 s timeout, which would kill the test without the script's output.
+    """
+    try:
+        return subprocess.run(
+            [sys.executable, str(script), *argv], env=env, cwd=cwd, capture_output=True, text=True, timeout=240
+        )
+    except subprocess.TimeoutExpired as e:
+        printed = "".join(o.decode(errors="replace") if isinstance(o, bytes) else o or "" for o in (e.stdout, e.stderr))
+        pytest.fail(f"{script.name} did not end in 240 s; it printed:\n{printed[-6000:]}")
+
+
 @pytest.mark.integration
 # RayExecutor(min_workers=, max_workers=), as horovod's pytorch_ray_elastic.py uses it; ElasticRayExecutor runs
 # the same script (--executor elastic-ray) and is taken through a kill and host changes by the basic example below
@@ -158,9 +172,7 @@ def test_horovods_elastic_ray_example_lives_through_a_sigkill_and_test_discovery
         *("--executor", executor, "--log", str(log), "--epochs", "16", "--samples", str(SAMPLES)),
         *("--lr", str(LR), "--batch-seconds", "0.05", "--change-frequency-s", "6", "--kill-at", "1,3"),
     ]
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), *argv], env=env, cwd=REPO, capture_output=True, text=True, timeout=400
-    )
+    proc = run_example(SCRIPT, argv, env, REPO)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
     assert Path(str(log) + ".killed").exists(), "rank 1 never SIGKILLed itself"
@@ -207,9 +219,7 @@ def test_horovods_basic_ray_elastic_example_lives_through_a_sigkill_and_test_dis
         *("--min-hosts", "1", "--max-hosts", "2", "--batches-per-commit", "4", "--batches-per-host-check", "1"),
         *("--kill-at", "4,3"),
     ]
-    proc = subprocess.run(
-        [sys.executable, str(BASIC_SCRIPT), *argv], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=400
-    )
+    proc = run_example(BASIC_SCRIPT, argv, env, tmp_path)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
     assert Path(checkpoints.format(epoch="killed")).exists(), "rank 1 never SIGKILLed itself"
@@ -217,9 +227,11 @@ def test_horovods_basic_ray_elastic_example_lives_through_a_sigkill_and_test_dis
     logged = [json.loads(line) for line in (tmp_path / "logs" / "scalars.jsonl").read_text().splitlines()]
     sizes = [info["world_size"] for info in logged]
     steps = list(zip(sizes, sizes[1:], strict=False))
-    # the world shrank (a withdrawn host, the kill) and grew again (a host given back). The kill comes late: its
-    # host's 10 s cool-down would hold back the workers of a host TestDiscovery gives back meanwhile
-    assert any(b < a for a, b in steps) and any(b > a for a, b in steps), f"{run_lengths(sizes)}"
+    # the world shrank (the kill, and maybe a withdrawn host). Whether it also grows in this run is chance:
+    # TestDiscovery withdraws a random host every 5 s and a given-back host's workers boot in 9-17 s here, so a
+    # host is often withdrawn again before its workers are admitted (2 of 7 runs never grew). The elastic example's
+    # test above, 16 slower epochs, asserts the growth
+    assert any(b < a for a, b in steps), f"{run_lengths(sizes)}"
     assert [info["epoch"] for info in logged] == sorted(info["epoch"] for info in logged)  # never went back
     for info in logged:  # tqdm's bar length: this rank's share of the epoch, in batches of 8
         assert info["total"] == math.ceil(math.ceil(BASIC_SAMPLES / info["world_size"]) / 8), info

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import wait_until
+from conftest import wait_until, written_lines
 from netns_cluster import NetnsCluster, unavailable_reason
 
 from ray_elastic.checkpoint import CheckpointStore
@@ -157,7 +157,7 @@ def test_silent_cut_of_rank0s_node_survivors_go_on_in_seconds_and_the_healed_are
 
 
 def _steps(log: Path) -> list[dict]:
-    return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+    return [json.loads(line) for line in written_lines(log)]
 
 
 def test_a_healed_partition_writes_nothing_of_the_dead_ring_into_the_survivors(netns_cluster, tmp_path):

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import wait_until
+from conftest import wait_until, written_lines
 from cpu_quota import CpuQuota, cluster_node_pids, unavailable_reason
 
 from ray_elastic import ElasticTrainer
@@ -71,10 +71,7 @@ def paced_train_fn(config: dict) -> int:
 
 
 def progress(workdir: Path) -> list[tuple[int, float, int]]:
-    if not (workdir / "progress").exists():
-        return []
-    lines = (workdir / "progress").read_text().splitlines()
-    return [(int(s), float(t), int(w)) for s, t, w in (line.split() for line in lines if line.count(" ") == 2)]
+    return [(int(s), float(t), int(w)) for s, t, w in (line.split() for line in written_lines(workdir / "progress"))]
 
 
 def rate_since(workdir: Path, since: float) -> float | None:
