@@ -195,8 +195,8 @@ print("MEMORY", summary.replace(chr(10), " | "))
 
 
 def test_a_dataset_larger_than_the_object_store_streams_through_it(tmp_path):
-    """Its own Ray, with a 100 MB object store, and 2.4 times that in parquet (24 files of 10 MB): no materialize()."""
-    n = write_parquet(tmp_path / "data", files=24, rows_per_file=1000, pad_bytes=10_000)
+    """Its own Ray, with a 100 MB object store, and 1.6 times that in parquet (16 files of 10 MB): no materialize()."""
+    n = write_parquet(tmp_path / "data", files=16, rows_per_file=1000, pad_bytes=10_000)
     script = tmp_path / "stream.py"
     script.write_text(STREAM_SCRIPT.format(store=100 * 2**20, path=str(tmp_path / "data")))
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}

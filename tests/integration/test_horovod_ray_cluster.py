@@ -197,7 +197,7 @@ def test_horovods_elastic_ray_example_lives_through_a_sigkill_and_test_discovery
 
 
 BASIC_SCRIPT = Path(__file__).parents[1] / "support" / "horovod_scripts" / "basic_ray_elastic.py"
-BASIC_SAMPLES, BASIC_EPOCHS, BASIC_LR = 512, 6, 0.01
+BASIC_SAMPLES, BASIC_EPOCHS, BASIC_LR = 512, 4, 0.01
 
 
 @pytest.mark.integration
@@ -217,7 +217,7 @@ def test_horovods_basic_ray_elastic_example_lives_through_a_sigkill_and_test_dis
         *("--no-cuda", "--epochs", str(BASIC_EPOCHS), "--samples", str(BASIC_SAMPLES), "--lr", str(BASIC_LR)),
         *("--log-dir", str(tmp_path / "logs"), "--checkpoint-format", checkpoints, "--change-frequency-s", "5"),
         *("--min-hosts", "1", "--max-hosts", "2", "--batches-per-commit", "4", "--batches-per-host-check", "1"),
-        *("--kill-at", "4,3"),
+        *("--kill-at", "2,3"),
     ]
     proc = run_example(BASIC_SCRIPT, argv, env, tmp_path)
     out = proc.stdout + proc.stderr

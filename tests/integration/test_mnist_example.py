@@ -22,7 +22,7 @@ from mnist_steplr import DEFAULTS, main, train_fn  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
-EPOCHS = 3
+EPOCHS = 2
 CHANCE = 0.1
 
 
