@@ -22,6 +22,9 @@ import step_log
 from own_dashboard import local_cluster
 from results_file import write_results
 
+# how `--commit-every` reaches the training functions: the cluster's processes inherit this process's environment
+COMMIT_EVERY_ENV = "BENCH_COMMIT_EVERY"
+
 
 def throughput_row(world: int, steps: int, batch: int, rates: dict[str, list[float]]) -> dict[str, Any]:
     """One world size's figures from interleaved rounds of steps/s: medians and the spread of the ratios."""
@@ -65,8 +68,14 @@ def compare(
     parser.add_argument("--worlds", default="2,4")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=name, help="the results file's name under bench/results/")
+    # what costs ray-elastic its throughput, switched off one at a time (the cluster's processes inherit them)
+    parser.add_argument("--commit-every", type=int, default=commit_every, help="ray-elastic: steps between commits")
+    parser.add_argument("--no-shm", action="store_true", help="ray-elastic: Gloo's sums, not shared memory's")
     args = parser.parse_args()
     os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
+    os.environ[COMMIT_EVERY_ENV] = str(args.commit_every)
+    if args.no_shm:
+        os.environ["RAY_ELASTIC_SHM_ALLREDUCE"] = "0"
     rng = random.Random(args.seed)
     kills = [{"rank": rng.randint(0, 3), "step": rng.randint(25, 55)} for _ in range(max(args.reps, args.rt_reps))]
     el_rows, rt_rows, tput_rows = [], [], []
@@ -116,7 +125,8 @@ def compare(
         args.out,
         tput_rows,
         **meta,
-        commit_every=commit_every,
+        commit_every=args.commit_every,
+        shm_allreduce=not args.no_shm,
         rounds=args.rounds,
         seed=args.seed,
         elastic_recovery_rows=el_rows,

@@ -54,7 +54,7 @@ import ray.cloudpickle  # noqa: E402
 import step_log  # noqa: E402
 import torch  # noqa: E402
 import turns  # noqa: E402
-from framework_compare import compare, throughput_row  # noqa: E402
+from framework_compare import COMMIT_EVERY_ENV, compare, throughput_row  # noqa: E402
 from torch.utils.data import DataLoader, Dataset  # noqa: E402
 
 import ray_elastic as elastic  # noqa: E402
@@ -154,7 +154,7 @@ def elastic_train_fn(config: dict) -> int:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     trainer = pl.Trainer(
-        strategy=ElasticDDPStrategy(commit_every=COMMIT_EVERY),
+        strategy=ElasticDDPStrategy(commit_every=int(os.environ.get(COMMIT_EVERY_ENV, COMMIT_EVERY))),
         plugins=[ElasticEnvironment()],
         callbacks=[Probe(config)],
         **trainer_kwargs(config),

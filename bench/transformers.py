@@ -57,7 +57,7 @@ import step_log  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
 import turns  # noqa: E402
-from framework_compare import compare, throughput_row  # noqa: E402
+from framework_compare import COMMIT_EVERY_ENV, compare, throughput_row  # noqa: E402
 
 import ray_elastic as elastic  # noqa: E402
 
@@ -151,7 +151,7 @@ def elastic_train_fn(config: dict) -> int:
         train_dataset=CountingTokens(),
         callbacks=[Probe(config)],
     )
-    trainer = prepare_trainer(trainer, commit_every=COMMIT_EVERY)
+    trainer = prepare_trainer(trainer, commit_every=int(os.environ.get(COMMIT_EVERY_ENV, COMMIT_EVERY)))
     trainer.train()
     return trainer.state.global_step
 
