@@ -140,7 +140,7 @@ def os_env(name):
 # ---- elastic runs: horovod's examples/ray, two import lines changed ----------------------------------
 
 SCRIPT = Path(__file__).parents[1] / "support" / "horovod_scripts" / "ray_elastic_train.py"
-SAMPLES, LR = 512, 0.01
+SAMPLES, LR, EPOCHS = 512, 0.01, 8
 
 
 def run_example(script: Path, argv: list[str], env: dict, cwd: Path) -> subprocess.CompletedProcess:
@@ -169,7 +169,7 @@ def test_horovods_elastic_ray_example_lives_through_a_sigkill_and_test_discovery
     env["RAY_ADDRESS"] = cluster.address
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
     argv = [
-        *("--executor", executor, "--log", str(log), "--epochs", "16", "--samples", str(SAMPLES)),
+        *("--executor", executor, "--log", str(log), "--epochs", str(EPOCHS), "--samples", str(SAMPLES)),
         *("--lr", str(LR), "--batch-seconds", "0.05", "--change-frequency-s", "6", "--kill-at", "1,3"),
     ]
     proc = run_example(SCRIPT, argv, env, REPO)
@@ -184,10 +184,13 @@ def test_horovods_elastic_ray_example_lives_through_a_sigkill_and_test_discovery
 
     epochs = [json.loads(line) for line in log.read_text().splitlines()]
     sizes = [e["size"] for e in epochs]
-    assert len(epochs) == 16, sizes
-    # the world shrank (the kill, a withdrawn host) and grew again (a host given back, the replacement)
+    assert len(epochs) == EPOCHS, sizes
+    # the world shrank (the kill, and maybe a withdrawn host). A growth is chance here, as in the basic example
+    # below: TestDiscovery changes the hosts every 6 s and a given-back host's workers boot in 9-17 s, so a host is
+    # often withdrawn again before they are admitted (a clean-clone CI run saw none in 16 epochs). Growth through
+    # discovery is asserted where the test decides the hosts: test_horovod_elastic.py's host added
     steps = list(zip(sizes, sizes[1:], strict=False))
-    assert any(b < a for a, b in steps) and any(b > a for a, b in steps), sizes
+    assert any(b < a for a, b in steps), sizes
     for e in epochs:
         assert e["processed"] == SAMPLES, e  # every sample once per epoch through the kill and the changes
         assert e["lr"] == pytest.approx(LR * e["size"]), e
@@ -227,10 +230,8 @@ def test_horovods_basic_ray_elastic_example_lives_through_a_sigkill_and_test_dis
     logged = [json.loads(line) for line in (tmp_path / "logs" / "scalars.jsonl").read_text().splitlines()]
     sizes = [info["world_size"] for info in logged]
     steps = list(zip(sizes, sizes[1:], strict=False))
-    # the world shrank (the kill, and maybe a withdrawn host). Whether it also grows in this run is chance:
-    # TestDiscovery withdraws a random host every 5 s and a given-back host's workers boot in 9-17 s here, so a
-    # host is often withdrawn again before its workers are admitted (2 of 7 runs never grew). The elastic example's
-    # test above, 16 slower epochs, asserts the growth
+    # the world shrank (the kill, and maybe a withdrawn host); a growth is chance, as in the elastic example
+    # above (with TestDiscovery's changes every 5 s: no growth in 2 of 6 runs under pytest, 1 of 8 alone)
     assert any(b < a for a, b in steps), f"{run_lengths(sizes)}"
     assert [info["epoch"] for info in logged] == sorted(info["epoch"] for info in logged)  # never went back
     for info in logged:  # tqdm's bar length: this rank's share of the epoch, in batches of 8
