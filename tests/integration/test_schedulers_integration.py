@@ -36,6 +36,7 @@ def test_schedulers_and_a_prepared_loader_through_a_kill_a_join_and_a_leave(clus
         "path": path,
         "end_world": 2,
         "extra_steps": 20,
+        "min_epochs": 2,  # two complete epochs for the loader's every-sample-once check below
         "deadline_s": 150,
         "signal_file": str(signal),
         "signal_step": 40,

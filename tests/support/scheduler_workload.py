@@ -76,10 +76,15 @@ class Parts(torch.nn.Module):
 
 
 def _done(state, config: dict) -> bool:
-    """The run's end: `extra_steps` after the world first had `end_world` workers past `signal_step`."""
+    """The run's end: `extra_steps` after the world first had `end_world` workers past `signal_step`, and not
+    before `min_epochs` epochs are complete.
+
+    The epoch floor makes the run's length independent of how fast the cluster changes: a leave that comes soon
+    after the signal would otherwise end the run inside its second epoch.
+    """
     if elastic.size() == config["end_world"] and state.step >= config["signal_step"]:
         state.shrunk_at = state.step if state.shrunk_at is None else state.shrunk_at
-        return state.step >= state.shrunk_at + config["extra_steps"]
+        return state.step >= state.shrunk_at + config["extra_steps"] and state.epoch >= config.get("min_epochs", 0)
     return False
 
 

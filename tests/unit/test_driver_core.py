@@ -527,6 +527,21 @@ def test_rank0_finishing_ends_the_run_with_its_value_and_stops_newcomers():
     assert s.core.state is DriverState.DONE and s.core.return_value == {"loss": 0.1}
 
 
+def test_ranks_returning_as_a_generation_admits_a_newcomer_end_the_run_without_waiting_for_it():
+    """Found in CI: the newcomer waited for the ring the others never joined, and failed the run as uneven."""
+    s = Script(max_workers=3)
+    s.start({"A": 1, "B": 1})
+    s.send(m.HostsDiscovered({"A": 1, "B": 1, "C": 1}))
+    [spawn] = s.of(m.Spawn)
+    s.send(m.WorkerReady(spawn.worker_id))
+    [publish] = s.of(m.Publish)
+    assert spawn.worker_id in publish.plan  # generation 2 admits it; w1 and w2 return from generation 1's last step
+    s.send(m.WorkerExited("w1", Finished(0, "rank 0's model")))
+    assert m.Kill(spawn.worker_id) in s.actions and s.of(m.Publish) == []
+    s.send(m.WorkerExited("w2", Finished(1)))
+    assert s.core.state is DriverState.DONE and s.core.return_value == "rank 0's model"
+
+
 def test_ranks_finishing_at_different_steps_fail_at_once_keeping_rank0s_value():
     """Found trying it: uneven shards waited 900 s and ended in an unreadable RendezvousTimeoutError."""
     s = Script()

@@ -55,7 +55,26 @@ class Finishing:
                 self.returned = True
             for other in record.roster.live(WorkerStatus.STARTING, WorkerStatus.READY):
                 record.let_go(other)
+            self._let_go_unsynced_members()
         self.end_if_done()
+
+    def _let_go_unsynced_members(self) -> None:
+        """Stop the members of the newest generation that never synced: the training they were to join is over.
+
+        A generation admitting newcomers can be published just as the ranks
+        of the one before take their last step: they agree at that check that
+        nothing changed, return from train_fn, and never join the new ring.
+        The newcomers would wait in it for them until the ring's timeout and
+        then fail the run as an uneven finish. A member that never finished a
+        sync holds nothing of the run (and is never rank 0 while a holder
+        lives, `assignment.assign_ranks`), so it is let go and the run ends
+        with the ranks that trained.
+        """
+        roster = self.record.roster
+        for worker_id in self.generations.plan:
+            rec = roster.get(worker_id)
+            if rec is not None and rec.status in IN_RING and not rec.holds_state:
+                self.record.let_go(rec)
 
     def end_if_done(self) -> None:
         """Once a worker returned and no member still trains, the run is done."""
