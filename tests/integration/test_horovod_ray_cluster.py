@@ -16,6 +16,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -23,6 +24,7 @@ import pytest
 
 from ray_elastic.horovod.ray import RayExecutor
 from ray_elastic.horovod.ray.settings import HorovodRayWarning
+from ray_elastic.session_log import session_log_dir
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -146,15 +148,28 @@ SAMPLES, LR, EPOCHS = 512, 0.01, 8
 def run_example(script: Path, argv: list[str], env: dict, cwd: Path) -> subprocess.CompletedProcess:
     """Run a horovod example script to its end; one that outlasts 240 s fails with what it printed.
 
-    240 s is under pytest's 300 s timeout, which would kill the test without the script's output.
+    240 s is under pytest's 300 s timeout, which would kill the test without the script's output. The
+    failure quotes the run's driver log too: what the driver decided last is what a hang is read from.
     """
+    started = time.time()
     try:
         return subprocess.run(
             [sys.executable, str(script), *argv], env=env, cwd=cwd, capture_output=True, text=True, timeout=240
         )
     except subprocess.TimeoutExpired as e:
         printed = "".join(o.decode(errors="replace") if isinstance(o, bytes) else o or "" for o in (e.stdout, e.stderr))
-        pytest.fail(f"{script.name} did not end in 240 s; it printed:\n{printed[-6000:]}")
+        pytest.fail(f"{script.name} did not end in 240 s; it printed:\n{printed[-6000:]}\n{driver_logs(started)}")
+
+
+def driver_logs(since: float) -> str:
+    """The last lines of every run driver's log in the session's logs written since `since`."""
+    logs = Path(session_log_dir() or "/nonexistent")
+    tails = []
+    for path in sorted(logs.glob("driver-*.log")):
+        if path.stat().st_mtime >= since:
+            lines = path.read_text(errors="replace").splitlines()[-80:]
+            tails.append(f"---- {path.name}, last {len(lines)} lines:\n" + "\n".join(lines))
+    return "\n".join(tails) or f"(no driver log written in {logs} since the script started)"
 
 
 @pytest.mark.integration
