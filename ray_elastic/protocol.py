@@ -70,6 +70,7 @@ class Finished:
     rank: int | None
     value: Any = None
     checkpoint_error: str | None = None  # rank 0's last durable checkpoint could not be written: why
+    generation: int | None = None  # the generation whose ring the worker trained in last (None: not said)
 
 
 @dataclass(frozen=True)

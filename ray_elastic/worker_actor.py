@@ -107,16 +107,16 @@ class WorkerActor:
             value = train_fn(config)
             if self.ctx.slot is None:
                 return UserError(_NEVER_JOINED, "", retryable=False)
-            rank = self.ctx.slot.rank
+            rank, generation = self.ctx.slot.rank, self.ctx.generation
             if rank != 0:
-                return Finished(rank)
+                return Finished(rank, generation=generation)
             note = self.ctx.flush_checkpoint()
             if note is not None:  # the result still goes back: a storage blip must not lose it
                 logger.warning("train_fn finished, but the last durable checkpoint was not written: %s", note)
             blob, unpicklable = _pickled(value)
             if unpicklable is not None:
                 return UserError(unpicklable, "", retryable=False)
-            return Finished(rank, blob, checkpoint_error=note)
+            return Finished(rank, blob, checkpoint_error=note, generation=generation)
         except WorkerRemovedError:
             return Removed()
         except CoordinatorDiedError as e:

@@ -536,9 +536,22 @@ def test_ranks_returning_as_a_generation_admits_a_newcomer_end_the_run_without_w
     s.send(m.WorkerReady(spawn.worker_id))
     [publish] = s.of(m.Publish)
     assert spawn.worker_id in publish.plan  # generation 2 admits it; w1 and w2 return from generation 1's last step
-    s.send(m.WorkerExited("w1", Finished(0, "rank 0's model")))
+    s.send(m.WorkerExited("w1", Finished(0, "rank 0's model", generation=1)))
     assert m.Kill(spawn.worker_id) in s.actions and s.of(m.Publish) == []
-    s.send(m.WorkerExited("w2", Finished(1)))
+    s.send(m.WorkerExited("w2", Finished(1, generation=1)))
+    assert s.core.state is DriverState.DONE and s.core.return_value == "rank 0's model"
+
+
+def test_a_rank_returning_before_rank0s_sync_is_heard_of_waits_for_rank0s_value():
+    """A short train_fn: rank 1's return can reach the driver before rank 0's word that it synced."""
+    s = Script()
+    s.send(m.HostsDiscovered({"A": 1, "B": 1}))
+    s.send(*[m.WorkerReady(a.worker_id) for a in s.of(m.Spawn)])
+    [publish] = s.of(m.Publish)
+    s.send(m.WorkerSynced("w2", publish.generation, s.now + 1000.0))
+    s.send(m.WorkerExited("w2", Finished(1, generation=1)))
+    assert m.Kill("w1") not in s.actions and s.core.state is not DriverState.DONE
+    s.send(m.WorkerExited("w1", Finished(0, "rank 0's model", generation=1)))
     assert s.core.state is DriverState.DONE and s.core.return_value == "rank 0's model"
 
 

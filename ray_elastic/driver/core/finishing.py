@@ -55,25 +55,28 @@ class Finishing:
                 self.returned = True
             for other in record.roster.live(WorkerStatus.STARTING, WorkerStatus.READY):
                 record.let_go(other)
-            self._let_go_unsynced_members()
+            self._let_go_newcomers_after(outcome.generation)
         self.end_if_done()
 
-    def _let_go_unsynced_members(self) -> None:
-        """Stop the members of the newest generation that never synced: the training they were to join is over.
+    def _let_go_newcomers_after(self, generation: int | None) -> None:
+        """Stop the members admitted after `generation`, the one the returning worker trained in last.
 
         A generation admitting newcomers can be published just as the ranks
         of the one before take their last step: they agree at that check that
         nothing changed, return from train_fn, and never join the new ring.
         The newcomers would wait in it for them until the ring's timeout and
-        then fail the run as an uneven finish. A member that never finished a
-        sync holds nothing of the run (and is never rank 0 while a holder
-        lives, `assignment.assign_ranks`), so it is let go and the run ends
-        with the ranks that trained.
+        then fail the run as an uneven finish. They hold nothing of the run
+        (they were to receive the state in the ring that never formed), so
+        they are let go and the run ends with the ranks that trained. A member
+        of `generation` itself is never let go: it is finishing too, and its
+        value may be the run's.
         """
+        if generation is None:
+            return
         roster = self.record.roster
         for worker_id in self.generations.plan:
             rec = roster.get(worker_id)
-            if rec is not None and rec.status in IN_RING and not rec.holds_state:
+            if rec is not None and rec.status in IN_RING and rec.admitted_in > generation:
                 self.record.let_go(rec)
 
     def end_if_done(self) -> None:

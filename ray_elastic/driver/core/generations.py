@@ -185,6 +185,7 @@ class Generations:
         self.plan = assign_ranks([r.live for r in ready])
         for rec in roster.live(WorkerStatus.READY):  # the others of `ready` are members already
             rec.status = WorkerStatus.MEMBER
+            rec.admitted_in = self.generation
         ended = roster.ids(WorkerStatus.GONE, WorkerStatus.FINISHED)  # a plan's members are never starting
         notify = tuple(w for w in previous if w not in ended)
         # the plan and who must sync are recorded before the shell publishes: a sync that

@@ -53,6 +53,7 @@ class WorkerRecord:
         "silent_since",
         "spared",
         "live",
+        "admitted_in",
         "_status",
         "_roster",
     )
@@ -67,6 +68,7 @@ class WorkerRecord:
         self.silent_since: float | None = None  # when the pings it has not answered since began (monotonic)
         self.spared = False  # silent but computing: spared by the liveness check
         self.live = LiveWorker(worker_id, host, seq)  # what the pure planners take, made once
+        self.admitted_in = 0  # the generation that made it a member (0: not admitted yet)
         self._status = status
 
     @property
@@ -193,6 +195,7 @@ class Roster:
             "silent": {r.worker_id: r.silent_since for r in recs if r.silent_since is not None},
             "spared": [r.worker_id for r in recs if r.spared],
             "holds": bytes(r.live.holds for r in recs),
+            "admitted": [r.admitted_in for r in recs],
             "fenced": self.fenced,
             "seq": self._seq,
             "version": self.version,
@@ -202,10 +205,11 @@ class Roster:
         Roster.__init__(self)
         self.fenced, self._seq, self.version = state["fenced"], state["seq"], state["version"]
         columns = zip(state["ids"], state["hosts"], state["seqs"], state["statuses"], state["started"], strict=True)
-        flags = zip(state["answered"], state["holds"], strict=True)
-        for (worker_id, host, seq, status, started), (answered, holds) in zip(columns, flags, strict=True):
+        flags = zip(state["answered"], state["holds"], state["admitted"], strict=True)
+        for (worker_id, host, seq, status, started), (answered, holds, admitted) in zip(columns, flags, strict=True):
             rec = WorkerRecord(self, worker_id, host, seq, _STATUSES[status], started)
             rec.answered = bool(answered)
+            rec.admitted_in = admitted
             if not answered or worker_id in state["silent"]:
                 self.unsettled.add(worker_id)
             if holds:
