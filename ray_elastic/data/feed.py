@@ -176,7 +176,10 @@ class _Epoch:
             raise IndexError(f"the epoch has {len(self.refs)} blocks, block {index} was asked for")
 
     def _wait(self, done: Callable[[], bool], index: int, wait_s: float) -> None:
-        """Wait (holding `cond`) until `done()`, at most `wait_s` s; fail early if the pipeline is starved of CPUs."""
+        """Wait (holding `cond`) until `done()`, at most `wait_s` s; fail early if the pipeline is starved of CPUs.
+
+        `cond` is held once (by `blocks` or `ref`), so releasing it around the probe lets the producer go on.
+        """
         since = time.monotonic()
         while not done():
             left = since + wait_s - time.monotonic()
@@ -186,7 +189,12 @@ class _Epoch:
                 )
             self.cond.wait(min(left, PROBE_EVERY_S))
             if not done():
-                self.starvation.check(self.name, since, self.produced_at)
+                # the probe asks the cluster (up to seconds, `probe_cluster`): the producer must not wait for it
+                self.cond.release()
+                try:
+                    self.starvation.check(self.name, since, self.produced_at)
+                finally:
+                    self.cond.acquire()
         took = time.monotonic() - since
         # as long as a starved pipeline would have failed, but it ran: slow, and said so once per block
         if took >= self.starvation.timeout and index not in self._slow and self.on_slow is not None:

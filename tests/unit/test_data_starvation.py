@@ -66,3 +66,34 @@ def test_a_pipeline_busy_on_its_own_cpu_is_slow_not_starved():
     wait(slow, clock, 59, since=100.0)
     with pytest.raises(DataStarvedError, match="data_cpus=1"):
         wait(slow, clock, 1, since=100.0)
+
+
+def test_a_block_produced_while_the_probe_asks_the_cluster_reaches_the_waiting_rank():
+    """The probe can take seconds (Ray's state API under load): the producer must not wait for it to hand a block."""
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from ray_elastic.data.feed import _Epoch
+
+    probing = threading.Event()
+    seen_while_probing: list[bool] = []
+
+    class OneBlockAfterTheProbeStarts:
+        def iter_internal_ref_bundles(self):
+            assert probing.wait(30), "the rank never probed"
+            entry = SimpleNamespace(ref="block-0", metadata=SimpleNamespace(size_bytes=8, num_rows=4))
+            yield SimpleNamespace(blocks=[entry], slices=[None])
+
+    def probe() -> Probe:
+        probing.set()
+        deadline = time.monotonic() + 10
+        while not epoch.refs and time.monotonic() < deadline:  # the producer appends the block under the feed's lock
+            time.sleep(0.01)
+        seen_while_probing.append(bool(epoch.refs))
+        return Probe(free_cpus=0.0, waiting_cpus=1.0, running_tasks=1)
+
+    epoch = _Epoch("train", OneBlockAfterTheProbeStarts(), ahead=4, budget=1e9, starvation=Starvation(60, 1, probe))
+    entries, ended = epoch.blocks(0, wait_s=30)
+    assert entries == [(("block-0", 0), 4)]
+    assert seen_while_probing == [True], "the block waited for the probe to end: the probe held the feed's lock"
