@@ -277,6 +277,46 @@ def test_a_replaced_pool_hands_the_state_over_before_the_old_members_leave():
     assert s.core.workers["w1"].status is WorkerStatus.LEAVING
 
 
+def test_a_held_over_holder_leaves_only_once_every_newcomer_said_it_synced():
+    """Found in CI: the holder left when the first newcomer said so; that one died, and the second's word was late."""
+    s = Script(min_workers=1, max_workers=3)
+    s.start({"A": 1, "B": 1})
+    s.send(m.HostsDiscovered({"C": 1, "D": 1}))
+    s.send(m.HostsDiscovered({"C": 1, "D": 1}))
+    [gen2] = s.of(m.Publish)
+    assert list(gen2.plan) == ["w1"]  # w1 holds the state over; w3 and w4 boot on C and D
+    s.sync(gen2)
+    s.send(m.WorkerReady("w3"), m.WorkerReady("w4"))
+    [gen3] = s.of(m.Publish)
+    assert list(gen3.plan) == ["w1", "w3", "w4"]
+    s.send(m.WorkerSynced("w3", gen3.generation, s.now + 1000.0))
+    assert s.of(m.Publish) == [] and s.core.workers["w1"].status is WorkerStatus.MEMBER, "w1 left before w4 synced"
+    s.send(m.WorkerSynced("w4", gen3.generation, s.now + 1000.0))
+    [gen4] = s.of(m.Publish)
+    assert list(gen4.plan) == ["w3", "w4"] and s.core.workers["w1"].status is WorkerStatus.LEAVING
+    s.send(m.WorkerDied("w3", "SIGKILL", node_alive=True))
+    [gen5] = s.of(m.Publish)
+    assert list(gen5.plan) == ["w4"] and s.core.state is not DriverState.FAILED
+
+
+def test_a_sync_said_after_the_next_generation_was_published_still_makes_a_holder():
+    s = Script(min_workers=1, max_workers=3)
+    s.start({"A": 1, "B": 1})
+    s.send(m.HostsDiscovered({"A": 1, "B": 1, "C": 1}))
+    s.send(m.WorkerReady("w3"))
+    [gen2] = s.of(m.Publish)
+    s.send(m.WorkerSynced("w1", gen2.generation, s.now + 1000.0), m.WorkerSynced("w2", gen2.generation, s.now + 1000.0))
+    s.send(m.WorkerDied("w2", "SIGKILL", node_alive=True))
+    [gen3] = s.of(m.Publish)
+    assert list(gen3.plan) == ["w1", "w3"]
+    s.send(m.WorkerSynced("w3", gen2.generation, s.now + 1000.0))  # its word on generation 2, late
+    s.send(m.WorkerDied("w1", "SIGKILL", node_alive=True))
+    assert s.core.state is not DriverState.FAILED, s.core.failure
+    [gen4] = s.of(m.Publish)
+    assert list(gen4.plan) == ["w3"]
+    assert EventKind.RESTARTED not in [kind for kind, _ in s.kinds()]
+
+
 def test_a_draining_node_is_a_graceful_removal_named_preempted_and_gets_no_new_worker():
     s = Script(min_workers=1)
     s.start({"A": 2, "B": 2})

@@ -258,6 +258,13 @@ class Generations:
         Returns whether the generation has now synced whole, and the commit
         its ranks resumed from (None when none said), for the crash-loop check.
         """
+        if msg.generation < self.generation:
+            # late: the next generation was published before this word came, but the worker did receive the
+            # state then, and holds it now; a death before its sync in the newest generation must not lose it
+            rec = self.record.roster.get(msg.worker_id)
+            if rec is not None and rec.status in ALIVE:
+                rec.took_state()
+            return False, None
         if msg.generation != self.generation or msg.worker_id not in self.syncing:
             return False, None
         self.syncing.discard(msg.worker_id)

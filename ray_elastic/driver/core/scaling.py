@@ -132,14 +132,17 @@ class Scaling:
         A member holds the trained state once it synced in the current
         generation. When discovery withdraws every holder at once (a blip, a
         whole pool replaced), the oldest of them stays until a generation
-        with others has synced, so the state is handed over, never dropped.
+        with others has synced whole, so the state is handed over, never
+        dropped. Whole, not as soon as one of them said so: the others' word
+        can come after it, and that one dying then would leave no holder the
+        driver knows of.
         """
         gens, roster = self.generations, self.record.roster
         removed = [roster[w] for w in remove if w in gens.plan and roster[w].status in IN_RING]
         if not removed:
             return None
-        members = (roster[w] for w in gens.plan if roster[w].status in IN_RING)
-        if any(r.worker_id not in remove and r.worker_id not in gens.syncing for r in members):
+        staying = [w for w in gens.plan if roster[w].status in IN_RING and w not in remove]
+        if staying and not any(w in gens.syncing for w in staying):
             return None
         keep = min(removed, key=lambda r: r.seq)
         remove.discard(keep.worker_id)
