@@ -647,6 +647,19 @@ def test_uneven_finishing_is_caught_when_the_peers_error_beats_rank0s_exit():
     assert s.core.state is DriverState.FAILED and "returned from train_fn while" in s.core.failure
 
 
+def test_uneven_finishing_is_caught_when_the_peers_errors_and_answers_all_beat_rank0s_exit():
+    """Found in CI: both peers' words and their answers came before rank 0's return; the run hung for 300 s."""
+    s = Script()
+    s.start({"A": 1, "B": 1, "C": 1})
+    s.send(m.ResetRequested("w2", 1, "Connection closed by peer"), m.ResetRequested("w3", 1, "Connection reset"))
+    [query] = s.of(m.QueryActivity)
+    idle = {"idle_s": 0.0, "in_collective": False}
+    s.send(m.ActivityReport(1, "w2", "Connection closed by peer", {"w1": m.ACTIVITY_ERROR, "w2": idle, "w3": idle}))
+    s.send(m.WorkerExited("w1", Finished(0, "model", generation=1)))
+    assert s.core.state is DriverState.FAILED and "returned from train_fn while" in s.core.failure
+    assert s.core.return_value == "model"
+
+
 def test_reset_limit_fails_the_run_at_the_reset_past_it():
     s = Script(reset_limit=1, min_workers=1)
     s.start({"A": 1, "B": 1, "C": 1})

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from ray_elastic.driver.core import messages as m
 from ray_elastic.driver.core.policies import Ring, RingError, judge_missed_ping, judge_ring_failure
-from ray_elastic.driver.core.roster import ALIVE
+from ray_elastic.driver.core.roster import ALIVE, IN_RING
 from ray_elastic.protocol import EventKind
 
 if TYPE_CHECKING:
@@ -86,6 +86,22 @@ class BrokenRings:
                 continue
             logger.warning("worker %s on node %s %s; killing it", worker_id, rec.host[:8], reason)
             self.failures.fence(rec, reason, now)
+
+    def on_finished(self) -> None:
+        """A worker returned from train_fn: a member whose ring broke in this generation cannot finish with it.
+
+        Its word may have come before the return (and the members' answers
+        too), when nothing said yet that the ranks finish unevenly; it sends
+        no second one, so the uneven finish is told now, not never.
+        """
+        if self.record.phase.is_final or not self.finishing.active:
+            return
+        roster = self.record.roster
+        for error in self._told(self.generations.generation):
+            rec = roster.get(error.worker_id)
+            if rec is not None and rec.status in IN_RING:
+                self.finishing.fail_uneven(error.worker_id, error.error)
+                return
 
     def on_reset_requested(self, msg: m.ResetRequested) -> None:
         """A rank's ring broke. Usually a death explains it; else ask every member what it is doing."""

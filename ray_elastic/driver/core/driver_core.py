@@ -262,6 +262,7 @@ class DriverCore:
                 self.failures.on_user_error(msg, now)
             else:
                 self.finishing.on_exit(msg)
+                self.rings.on_finished()
         elif isinstance(msg, m.WorkerDied):
             self.failures.on_died(msg.worker_id, msg.reason, msg.node_alive, now)
         elif isinstance(msg, m.WorkerStartFailed):
