@@ -118,7 +118,7 @@ class _Relay:
         self.store = store
         self.handover_s = handover_s
         self._reported: tuple[int, int, int] | None = None  # the order of the newest checkpoint handed to Tune
-        self._looked = 0.0
+        self._looked: float | None = None  # never listed: the first report lists, however soon after boot
         self._listing: list[tuple[str, dict[str, Any]]] = []  # the complete checkpoints when last listed
 
     def __call__(self, metrics: dict[str, Any], stamp: float | None = None) -> None:
@@ -129,7 +129,7 @@ class _Relay:
             # Listed at most once a second, but every report is matched against the listing: reports come in
             # bursts (fit() fetches them twice a second), and a burst's first report is older than a checkpoint
             # its later ones may carry.
-            if time.monotonic() - self._looked >= _CHECKPOINT_LOOK_S:
+            if self._looked is None or time.monotonic() - self._looked >= _CHECKPOINT_LOOK_S:
                 store = self.store
                 listing = f"listing the checkpoints in {store.url} for Tune (bounded by checkpoint_timeout)"
                 self._listing = bounded_call(self.handover_s, listing, lambda: list(store.complete()))
