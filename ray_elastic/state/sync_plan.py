@@ -9,8 +9,10 @@ Pure logic, no collective: `ray_elastic.state.transfer` and
 - `plan_sync` turns the fingerprints into a `SyncPlan`: the holders (rank 0
   first) and the receivers. After a failure with no newcomer, nobody receives.
 - `schedule_chunks` cuts the state's bytes into chunks of bounded size (a
-  piece of one large tensor, or several small tensors packed) and spreads
-  them over the holders in contiguous runs; `order_transfers` lists the
+  piece of one large tensor, or several small tensors of one device packed:
+  a chunk never mixes devices, since a GPU's and the host's tensors cannot
+  be concatenated into one message) and spreads them over the holders in
+  contiguous runs; `order_transfers` lists the
   sends in one global order, which every rank follows with a bounded window
   of operations in flight (the earliest unfinished transfer always has both
   ends posted, so the exchange cannot deadlock).
@@ -22,7 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Hashable, Sequence
 
 
 @dataclass(frozen=True)
@@ -78,34 +80,44 @@ class Chunk:
 
 
 def schedule_chunks(
-    sizes: Sequence[int], senders: Sequence[int], chunk_bytes: int, direct_bytes: int | None = None
+    sizes: Sequence[int],
+    senders: Sequence[int],
+    chunk_bytes: int,
+    direct_bytes: int | None = None,
+    groups: Sequence[Hashable] | None = None,
 ) -> list[Chunk]:
     """Cut buffers of `sizes` bytes, in order, into chunks of at most `chunk_bytes`, spread over `senders`.
 
     A buffer of at least `direct_bytes` (default `chunk_bytes // 16`) travels
     in chunks of its own, sent from and received into its memory; the smaller
-    ones are packed together, ahead of the large ones. Sender k sends the chunks that start in the
-    k-th of `len(senders)` equal shares of the bytes, so each sender reads one
-    contiguous run of the state.
+    ones are packed together, ahead of the large ones, each with buffers of
+    its own group only (`groups[i]`: buffer i's device; default one group).
+    Only equality of the keys counts, so ranks whose devices differ by index
+    (`cuda:0` here, `cuda:1` there) cut the same chunks. Sender k sends the
+    chunks that start in the k-th of `len(senders)` equal shares of the
+    bytes, so each sender reads one contiguous run of the state.
     """
     if chunk_bytes < 1:
         raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
     if not senders:
         raise ValueError("a transfer needs at least one sender")
+    if groups is not None and len(groups) != len(sizes):
+        raise ValueError(f"{len(groups)} group keys for {len(sizes)} buffers")
     direct = min(chunk_bytes, max(1, chunk_bytes // 16) if direct_bytes is None else direct_bytes)
-    # the small buffers first, packed together: one message for all of them, not one between every two large ones
+    # the small buffers first, packed per group: one message for all of a device's, not one between every two
+    # large ones
     pieces_per_chunk: list[list[Piece]] = []
-    packed: list[Piece] = []
-    room = chunk_bytes
+    packing: dict[Hashable, tuple[list[Piece], int]] = {}  # group -> (its open pack, the room left in it)
     for index, size in enumerate(sizes):
         if 0 < size < direct:
+            key = None if groups is None else groups[index]
+            packed, room = packing.get(key, ([], chunk_bytes))
             if size > room:
                 pieces_per_chunk.append(packed)
                 packed, room = [], chunk_bytes
             packed.append(Piece(index, 0, size))
-            room -= size
-    if packed:
-        pieces_per_chunk.append(packed)
+            packing[key] = (packed, room - size)
+    pieces_per_chunk.extend(packed for packed, _ in packing.values())
     for index, size in enumerate(sizes):
         if size >= direct:
             pieces_per_chunk.extend(

@@ -4,9 +4,11 @@
 the tensors' bytes go in chunks of at most `CHUNK_BYTES` from the ranks that
 hold the commit to the ranks that do not, and only to them. A chunk is a
 slice of one large tensor (sent from and received into the tensor itself, no
-copy) or several small tensors packed into one message (all the small
-ones first, so a model's biases and step counts cost one message, not one
-each); at most `WINDOW * CHUNK_BYTES` bytes per rank are in flight, so the
+copy) or several small tensors of one device packed into one message (all
+the small ones first, so a model's biases cost one message, not one each;
+a chunk never mixes devices: a GPU model's biases and AdamW's step counts,
+which torch keeps on the host, travel in separate messages, each staged on
+its own device); at most `WINDOW * CHUNK_BYTES` bytes per rank are in flight, so the
 extra memory is bounded by that whatever the model's size. The bound is in
 bytes, not chunks: a model of 4 MB tensors travels in 4 MB chunks, and 4 of
 them in flight left the ranks waiting on each other's wake-ups (a 100M
@@ -26,7 +28,7 @@ holds off meanwhile, since its memory traffic made each of a newcomer's page
 faults about 3 times as costly when both ran at once.
 
 `broadcast_tensors_` copies rank 0's tensors to every rank, coalesced per
-dtype (one flat broadcast each), for the user-facing helpers.
+device and dtype (one flat broadcast each), for the user-facing helpers.
 """
 
 from __future__ import annotations
@@ -77,7 +79,9 @@ def send_tensors_(
     pairs = [(t, t if t.is_contiguous() else t.contiguous()) for t in tensors if t.numel()]
     views = [c.detach().reshape(-1).view(torch.uint8) for _, c in pairs]
     p2p = ring.point_to_point
-    chunks = schedule_chunks([v.numel() for v in views], plan.holders if p2p else (0,), chunk_bytes)
+    chunks = schedule_chunks(
+        [v.numel() for v in views], plan.holders if p2p else (0,), chunk_bytes, groups=[v.device for v in views]
+    )
     if p2p:
         mine = [(i, s, r) for i, s, r in order_transfers(chunks, plan.receivers) if ring.rank in (s, r)]
     else:
@@ -165,7 +169,7 @@ class _Toucher:
                     return
                 for p in chunk.pieces if len(chunk.pieces) == 1 else ():
                     piece = views[p.buffer][p.start : p.stop]
-                    if resident(piece):
+                    if piece.device.type != "cpu" or resident(piece):  # page faults are the host's alone
                         continue
                     if self.writes:
                         piece.zero_()
@@ -202,17 +206,21 @@ def populate(t: torch.Tensor) -> bool:
 
 def _pack(chunk: Chunk, views: list[torch.Tensor]) -> torch.Tensor:
     parts = [views[p.buffer][p.start : p.stop] for p in chunk.pieces]
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
+    return parts[0] if len(parts) == 1 else torch.cat(parts)  # one device: the plan never mixes them
 
 
 def _landing(chunk: Chunk, views: list[torch.Tensor], keep: bool) -> tuple[torch.Tensor, Callable[[], None] | None]:
-    """Where a chunk is received, and how its bytes then reach the tensors (None: received in place)."""
+    """Where a chunk is received, and how its bytes then reach the tensors (None: received in place).
+
+    A staging buffer sits on the chunk's own device (all its pieces share one).
+    """
+    device = views[chunk.pieces[0].buffer].device
     if not keep:
-        return torch.empty(chunk.nbytes, dtype=torch.uint8, device=views[0].device), None
+        return torch.empty(chunk.nbytes, dtype=torch.uint8, device=device), None
     parts = [views[p.buffer][p.start : p.stop] for p in chunk.pieces]
     if len(parts) == 1:
         return parts[0], None
-    staging = torch.empty(chunk.nbytes, dtype=torch.uint8, device=views[0].device)
+    staging = torch.empty(chunk.nbytes, dtype=torch.uint8, device=device)
 
     def unpack() -> None:
         offset = 0
@@ -238,19 +246,19 @@ def _finish(entry: tuple[CollectiveWork, Callable[[], None] | None, int]) -> int
 
 
 def broadcast_tensors_(tensors: Iterable[torch.Tensor], root_rank: int = 0) -> None:
-    """Broadcast tensors in place from `root_rank`, one coalesced message per dtype."""
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    """Broadcast tensors in place from `root_rank`, one coalesced message per (device, dtype)."""
+    by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for t in tensors:
         if t.numel():
-            by_dtype.setdefault(t.dtype, []).append(t)
+            by_kind.setdefault((t.device, t.dtype), []).append(t)
     ring = group()  # every rank holds the same tensors here: the ring's own broadcast, no cross-rank check
     root_rank = root_rank_in(root_rank, ring.size)
     with torch.no_grad():
-        for same_dtype in by_dtype.values():
-            flat = torch.cat([t.detach().reshape(-1) for t in same_dtype])
+        for same_kind in by_kind.values():
+            flat = torch.cat([t.detach().reshape(-1) for t in same_kind])
             ring.broadcast_(flat, root_rank)
             offset = 0
-            for t in same_dtype:
+            for t in same_kind:
                 n = t.numel()
                 t.copy_(flat[offset : offset + n].view_as(t))
                 offset += n

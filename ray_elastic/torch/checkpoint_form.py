@@ -6,7 +6,9 @@ checkpoint holds what `model.state_dict()` and `optimizer.state_dict()`
 would have returned at that commit, so `model.load_state_dict(torch.load(
 "model.pt"))` works without ray-elastic. A model wrapped by
 `prepare_model` or `DistributedDataParallel` is saved under the wrapped
-module's names (no `module.` prefix). Loading goes the other way and names
+module's names (no `module.` prefix). Every tensor in it is a host (CPU)
+copy, whatever device the state trains on, so a checkpoint of a GPU run
+opens on a machine without a GPU. Loading goes the other way and names
 what does not fit: a missing or unexpected key, a shape that differs.
 Importing this module registers the form (`ray_elastic.torch` imports it).
 """
@@ -21,8 +23,9 @@ import torch
 
 from ray_elastic.checkpoint.entries import register_form
 from ray_elastic.checkpoint.files import Entries
+from ray_elastic.torch.commit_buffers import host_copy
 from ray_elastic.torch.module_handler import ModuleHandler
-from ray_elastic.torch.optimizer_handler import OptimizerHandler
+from ray_elastic.torch.optimizer_handler import OptimizerHandler, _groups_by_index
 from ray_elastic.torch.sampler_handler import SamplerHandler
 from ray_elastic.torch.state import TorchState
 
@@ -70,10 +73,7 @@ def module_snapshot(handler: ModuleHandler, state_dict: dict[str, Any]) -> list[
 
 def optimizer_state_dict(handler: OptimizerHandler, snapshot: dict[str, Any]) -> dict[str, Any]:
     """`torch.optim.Optimizer.state_dict()`'s form: per-parameter state by index, groups with their indices."""
-    groups, first = [], 0
-    for group, hyper in zip(handler.optimizer.param_groups, snapshot["hyper"], strict=True):
-        groups.append({**hyper, "params": list(range(first, first + len(group["params"])))})
-        first += len(group["params"])
+    groups = _groups_by_index(snapshot["hyper"], [len(g["params"]) for g in handler.optimizer.param_groups])
     state: dict[int, dict[str, Any]] = {}
     for (i, key), tensor in zip(snapshot["layout"], snapshot["tensors"], strict=True):
         state.setdefault(i, {})[key] = tensor
@@ -98,6 +98,17 @@ def optimizer_snapshot(state_dict: dict[str, Any]) -> dict[str, Any]:
     return {"layout": layout, "tensors": tensors, "values": values, "hyper": hyper}
 
 
+def _on_host(value: Any) -> Any:
+    """`value` with every device tensor in its dicts, lists and tuples replaced by a host copy."""
+    if isinstance(value, torch.Tensor):
+        return value if value.device.type == "cpu" else host_copy(value)
+    if type(value) in (dict, OrderedDict):
+        return type(value)((k, _on_host(v)) for k, v in value.items())
+    if type(value) in (list, tuple):
+        return type(value)(_on_host(v) for v in value)
+    return value
+
+
 def torch_entries(state: TorchState) -> Entries:
     """The commit of `state` as plain entries: state dicts for the torch objects, values as they are."""
     from ray_elastic.torch.state_dict_handler import StateDictHandler
@@ -112,8 +123,8 @@ def torch_entries(state: TorchState) -> Entries:
             entries[name] = optimizer_state_dict(handler, snap)
         elif isinstance(handler, SamplerHandler):
             entries[name] = {**snap, "bitmap": torch.from_numpy(snap["bitmap"].copy())}
-        else:
-            entries[name] = snap
+        else:  # a scheduler's, an EMA's state dict: its device tensors (an EMA's weights) copied to the host
+            entries[name] = _on_host(snap)
     saves_itself = (ModuleHandler, OptimizerHandler, SamplerHandler, StateDictHandler)
     return Entries(entries, frozenset(n for n, h in state._handlers.items() if isinstance(h, saves_itself)))
 

@@ -1,10 +1,22 @@
 """A commit's tensors: copied once into buffers that are reused, traded back on a restore, refilled behind it.
 
-`TensorBuffers` mirrors a list of tensors. A tensor that changes only
-through an optimizer step (`guarded`) is restored by trading its storage
-with its buffer (`swappable` says when that leaves nobody's view behind),
-and its buffer is refilled on a background thread, behind the copy gate
-(`copy_gate.py`); the optimizer's next step waits for that copy.
+`TensorBuffers` mirrors a list of tensors, each buffer on its tensor's
+device. On the host, a tensor that changes only through an optimizer step
+(`guarded`) is restored by trading its storage with its buffer
+(`swappable` says when that leaves nobody's view behind), and its buffer
+is refilled on a background thread, behind the copy gate (`copy_gate.py`);
+the optimizer's next step waits for that copy. That trade is the measured
+fast path of a rollback on the CPU, and it stays there.
+
+On a device (a GPU), every copy is queued in the calling thread on its
+current stream, so it is ordered after the loop's own work on that stream,
+and `wait()` makes the then-current stream wait for it (an event, no host
+wait): a loop on a stream of its own never steps while a commit copy is
+still queued. A rollback copies the commit into the live tensors: their
+addresses never change, so CUDA graphs that captured them (`torch.compile`'s
+"reduce-overhead", a captured optimizer step) stay valid; the buffers keep
+the commit, so nothing is refilled. A durable checkpoint takes host copies
+(`host_copy`), never a second copy on the device.
 """
 
 from __future__ import annotations
@@ -23,9 +35,13 @@ if TYPE_CHECKING:
 
 
 def swappable(t: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether `t` alone owns its storage, so trading it for `b`'s leaves nobody else's view behind."""
+    """Whether `t` is a host tensor that alone owns its storage, so trading it for `b`'s leaves nobody's view behind.
+
+    Never on a device: a device tensor keeps its address (see the module docstring).
+    """
     return (
-        t.shape == b.shape
+        t.device.type == "cpu"
+        and t.shape == b.shape
         and t.dtype == b.dtype
         and t.device == b.device
         and t._base is None
@@ -34,6 +50,23 @@ def swappable(t: torch.Tensor, b: torch.Tensor) -> bool:
         and t.untyped_storage().nbytes() == t.numel() * t.element_size()
     )
 
+
+def host_copy(t: torch.Tensor) -> torch.Tensor:
+    """`t` as a new CPU tensor: a clone on the host; from a device, copied straight into host memory.
+
+    The device-to-host copy takes no device memory: a checkpoint of a GPU
+    state costs host memory only.
+    """
+    if t.device.type == "cpu":
+        return t.clone()
+    host = torch.empty(t.shape, dtype=t.dtype)
+    copy_to_host(host, t)
+    return host
+
+
+def copy_to_host(host: torch.Tensor, t: torch.Tensor) -> None:
+    """The one device-to-host copy of `host_copy` (a test on the `meta` device, which holds no bytes, replaces it)."""
+    host.copy_(t)
 
 
 class TensorBuffers:
@@ -45,7 +78,8 @@ class TensorBuffers:
     """
 
     def __init__(self) -> None:
-        self.buffers: list[torch.Tensor] = []
+        self.buffers = []
+        self._queued: list[tuple[torch.device, torch.cuda.Event]] = []  # device copies not yet waited for
         self.untouched = False  # the guarded live tensors still equal the buffers' commit (no step since)
         # by index, of the last trade: (the live tensor, weakly; its data_ptr; the buffer's data_ptr). While
         # all three still hold, the pair is still swappable, and a restore of thousands of tensors need not
@@ -54,6 +88,19 @@ class TensorBuffers:
         self._copier: threading.Thread | None = None
         self._hurry = threading.Event()  # set: the running copy is waited for, it must not hold back
         self._copy_error: BaseException | None = None
+
+    @property
+    def buffers(self) -> list[torch.Tensor]:
+        return self._buffers
+
+    @buffers.setter
+    def buffers(self, buffers: list[torch.Tensor]) -> None:
+        self._buffers = buffers
+        self._cuda = sorted({b.device for b in buffers if b.device.type == "cuda"}, key=str)  # whose copies queue
+
+    def _queue_mark(self) -> None:
+        """After copies were queued on the current streams: an event on each, which `wait()` waits on."""
+        self._queued = [(d, torch.cuda.current_stream(d).record_event()) for d in self._cuda]
 
     def _fit(self, tensors: Sequence[torch.Tensor]) -> None:
         if len(self.buffers) != len(tensors) or any(
@@ -69,6 +116,7 @@ class TensorBuffers:
         with torch.no_grad():
             for b, t in zip(self.buffers, tensors, strict=True):
                 b.copy_(t)
+        self._queue_mark()
         self.untouched = True
 
     def save_later(self, tensors: Sequence[torch.Tensor], guarded: Sequence[bool]) -> None:
@@ -78,10 +126,11 @@ class TensorBuffers:
         later = []
         with torch.no_grad():
             for b, t, g in zip(self.buffers, tensors, guarded, strict=True):
-                if g:
+                if g and t.device.type == "cpu":
                     later.append((b, t.detach()))  # the storage `t` holds now, whatever `t` holds later
                 else:
-                    b.copy_(t)
+                    b.copy_(t)  # on a device: queued on the current stream, no host time
+        self._queue_mark()
         self.untouched = True
         self._copy_in_background(later)
 
@@ -107,7 +156,8 @@ class TensorBuffers:
                     # `t` at before the copy runs, the buffer gets the commit
                     later.append((old, b))
                 else:
-                    t.copy_(b)
+                    t.copy_(b)  # in place: a device tensor keeps its address (CUDA graphs)
+        self._queue_mark()
         self.untouched = True
         self._copy_in_background(later)
 
@@ -116,7 +166,10 @@ class TensorBuffers:
         self.untouched = False
 
     def wait(self) -> None:
-        """Block until a background copy finished."""
+        """Block until a background copy finished; the current streams wait for the device copies queued."""
+        queued, self._queued = self._queued, []
+        for device, event in queued:
+            torch.cuda.current_stream(device).wait_event(event)
         copier, self._copier = self._copier, None
         if copier is not None:
             with copy_gate.gate:  # a copy held back for a reset is needed now
@@ -147,6 +200,6 @@ class TensorBuffers:
         self._copier.start()
 
     def copies(self) -> list[torch.Tensor]:
-        # the buffers are overwritten in place by the next save: a checkpoint needs its own copy
+        """Host copies of the commit, for a durable checkpoint (the buffers are overwritten by the next save)."""
         self.wait()
-        return [b.clone() for b in self.buffers]
+        return [host_copy(b) for b in self.buffers]

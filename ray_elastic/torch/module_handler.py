@@ -63,6 +63,9 @@ class ModuleHandler(StateHandler):
                 f"this model has {shapes}"
             )
         self._saved.wait()
-        self._saved.buffers = [t.to(dtype=ref.dtype) for t, ref in zip(snapshot, tensors, strict=True)]
+        # read onto the host: each on its live tensor's device and dtype, as `Module.load_state_dict` copies it
+        self._saved.buffers = [
+            t.to(device=ref.device, dtype=ref.dtype) for t, ref in zip(snapshot, tensors, strict=True)
+        ]
         self._saved.untouched = False
         self.restore()

@@ -5,6 +5,11 @@ restore); a sync sends rank 0's structure first and then its tensors only
 to the ranks that lack its commit. A newcomer can allocate and fault in the
 state's tensors before it is ready (`layout` / `prepare`). Also
 `broadcast_optimizer_state`, Horovod's helper.
+
+Received and resumed state is placed by torch's own rule, the one
+`Optimizer.load_state_dict` applies (`placed`): moments on their
+parameter's device and dtype, AdamW's `step` left on the host unless the
+group is capturable or fused.
 """
 
 from __future__ import annotations
@@ -21,6 +26,27 @@ from ray_elastic.torch.optimizer import DistributedOptimizer
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
+
+
+def _groups_by_index(hyper: Sequence[dict[str, Any]], sizes: Sequence[int]) -> list[dict[str, Any]]:
+    """Param groups as in `Optimizer.state_dict()`: hyper-parameters, and parameters as indices."""
+    groups, first = [], 0
+    for h, n in zip(hyper, sizes, strict=True):
+        groups.append({**h, "params": list(range(first, first + n))})
+        first += n
+    return groups
+
+
+def placed(
+    param: torch.Tensor, value: torch.Tensor, index: int, key: str, groups: list[dict[str, Any]]
+) -> torch.Tensor:
+    """`value` where `Optimizer.load_state_dict` would put it as state `key` of parameter number `index`.
+
+    torch's own rule (`groups`: as `_groups_by_index` gives them): a moment
+    takes its parameter's device and floating dtype, a `step` stays as it is
+    unless its group is capturable or fused.
+    """
+    return torch.optim.Optimizer._process_value_according_to_param_policy(param, value, index, groups, key)
 
 
 def _inner_optimizer(value: Any) -> torch.optim.Optimizer:
@@ -168,16 +194,29 @@ class OptimizerHandler(StateHandler):
                 del state[p][key]
             if p in state and not state[p]:
                 del state[p]
+        groups = _groups_by_index(skeleton["hyper"], [len(g["params"]) for g in self.optimizer.param_groups])
         for i, key, shape, dtype in skeleton["tensors"]:
+            # where torch puts it (a moment on the parameter's device, AdamW's step on the host), learnt from an
+            # empty tensor; the dtype stays rank 0's, whose bytes it receives
+            device = placed(params[i], torch.empty(0, dtype=dtype), i, key, groups).device
             st = state.setdefault(params[i], {})
             current = st.get(key)
-            if not (isinstance(current, torch.Tensor) and tuple(current.shape) == shape and current.dtype == dtype):
+            if not (
+                isinstance(current, torch.Tensor)
+                and tuple(current.shape) == shape
+                and current.dtype == dtype
+                and current.device == device
+            ):
                 ready = self._prepared.pop((i, key), None)
-                if ready is not None and tuple(ready.shape) == shape and ready.dtype == dtype:
+                if (
+                    ready is not None
+                    and tuple(ready.shape) == shape
+                    and ready.dtype == dtype
+                    and ready.device == device
+                ):
                     st[key] = ready  # allocated and faulted in while this newcomer waited (see prepare)
                 else:
-                    # on the parameter's device: a newcomer's state must sit where rank 0's does (a GPU)
-                    st[key] = torch.empty(shape, dtype=dtype, device=params[i].device)
+                    st[key] = torch.empty(shape, dtype=dtype, device=device)
         for (i, key), v in skeleton["values"].items():
             state.setdefault(params[i], {})[key] = v
         for group, hyper in zip(self.optimizer.param_groups, skeleton["hyper"], strict=True):
@@ -203,9 +242,14 @@ class OptimizerHandler(StateHandler):
         count = len(self._params())
         if any(i >= count for i, _ in list(snapshot["layout"]) + list(snapshot["values"])):
             raise ValueError(f"the checkpoint's optimizer state covers more than this optimizer's {count} parameters")
+        params = self._params()
+        groups = _groups_by_index(snapshot["hyper"], [len(g["params"]) for g in self.optimizer.param_groups])
         self._buffers.wait()
         self._layout = list(snapshot["layout"])
-        self._buffers.buffers = list(snapshot["tensors"])
+        # read onto the host: placed as torch's load_state_dict places them (moments beside their parameters)
+        self._buffers.buffers = [
+            placed(params[i], t, i, key, groups) for (i, key), t in zip(self._layout, snapshot["tensors"], strict=True)
+        ]
         self._buffers.untouched = False
         self._values = snapshot["values"]
         self._hyper = snapshot["hyper"]

@@ -33,7 +33,10 @@ changes the tensors. A rank whose optimizer did not step since the commit
 has nothing to restore. Other tensors (module buffers such as BatchNorm's
 running statistics, parameters no optimizer of this state steps) are copied
 back, as before. Tensors an optimizer steps must change only through it
-between a reset and its next step.
+between a reset and its next step. On a GPU nothing trades storage: the
+commit's copies are queued on the loop's current stream and a rollback
+copies into the live tensors, which keep their addresses (CUDA graphs stay
+valid); see `commit_buffers.py`. A durable checkpoint holds host copies.
 
 Sync, after a reset: the ranks agree with one tiny allreduce on which of
 them hold rank 0's commit (`ray_elastic.state.transfer.agree`). Those move

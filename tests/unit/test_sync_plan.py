@@ -68,6 +68,22 @@ def test_small_tensors_between_large_ones_cost_one_message_not_one_each():
     assert covered(chunks, sizes)
 
 
+def test_a_chunk_never_mixes_devices_and_ranks_whose_device_indices_differ_cut_the_same_chunks():
+    # a GPU model's biases beside AdamW's step counts and a sampler's bitmap, which torch keeps on the host
+    sizes = [20, 4, 20, 4, 4000, 8, 20, 4]
+    here = ["cuda:0", "cpu", "cuda:0", "cpu", "cuda:0", "cpu", "cuda:0", "cpu"]
+    chunks = schedule_chunks(sizes, senders=[0, 1], chunk_bytes=64, direct_bytes=48, groups=here)
+    assert covered(chunks, sizes) and all(c.nbytes <= 64 for c in chunks)
+    assert all(len({here[p.buffer] for p in c.pieces}) == 1 for c in chunks), "a chunk spans two devices"
+    packed = [[p.buffer for p in c.pieces] for c in chunks if len(c.pieces) > 1]
+    assert packed == [[0, 2, 6], [1, 3, 5, 7]], "each device's small buffers packed, the device's order kept"
+    there = [d.replace("cuda:0", "cuda:1") for d in here]
+    assert schedule_chunks(sizes, senders=[0, 1], chunk_bytes=64, direct_bytes=48, groups=there) == chunks
+    assert schedule_chunks(sizes, [0], 64, groups=None) == schedule_chunks(sizes, [0], 64, groups=["cpu"] * 8)
+    with pytest.raises(ValueError, match="group keys"):
+        schedule_chunks(sizes, [0], 64, groups=["cpu"])
+
+
 def test_holders_share_the_sending_in_contiguous_runs():
     chunks = schedule_chunks([1000], senders=[0, 1, 3], chunk_bytes=10)
     senders = [c.sender for c in chunks]
