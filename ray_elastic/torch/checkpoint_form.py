@@ -25,7 +25,7 @@ from ray_elastic.checkpoint.entries import register_form
 from ray_elastic.checkpoint.files import Entries
 from ray_elastic.torch.commit_buffers import host_copy
 from ray_elastic.torch.module_handler import ModuleHandler
-from ray_elastic.torch.optimizer_handler import OptimizerHandler, _groups_by_index
+from ray_elastic.torch.optimizer_handler import OptimizerHandler
 from ray_elastic.torch.sampler_handler import SamplerHandler
 from ray_elastic.torch.state import TorchState
 
@@ -73,7 +73,10 @@ def module_snapshot(handler: ModuleHandler, state_dict: dict[str, Any]) -> list[
 
 def optimizer_state_dict(handler: OptimizerHandler, snapshot: dict[str, Any]) -> dict[str, Any]:
     """`torch.optim.Optimizer.state_dict()`'s form: per-parameter state by index, groups with their indices."""
-    groups = _groups_by_index(snapshot["hyper"], [len(g["params"]) for g in handler.optimizer.param_groups])
+    groups, first = [], 0
+    for group, hyper in zip(handler.optimizer.param_groups, snapshot["hyper"], strict=True):
+        groups.append({**hyper, "params": list(range(first, first + len(group["params"])))})
+        first += len(group["params"])
     state: dict[int, dict[str, Any]] = {}
     for (i, key), tensor in zip(snapshot["layout"], snapshot["tensors"], strict=True):
         state.setdefault(i, {})[key] = tensor

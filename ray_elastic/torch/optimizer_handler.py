@@ -28,25 +28,20 @@ if TYPE_CHECKING:
     from collections.abc import Sequence
 
 
-def _groups_by_index(hyper: Sequence[dict[str, Any]], sizes: Sequence[int]) -> list[dict[str, Any]]:
-    """Param groups as in `Optimizer.state_dict()`: hyper-parameters, and parameters as indices."""
-    groups, first = [], 0
-    for h, n in zip(hyper, sizes, strict=True):
-        groups.append({**h, "params": list(range(first, first + n))})
-        first += n
-    return groups
-
-
-def placed(
-    param: torch.Tensor, value: torch.Tensor, index: int, key: str, groups: list[dict[str, Any]]
-) -> torch.Tensor:
+def placed(param: torch.Tensor, value: torch.Tensor, index: int, key: str, group: dict[str, Any]) -> torch.Tensor:
     """`value` where `Optimizer.load_state_dict` would put it as state `key` of parameter number `index`.
 
-    torch's own rule (`groups`: as `_groups_by_index` gives them): a moment
-    takes its parameter's device and floating dtype, a `step` stays as it is
-    unless its group is capturable or fused.
+    torch's own rule, given the parameter's group (its hyper-parameters): a
+    moment takes its parameter's device and floating dtype, a `step` stays
+    as it is unless the group is capturable or fused.
     """
+    groups = [{**group, "params": [index]}]  # the parameter's own group: torch finds it without a scan of all
     return torch.optim.Optimizer._process_value_according_to_param_policy(param, value, index, groups, key)
+
+
+def _group_of(optimizer: torch.optim.Optimizer) -> list[int]:
+    """The index of each parameter's group, in the optimizer's order of parameters."""
+    return [g for g, group in enumerate(optimizer.param_groups) for _ in group["params"]]
 
 
 def _inner_optimizer(value: Any) -> torch.optim.Optimizer:
@@ -194,11 +189,16 @@ class OptimizerHandler(StateHandler):
                 del state[p][key]
             if p in state and not state[p]:
                 del state[p]
-        groups = _groups_by_index(skeleton["hyper"], [len(g["params"]) for g in self.optimizer.param_groups])
+        group_of = _group_of(self.optimizer)
+        where: dict[tuple[Any, ...], torch.device] = {}  # a few kinds of tensor, thousands of tensors
         for i, key, shape, dtype in skeleton["tensors"]:
             # where torch puts it (a moment on the parameter's device, AdamW's step on the host), learnt from an
             # empty tensor; the dtype stays rank 0's, whose bytes it receives
-            device = placed(params[i], torch.empty(0, dtype=dtype), i, key, groups).device
+            kind = (group_of[i], key, params[i].device, params[i].dtype, dtype)
+            if kind not in where:
+                hyper = skeleton["hyper"][group_of[i]]
+                where[kind] = placed(params[i], torch.empty(0, dtype=dtype), i, key, hyper).device
+            device = where[kind]
             st = state.setdefault(params[i], {})
             current = st.get(key)
             if not (
@@ -239,16 +239,18 @@ class OptimizerHandler(StateHandler):
                 f"the checkpoint's optimizer has {len(snapshot['hyper'])} param groups, "
                 f"this one has {len(self.optimizer.param_groups)}"
             )
-        count = len(self._params())
-        if any(i >= count for i, _ in list(snapshot["layout"]) + list(snapshot["values"])):
-            raise ValueError(f"the checkpoint's optimizer state covers more than this optimizer's {count} parameters")
         params = self._params()
-        groups = _groups_by_index(snapshot["hyper"], [len(g["params"]) for g in self.optimizer.param_groups])
+        if any(i >= len(params) for i, _ in list(snapshot["layout"]) + list(snapshot["values"])):
+            raise ValueError(
+                f"the checkpoint's optimizer state covers more than this optimizer's {len(params)} parameters"
+            )
+        group_of = _group_of(self.optimizer)
         self._buffers.wait()
         self._layout = list(snapshot["layout"])
         # read onto the host: placed as torch's load_state_dict places them (moments beside their parameters)
         self._buffers.buffers = [
-            placed(params[i], t, i, key, groups) for (i, key), t in zip(self._layout, snapshot["tensors"], strict=True)
+            placed(params[i], t, i, key, snapshot["hyper"][group_of[i]])
+            for (i, key), t in zip(self._layout, snapshot["tensors"], strict=True)
         ]
         self._buffers.untouched = False
         self._values = snapshot["values"]

@@ -25,6 +25,7 @@ from ray_elastic.runtime.checkpoint_cadence import CheckpointCadence
 from ray_elastic.state.sync_plan import SyncPlan
 from ray_elastic.torch import broadcast, commit_buffers, handler, sampler_handler
 from ray_elastic.torch import state as torch_state
+from ray_elastic.torch.commit_buffers import TensorBuffers
 from ray_elastic.torch.optimizer_handler import OptimizerHandler
 from ray_elastic.torch.sampler import ElasticSampler
 from ray_elastic.torch.state import TorchState
@@ -274,6 +275,20 @@ def test_rollback_copies_into_device_tensors_and_trades_storage_on_the_host():
         kept = [t.untyped_storage()._cdata == s for t, s in zip(now, storages, strict=True)]
         assert kept == [keeps] * 4, f"on {device}: {'copied in place' if keeps else 'storage traded'} expected"
         assert devices(opt, model) == [GPU_LIKE if device == "meta" else dict.fromkeys(GPU_LIKE, "cpu")] * 2
+
+
+def test_device_copies_are_queued_by_the_calling_thread_and_only_host_copies_go_to_the_background(monkeypatch):
+    """On CUDA another thread's copy runs on that thread's default stream, unordered with the loop's own stream."""
+    handed: list = []
+    monkeypatch.setattr(TensorBuffers, "_copy_in_background", lambda self, pairs: handed.extend(pairs))
+    live = [torch.zeros(4, device="meta"), torch.zeros(4)]
+    buffers = TensorBuffers()
+    buffers.save_later(live, guarded=[True, True])  # a newcomer's commit of what it received
+    assert [b.device.type for b, _ in handed] == ["cpu"]
+    handed.clear()
+    buffers.touched()
+    buffers.restore(live, guarded=[True, True])  # a rollback: the host's storage trade is refilled behind it
+    assert [b.device.type for b, _ in handed] == ["cpu"]
 
 
 @pytest.fixture
