@@ -73,8 +73,9 @@ class TensorBuffers:
     """Buffers that mirror a list of tensors: allocated once and reused, refilled in the background after a restore.
 
     `guarded[i]` says that tensor i changes only through an optimizer step,
-    which calls `touched()` first: such a tensor is restored by trading
-    storages with its buffer and re-copied on a background thread.
+    which calls `touched()` first: such a host tensor is restored by trading
+    storages with its buffer and re-copied on a background thread; a device
+    tensor is copied into, in place, on the current stream.
     """
 
     def __init__(self) -> None:

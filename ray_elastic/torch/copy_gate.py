@@ -5,7 +5,9 @@ its sync has returned, the commit's background copies (`commit_buffers.py`)
 wait: run beside the ring's re-forming, a survivor's re-copy of its commit
 (gigabytes for a large model) would make the reset round grow with the
 model. A `wait()` on a held copy lets it go at once (its `hurry` event).
-One gate per process: a reset is the whole worker's.
+One gate per process: a reset is the whole worker's. Only host copies run
+behind it: a device's copies are queued on the caller's stream at once and
+take no host time (`commit_buffers.py`).
 """
 
 from __future__ import annotations
