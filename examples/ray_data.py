@@ -9,8 +9,8 @@ target); a real one would be `ray.data.read_parquet("s3://...")`.
     python examples/ray_data.py                 # 2 to 4 workers
     python examples/ray_data.py --smoke         # a few seconds
 
-It prints the rows each epoch trained (the dataset's rows, plus the padding
-that evens out the last step), and the loss before and after.
+It prints the rows each epoch trained over all ranks (the dataset's rows,
+plus the padding that evens out the last step) and the loss before and after.
 Needs the `data` extra (`pip install -e '.[torch,data]'`).
 """
 
@@ -37,7 +37,9 @@ def train_fn(config: dict) -> dict:
     model = elastic.torch.prepare_model(nn.Linear(1, 1))
     opt = torch.optim.SGD(model.parameters(), lr=config["lr"])
     # epoch_rows: the rows this epoch trained over all ranks, committed and rolled back with the shard's position
-    state = elastic.torch.TorchState(model=model, optimizer=opt, data=shard, epoch=0, step=0, epoch_rows=0, rows=[])
+    state = elastic.torch.TorchState(
+        model=model, optimizer=opt, data=shard, epoch=0, step=0, epoch_rows=0, rows=[], padding=[]
+    )
 
     @elastic.run
     def train(state: elastic.torch.TorchState) -> dict:
@@ -56,10 +58,11 @@ def train_fn(config: dict) -> dict:
                 else:
                     state.check_host_updates()
                 elastic.report({"epoch": state.epoch, "step": state.step, "loss": loss.item()})
-            state.rows, state.epoch_rows = [*state.rows, state.epoch_rows], 0
+            state.rows, state.padding = [*state.rows, state.epoch_rows], [*state.padding, shard.padding_rows]
+            state.epoch_rows = 0
             state.epoch += 1
             state.commit()
-        return {"rows_per_epoch": state.rows, "padding": shard.padding_rows}
+        return {"rows_per_epoch": state.rows, "padding_per_epoch": state.padding}
 
     return train(state)
 
@@ -82,8 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     ).fit()
     value = result.return_value
     first, last = result.metrics_history[0]["loss"], result.metrics["loss"]
-    epochs = value["rows_per_epoch"]
-    print(f"rows trained per epoch {epochs} of {rows} (padding {value['padding']}); loss {first:.3f} -> {last:.4f}")
+    trained, padding = value["rows_per_epoch"], value["padding_per_epoch"]
+    print(f"rows trained per epoch {trained} of {rows} (padding {padding}); loss {first:.3f} -> {last:.4f}")
     return 0
 
 
