@@ -49,7 +49,7 @@ examples:
   ray-elastic run examples/digits.py:train_fn --min-workers 2 --max-workers 4
   ray-elastic run train.py -np 2 --min-np 1 --max-np 4 --host-discovery-script ./discover.sh -- --epochs 5
   ray-elastic run examples/digits.py:train_fn --min-workers 2 --max-workers 8 \\
-      --discovery-script ./discover.sh --config epochs=5 lr=0.05 --address 10.0.0.1:6379
+      --discovery-script examples/discover.sh --config epochs=5 lr=0.05 --address 10.0.0.1:6379
   ray-elastic run mypkg.train:main --min-workers 1 --max-workers 4 --resources-per-worker CPU=4
 
 the function is called as FUNCTION(config) in every worker, config being the

@@ -14,7 +14,7 @@ class Event:
     it; `reset_duration` the seconds from the change to the last rank
     finishing its sync in that generation (0.0 for what paused no training;
     None while that sync goes on, or if training ended first). The kinds
-    are `protocol.EventKind`'s; the user guide's Monitoring section says
+    are `protocol.EventKind`'s; docs/events-and-errors.md says
     when each happens.
     """
 

@@ -289,7 +289,7 @@ OPTIONS: tuple[Option, ...] = (
         "datasets", "data", (), _check_names,
         "Ray Datasets by name (`{\"train\": ray.data.read_parquet(...)}`), streamed by the run's feed actor; "
         "inside `train_fn`, `elastic.get_dataset_shard(name)` is this rank's shard, trained exactly once per epoch "
-        "through every reset when it is in the committed state (`docs/user-guide.md`). Needs `ray[data]` (the "
+        "through every reset when it is in the committed state (`docs/data.md`). Needs `ray[data]` (the "
         "`data` extra). The run's options hold their names.",
     ),
     Option(

@@ -65,7 +65,7 @@ def _op_name(reduce_op: Any) -> str:
 
 
 def rescale_lr(optimizers: list[Any], schedulers: list[Any], factor: float) -> None:
-    """Multiply every LR the optimizers and schedulers compute from by `factor` (the guide's recipe)."""
+    """Multiply every LR the optimizers and schedulers compute from by `factor` (docs/train-fn.md's recipe)."""
     if factor == 1:
         return
     for opt in optimizers:

@@ -165,6 +165,7 @@ class ElasticTrainer:
         options = {name: value for name, value in locals().items() if name in BY_NAME}  # the run's options
         preflight.check_train_fn(train_fn, backend)
         preflight.check_config(config)
+        preflight.check_verbose(verbose)
         self.datasets = check_datasets(datasets)
         preflight.check_dataset_names(train_fn, self.datasets)
         self.run_config = RunConfig.create(**{**options, "datasets": tuple(self.datasets)})

@@ -47,6 +47,12 @@ def check_config(config: Any) -> None:
         raise ValueError(f"config must be a dict, got {type(config).__name__}")
 
 
+def check_verbose(verbose: Any) -> None:
+    """`verbose` is 0 or 1 (True and False too): anything else would be taken for one of them without a word."""
+    if not isinstance(verbose, (int, float)) or verbose not in (0, 1):
+        raise ValueError(f"verbose must be 0 (no progress bar, no event lines) or 1 (both), got {verbose!r}")
+
+
 def check_dataset_names(train_fn: Callable[..., Any], datasets: Mapping[str, Any]) -> None:
     """Every name `train_fn` passes to `get_dataset_shard` as a literal is one of `datasets`."""
     asked = dataset_names_asked(train_fn)

@@ -8,7 +8,7 @@
 `train()` runs inside `@elastic.run`: a lost worker rolls the survivors back
 to the last in-memory commit and they go on in the same process; added
 workers receive the commit and train from the same step. What the adapter
-does and refuses is in `ray_elastic.transformers.trainer` and the user guide.
+does and refuses is in `ray_elastic.transformers.trainer` and docs/transformers.md.
 """
 
 from ray_elastic.transformers.trainer import prepare_trainer, refusals

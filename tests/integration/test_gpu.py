@@ -1,4 +1,4 @@
-"""A GPU training run through NCCL, end to end; skipped on machines without a GPU (docs/user-guide.md: Backends).
+"""A GPU training run through NCCL, end to end; skipped on machines without a GPU (docs/gpus.md).
 
 `ElasticTrainer` with `resources_per_worker={"GPU": 1}` picks NCCL by itself;
 each worker trains a small model on its GPU with `DistributedOptimizer` and
@@ -41,7 +41,7 @@ def _gpu_count() -> int:
 GPUS = _gpu_count()
 pytestmark = [
     pytest.mark.integration,
-    pytest.mark.skipif(GPUS == 0, reason="no GPU on this machine: run on a GPU machine (docs/user-guide.md: Backends)"),
+    pytest.mark.skipif(GPUS == 0, reason="no GPU on this machine: run on a GPU machine (docs/gpus.md)"),
 ]
 
 
@@ -147,7 +147,7 @@ def test_gpu_run_survives_a_sigkill(gpu_ray, tmp_path: Path):
         config={"steps": 40, "kill": {"step": 12, "rank": 1, "marker": str(marker)}},
         resources_per_worker={"CPU": 1, "GPU": 1},
         cooldown_range=(1, 3),
-        collective_timeout=30,  # NCCL notices a dead peer by this timeout (docs/user-guide.md: Backends)
+        collective_timeout=30,  # NCCL notices a dead peer by this timeout (docs/gpus.md)
         verbose=0,
     ).fit()
     assert marker.exists()

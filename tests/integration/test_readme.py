@@ -2,8 +2,8 @@
 
 What a reader who copies it would notice if it broke: it raises, trains
 nothing (the loss stays where it started), loses or repeats an epoch, or
-prints something other than what the README says it prints. The user
-guide's first example is the same code, so this one run covers both.
+prints something other than what the README says it prints. The first
+example of docs/getting-started.md is the same code, so this one run covers both.
 """
 
 from __future__ import annotations
@@ -28,10 +28,10 @@ def readme_example() -> str:
     return blocks[0]
 
 
-def test_the_user_guide_opens_with_the_readme_example():
-    guide = (ROOT / "docs" / "user-guide.md").read_text()
+def test_getting_started_opens_with_the_readme_example():
+    guide = (ROOT / "docs" / "getting-started.md").read_text()
     first_example = guide[guide.index("## A first example") :]
-    assert readme_example() in _PYTHON_BLOCK.findall(first_example)[:1], "the guide's first example differs"
+    assert readme_example() in _PYTHON_BLOCK.findall(first_example)[:1], "getting-started.md's first example differs"
 
 
 def test_the_readme_example_trains_and_prints_its_summary(cluster, no_leaks, tmp_path, capsys):

@@ -33,6 +33,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parents[1]))  # tests/, for its conftest's cluster helpers under `make soak` too
 sys.path.insert(0, str(Path(__file__).parents[2] / "examples"))
 
 import digits  # noqa: E402

@@ -3,9 +3,12 @@
 Every script under bench/ that writes bench/results/<name>.json (through
 bench/results_file.py's `write_results`, directly or through
 bench/framework_compare.py) has a `## ` section of its own whose
-**Command** line runs it. The page carries no dates, no "issue N"
-references and no "this machine" / "this session": figures are read as
-results, not as a diary of who ran what when.
+**Command** line runs it. Every results file the page cites exists, and
+every file in bench/results/ is cited: a figure a reader cannot trace to
+its file, or a file no figure comes from, is a log, not a result. The page
+carries no dates, no "issue N" references, no "this machine" / "this
+session" and no run history ("second attempt", "an earlier run"), and it
+stays short enough to read (600 lines at most).
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from pathlib import Path
 ROOT = Path(__file__).parents[2]
 BENCH = ROOT / "bench"
 PAGE = BENCH / "RESULTS.md"
+RESULTS = BENCH / "results"
+MAX_LINES = 600
 
 # the helpers that write results for others: not benchmarks of their own
 _WRITERS = {"results_file.py", "framework_compare.py"}
@@ -50,11 +55,18 @@ def scripts_with_a_command(text: str) -> set[str]:
 
 
 def diary_marks(text: str) -> list[str]:
-    """Dates, issue references and 'this machine' / 'this session' found in the text."""
+    """Dates, issue references, 'this machine' / 'this session' and run history found in the text."""
     marks = re.findall(r"\b\d{4}-\d{2}-\d{2}\b", text)
     marks += re.findall(r"\bissues?\s+#?\d+", text, re.I)
     marks += re.findall(r"\bthis\s+(?:machine|session)\b", text, re.I)
+    marks += re.findall(r"\b(?:second|third|first) (?:attempt|full run)\b|\ban earlier (?:run|version)\b", text, re.I)
+    marks += re.findall(r"\bslightly older code\b|\bnot in the repository\b|\bflock\b", text, re.I)
     return marks
+
+
+def cited_files(text: str) -> set[str]:
+    """The results files the page names: `bench/results/x.json` or `x.json` alone."""
+    return set(re.findall(r"(?<![\w<>-])([\w-]+\.json)\b", text))
 
 
 def test_the_benchmarks_are_found():
@@ -74,6 +86,19 @@ def test_the_page_reads_as_results_not_as_a_log():
     assert not marks, f"bench/RESULTS.md carries dates, issue numbers or 'this machine/session': {marks}"
 
 
+def test_every_cited_results_file_exists_and_every_results_file_is_cited():
+    cited = cited_files(PAGE.read_text())
+    present = {p.name for p in RESULTS.glob("*.json")}
+    assert cited, "bench/RESULTS.md cites no results file"
+    assert not cited - present, f"bench/RESULTS.md cites files bench/results/ lacks: {sorted(cited - present)}"
+    assert not present - cited, f"bench/results/ holds files no figure comes from: {sorted(present - cited)}"
+
+
+def test_the_page_is_short_enough_to_read():
+    lines = len(PAGE.read_text().splitlines())
+    assert lines <= MAX_LINES, f"bench/RESULTS.md has {lines} lines; at most {MAX_LINES}: results, not their history"
+
+
 def test_the_checks_catch_what_they_look_for():
     assert diary_marks("run on 2026-11-22; see issue 12, Issue #4; on This machine; this session") == [
         "2026-11-22",
@@ -82,6 +107,15 @@ def test_the_checks_catch_what_they_look_for():
         "This machine",
         "this session",
     ]
+    assert diary_marks("Second attempt, world 4; a run of slightly older code; `flock /tmp/x`") == [
+        "Second attempt",
+        "slightly older code",
+        "flock",
+    ]
+    assert cited_files("Figures: `bench/results/a_1.json`; more, `b.json`; writes bench/results/<name>.json") == {
+        "a_1.json",
+        "b.json",
+    }
     assert diary_marks("ray-project/ray#37633, 1024 ranks, 10-100 ms") == []
     page = "# R\n## A\n**Command**: `.venv/bin/python bench/a.py`\n## B\ntext naming bench/b.py\n"
     assert scripts_with_a_command(page) == {"a.py"}

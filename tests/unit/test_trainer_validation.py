@@ -44,11 +44,19 @@ def make(**overrides):
         ({"data_cpus": None}, "data_cpus must be an integer >= 0"),
         ({"data_starvation_timeout": 0}, "data_starvation_timeout must be a positive number"),
         ({"data_starvation_timeout": float("inf")}, "data_starvation_timeout must be a positive number"),
+        ({"verbose": "loud"}, r"verbose must be 0 .* or 1 .*, got 'loud'"),
+        ({"verbose": 2}, r"verbose must be 0 .* or 1 .*, got 2"),
+        ({"verbose": None}, r"verbose must be 0 .* or 1 .*, got None"),
     ],
 )
 def test_bad_arguments_are_rejected_with_a_clear_message(overrides, message):
     with pytest.raises(ValueError, match=message):
         make(**overrides)
+
+
+@pytest.mark.parametrize("verbose", [0, 1, False, True])
+def test_verbose_takes_0_or_1(verbose):
+    assert make(verbose=verbose).verbose == verbose
 
 
 async def _async_train_fn(config):
