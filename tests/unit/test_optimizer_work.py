@@ -191,3 +191,23 @@ def test_grad_scaler_steps_on_unscaled_reduced_gradients_and_every_rank_skips_th
                 assert torch.equal(a, b), f"step {step}"
     assert len(stepped) == 4, "the step whose reduced gradients overflowed was not skipped"
     assert scalers[id(opt)].get_scale() < 2.0**10
+
+
+def test_accumulation_reduces_once_after_the_last_pass_and_a_transposed_parameter_keeps_its_layout(world_of_two):
+    torch.manual_seed(0)
+    weight = torch.nn.Parameter(torch.randn(3, 4).t())  # non-contiguous: its gradient keeps autograd's layout
+    bias = torch.nn.Parameter(torch.randn(3))
+    twin_w, twin_b = (torch.nn.Parameter(t.detach().clone()) for t in (weight, bias))
+    opt = DistributedOptimizer(torch.optim.SGD([weight, bias], lr=0.1), backward_passes_per_step=2)
+    plain = torch.optim.SGD([twin_w, twin_b], lr=0.1)
+    xs = [torch.randn(5, 4, generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    for w, b, o in ((weight, bias, opt), (twin_w, twin_b, plain)):
+        o.zero_grad()
+        for i, x in enumerate(xs):
+            (x @ w + b).square().mean().backward()
+            if o is opt and i == 0:
+                assert world_of_two.reduced == 0, "reduced after the first of two passes"
+        o.step()
+    assert world_of_two.reduced == len(opt._buckets)
+    assert not weight.is_contiguous() and weight.grad.stride() == twin_w.grad.stride()
+    assert torch.equal(weight, twin_w) and torch.equal(bias, twin_b)  # the mirror's average is our own sum
