@@ -50,6 +50,8 @@ logger = logging.getLogger(__name__)
 COMMIT_PATH = "ray-elastic://last-commit"
 # DDP keyword arguments the ring decides (prepare_model refuses them)
 _RING_OPTIONS = ("process_group", "device_mesh", "init_sync")
+# DDPStrategy's communication-hook options (post-local SGD among them), refused: see ElasticDDPStrategy.__init__
+_COMM_HOOK_OPTIONS = ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper", "model_averaging_period")
 _OPS = {"mean": "average", "avg": "average", "sum": "sum", "max": "max", "min": "min"}
 
 
@@ -264,6 +266,12 @@ def build(pl: Any) -> SimpleNamespace:
             own = [k for k in _RING_OPTIONS if k in kwargs]
             if own:
                 raise ValueError(f"ElasticDDPStrategy sets {', '.join(own)} itself (the elastic ring's process group)")
+            hooks = [k for k in _COMM_HOOK_OPTIONS if kwargs.get(k) is not None]
+            if hooks:
+                raise ValueError(
+                    f"ElasticDDPStrategy does not take {', '.join(hooks)}: the DDP is rebuilt on each generation's "
+                    "ring, and its gradient allreduce carries the elastic host-change agreement"
+                )
             super().__init__(**kwargs)
             self.commit_every = commit_every
             self.scale_lr = bool(scale_lr)
@@ -312,6 +320,12 @@ def build(pl: Any) -> SimpleNamespace:
                 self._prepared._drop()
             self._prepared = prepare_model(model, move_to_device=False, **self._ddp_kwargs)
             return self._prepared
+
+        def _register_ddp_hooks(self) -> None:
+            # Lightning registers the DDP communication hook here when the root device is CUDA, asserting the model
+            # is a torch DistributedDataParallel; ours is the ElasticDDP that rebuilds one per generation, and a
+            # comm hook is refused at construction: nothing to register (on a GPU this used to fail every fit)
+            return
 
         @contextmanager
         def block_backward_sync(self) -> Iterator[None]:

@@ -15,6 +15,11 @@ committed, rolled back and handed to newcomers like the rest of the state.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import inspect
+from collections import UserDict
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -34,7 +39,8 @@ def prepare_data_loader(loader: DataLoader, seed: int = 0, move_to_device: bool 
         loader: a `torch.utils.data.DataLoader` over a map-style dataset, with
             its default sampler (`shuffle=True` or not) and a `batch_size`.
         seed: the shuffle's seed, combined with the epoch (the same on every rank).
-        move_to_device: move each batch's tensors to the worker's GPU, where it has one.
+        move_to_device: move each batch's tensors to the worker's GPU, where it has one: in tensors,
+            Mappings, namedtuples, tuples, lists, dataclasses, nested, and objects with a `.to(device)`.
 
     Raises `TypeError`/`ValueError` naming what cannot be sharded exactly: an
     iterable dataset, a custom sampler or batch sampler, no batch size.
@@ -82,14 +88,48 @@ def _worker_device() -> torch.device | None:
 
 
 def _to_device(batch: Any, device: torch.device) -> Any:
+    """`batch` with every tensor in it on `device`, each container rebuilt as its own type.
+
+    The rule, in order: a tensor moves; any other object that moves itself
+    (`.to`: HF's `BatchEncoding`, `PackedSequence`, the user's own batch
+    classes) is asked to, as it knows which of its parts belong on the device
+    (a `PackedSequence`'s `batch_sizes` stay on the CPU); dicts and `UserDict`s
+    are copied (keeping their type and attributes: a `defaultdict`'s factory)
+    with their values moved; other Mappings are rebuilt as their type where it
+    takes a dict, else as a dict; namedtuples, tuples and lists as their type;
+    dataclasses through `dataclasses.replace`; anything else is left as it is.
+    """
     if isinstance(batch, torch.Tensor):
         return batch.to(device, non_blocking=True)
+    if not isinstance(batch, type) and callable(getattr(batch, "to", None)):
+        return batch.to(device, non_blocking=True) if _takes_non_blocking(batch.to) else batch.to(device)
+    if isinstance(batch, (dict, UserDict)):
+        moved = copy.copy(batch)
+        for key, value in batch.items():
+            moved[key] = _to_device(value, device)
+        return moved
+    if isinstance(batch, Mapping):
+        items = {key: _to_device(value, device) for key, value in batch.items()}
+        try:
+            return type(batch)(items)  # type: ignore[call-arg]  # a concrete Mapping, built from a dict
+        except TypeError:  # a Mapping that is not built from a dict: its items, in a dict
+            return items
     if isinstance(batch, (list, tuple)):
-        moved = [_to_device(b, device) for b in batch]
-        return type(batch)(*moved) if hasattr(batch, "_fields") else type(batch)(moved)
-    if isinstance(batch, dict):
-        return {k: _to_device(v, device) for k, v in batch.items()}
+        moved_items = [_to_device(b, device) for b in batch]
+        return type(batch)(*moved_items) if hasattr(batch, "_fields") else type(batch)(moved_items)
+    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        fields = {f.name: _to_device(getattr(batch, f.name), device) for f in dataclasses.fields(batch) if f.init}
+        return dataclasses.replace(batch, **fields)
     return batch
+
+
+def _takes_non_blocking(method: Any) -> bool:
+    """Whether `method` accepts `non_blocking=` (a pinned batch's copy then overlaps the step)."""
+    try:
+        params = inspect.signature(method).parameters
+    except (TypeError, ValueError):  # a builtin without a signature
+        return False
+    return "non_blocking" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
 
 class ElasticDataLoader:

@@ -3,35 +3,39 @@
 Parameters are grouped into buckets of about `bucket_cap_mb` (in reverse
 order of the optimizer's parameters, which approximates the order in which
 backward produces their gradients, as DDP does). A gradient hook counts the
-gradients of each bucket; when a bucket is complete, its gradients are
-copied into one flat buffer (divided by the world size on the way, for
-`Average`) and an asynchronous allreduce starts while backward goes on.
-`step()` (or `synchronize()`) waits for the buckets and steps the wrapped
-optimizer. Each contiguous parameter's `.grad` is then a view into its
-bucket, as with DDP's `gradient_as_bucket_view=True`: nothing is copied
-back, and a step whose grads were kept (zeroed, not set to None) copies
-nothing in either. Autograd's own gradient tensor is freed as soon as it is
-copied into its launched bucket, in backward, so the gradients never exist
-twice; from then until `synchronize()` that `.grad` is None (the bucket is
-being reduced: nothing may write it). The next step overwrites the bucket,
-so a `.grad` kept past the next step must be cloned.
+gradients of each bucket; when a bucket is complete, its gradients go into
+one flat buffer (divided by the world size, for `Average`) and an
+asynchronous allreduce starts while backward goes on. At the end of
+backward (an autograd callback, as DDP's) the buckets are waited for: when
+`loss.backward()` returns, every `.grad` holds the reduced gradient, as
+with DDP. So clipping, `GradScaler` (its plain protocol: `unscale_` reads
+the reduced gradients, and a non-finite gradient on any rank is in the sum
+on every rank, so every rank skips the same steps) and `step()` need
+nothing of their own; `synchronize()` stays for Horovod's scripts.
+
+Each contiguous parameter's `.grad` is then a view into its bucket, as
+with DDP's `gradient_as_bucket_view=True`: the next backward accumulates
+into it in place when the gradients were zeroed rather than set to None,
+and nothing is copied; gradients set to None are copied into their bucket
+in one fused call per bucket, and autograd's tensors freed at once, so the
+gradients never exist twice. The host work of a step is per bucket (a
+copy, a scale, an allreduce, a wait); what stays per parameter is
+autograd's hook call, a counter. In a world of one nothing is reduced: the
+hooks return at once, no bucket is even allocated, and `step()` steps on
+autograd's own gradients.
 
 Every allreduce goes through the current generation's ring, so the
 optimizer keeps working after each reset; buckets launched in an older
-generation are dropped. A ring failure inside a hook is recorded and raised
-at `step()` as `HorovodInternalError`, the one place the run loop expects it.
+generation are dropped. A ring failure inside backward is recorded and
+raised at `step()` (or `synchronize()`) as `HorovodInternalError`, the one
+place the run loop expects it.
 
 It is a `torch.optim.Optimizer` (as Horovod's is), so everything made for
 one works on it: every LR scheduler, `torch.amp.GradScaler`, hooks, and
 `state_dict()`. Its `param_groups`, `state` and `defaults` are the wrapped
 optimizer's own objects (a scheduler that changes the LR changes the wrapped
 optimizer's), and `state_dict()`, `load_state_dict()`, `zero_grad()` and
-`add_param_group()` are the wrapped optimizer's. After `synchronize()` the
-gradients are the reduced ones and the next `step()` steps on them without
-reducing again: clip between the two. A `GradScaler` hands itself to
-`step()` (`_step_supports_amp_scaling`), which reduces the scaled gradients
-first and unscales and checks them after: a non-finite gradient on any rank
-is in the sum on every rank, so every rank skips the same steps.
+`add_param_group()` are the wrapped optimizer's.
 
 The last bucket carries one extra number, how many ranks hold a host-change
 notice, so the ranks agree on host updates inside the gradient allreduce and
@@ -50,13 +54,13 @@ error naming the backends to use instead.
 
 from __future__ import annotations
 
+import functools
 import time
-import warnings
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.amp.grad_scaler import OptState
+from torch.autograd import Variable
 
 from ray_elastic.collective.base import Average, CollectiveWork, ReduceOp, Sum
 from ray_elastic.collective.factory import TORCH_BACKENDS
@@ -70,14 +74,32 @@ if TYPE_CHECKING:
 
 
 class _Bucket:
-    """Parameters of one device and one dtype, and the flat buffer their gradients are reduced in."""
+    """Parameters of one device and one dtype, and the flat buffer their gradients are reduced in.
+
+    The buffer is made when first used: a world of one never reduces, and
+    holds no second copy of the gradients.
+    """
 
     def __init__(self, params: list[torch.Tensor], extra: int = 0) -> None:
         self.params = params
-        first = params[0]
-        self.flat = torch.zeros(sum(p.numel() for p in params) + extra, dtype=first.dtype, device=first.device)
+        self.size = sum(p.numel() for p in params) + extra
+        self.contiguous = [p.is_contiguous() for p in params]
+        self._flat: torch.Tensor | None = None
+        self.views: list[torch.Tensor] = []  # each parameter's gradient in the buffer, shaped as the parameter
         self.ready = 0
         self.work: CollectiveWork | None = None
+
+    @property
+    def flat(self) -> torch.Tensor:
+        if self._flat is None:
+            first = self.params[0]
+            flat = torch.zeros(self.size, dtype=first.dtype, device=first.device)
+            offset = 0
+            for p in self.params:
+                self.views.append(flat[offset : offset + p.numel()].view_as(p))
+                offset += p.numel()
+            self._flat = flat
+        return self._flat
 
 
 def _buckets(params: list[torch.Tensor], cap: int) -> list[_Bucket]:
@@ -109,10 +131,6 @@ def _agree(ctx: Any, notice: torch.Tensor) -> None:
         ctx.agree_on_notice_deferred(lambda: NoticeCopy(notice).any)
     else:
         ctx.agree_on_notice(host_value(notice) > 0)
-
-
-# GradScaler warns that it will stop handing itself to step(); until then that is how the reduction comes first
-warnings.filterwarnings("ignore", message="GradScaler is going to stop passing itself", category=FutureWarning)
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -158,20 +176,22 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.op = op
         params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
         names = {id(p): n for n, p in (named_parameters or [])}
-        self._names = {p: names.get(id(p), f"param{i}") for i, p in enumerate(params)}
+        self._names = {id(p): names.get(id(p), f"param{i}") for i, p in enumerate(params)}
         self._cap = int(bucket_cap_mb * 2**20)
-        self._buckets = _buckets(params, self._cap)
-        # the last bucket carries one more element: the count of ranks holding a host-change notice,
-        # so check_host_updates() after step() agrees through this allreduce instead of its own
-        last = self._buckets[-1]
-        self._buckets[-1] = _Bucket(last.params, extra=1)
-        self._bucket_of = {p: b for b in self._buckets for p in b.params}
-        self._passes = {p: 0 for p in params}
+        self._params: list[torch.Tensor] = []
+        self._bucket_index: list[int] = []  # by parameter number: its bucket's number
+        self._passes: list[int] = []  # by parameter number: backward passes since the last reduction
+        self._hooks: list[Any] = []
+        self._buckets: list[_Bucket] = []
         self._generation = -1
+        self._size = 1
         self._next_launch = 0
+        self._backward_passes = 0  # backward passes that reached this optimizer's parameters since the last reduction
+        self._queued = False  # this backward's end-of-backward callback is queued
         self._error: BaseException | None = None
-        self._synchronized = False  # synchronize() ran since the last step: step() uses the reduced gradients
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
+        self._reduced = False  # the gradients of this step are reduced: step() steps on them
+        self._synchronized = False  # synchronize() was called since the last step (Horovod's skip_synchronize)
+        self._add_params(params)
 
     def _as_torch_optimizer(self) -> None:
         """What `torch.optim.Optimizer.__init__` sets, less the parameters, which stay the wrapped optimizer's."""
@@ -184,13 +204,29 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._patch_step_function()  # step hooks and the profiler's step record, as on any optimizer
         self._warned_capturable_if_run_uncaptured = True
 
+    def _add_params(self, params: list[torch.Tensor]) -> None:
+        """Bucket `params` (before the last bucket, which carries the host-change count) and hook them."""
+        last = [self._buckets.pop()] if self._buckets else []
+        added = _buckets(params, self._cap)
+        if not last:
+            # the last bucket carries one more element: the count of ranks holding a host-change notice,
+            # so check_host_updates() after step() agrees through this allreduce instead of its own
+            added[-1] = _Bucket(added[-1].params, extra=1)
+        self._buckets.extend(added + last)
+        where = {id(p): i for i, b in enumerate(self._buckets) for p in b.params}
+        for p in params:
+            self._params.append(p)
+            self._passes.append(0)
+            hook = functools.partial(self._on_grad_ready, len(self._params) - 1)
+            self._hooks.append(p.register_post_accumulate_grad_hook(hook))
+        self._bucket_index = [where[id(p)] for p in self._params]
+
     # the wrapped optimizer's own objects: its load_state_dict() replaces them, so they are read through each time
     param_groups = property(
         lambda self: self.optimizer.param_groups, lambda self, v: setattr(self.optimizer, "param_groups", v)
     )
     state = property(lambda self: self.optimizer.state, lambda self, v: setattr(self.optimizer, "state", v))
     defaults = property(lambda self: self.optimizer.defaults, lambda self, v: setattr(self.optimizer, "defaults", v))
-    _step_supports_amp_scaling = True  # GradScaler.step hands itself to step(): reduce first, then unscale
 
     def __getattr__(self, name: str) -> Any:
         optimizer = self.__dict__.get("optimizer")
@@ -209,48 +245,68 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group to the wrapped optimizer; its parameters' gradients are reduced like the others'."""
-        known = set(self._passes)
+        known = {id(p) for p in self._params}
         self.optimizer.add_param_group(param_group)
-        added = [p for p in self.optimizer.param_groups[-1]["params"] if p.requires_grad and p not in known]
-        if not added:
-            return
+        added = [p for p in self.optimizer.param_groups[-1]["params"] if p.requires_grad and id(p) not in known]
         for p in added:
-            self._names.setdefault(p, f"param{len(self._names)}")
-            self._passes[p] = 0
-            self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
-        # the new parameters get buckets of their own, before the one that carries the host-change count
-        last = self._buckets.pop()
-        self._buckets.extend(_buckets(added, self._cap))
-        self._buckets.append(last)
-        self._bucket_of = {p: b for b in self._buckets for p in b.params}
+            self._names.setdefault(id(p), f"param{len(self._names)}")
+        if added:
+            self._add_params(added)  # buckets of their own, before the one that carries the host-change count
 
-    # ---- hooks ---------------------------------------------------------
+    # ---- backward ----------------------------------------------------------
+    def _follow(self, ctx: Any) -> None:
+        """A new generation (a reset): launches of the old ring are void, and the world may have a new size."""
+        self._reset_buckets()
+        self._generation = ctx.generation
+        slot = ctx.slot
+        self._size = slot.size if slot is not None else 1
+        self._reduced = False
+
     def _reset_buckets(self) -> None:
         for bucket in self._buckets:
             bucket.ready = 0
             bucket.work = None
-        for p in self._passes:
-            self._passes[p] = 0
+        if self.backward_passes_per_step > 1:
+            self._passes = [0] * len(self._passes)
         self._next_launch = 0
+        self._backward_passes = 0
 
-    def _on_grad_ready(self, p: torch.Tensor) -> None:
+    def _on_grad_ready(self, index: int, _param: torch.Tensor) -> None:
+        """Autograd accumulated parameter `index`'s gradient: count it, and launch the buckets it completed."""
         try:
             ctx = current()
             ctx.ensure_joined()
             if ctx.generation != self._generation:
-                self._reset_buckets()  # a reset happened: launches of the old ring are void
-                self._generation = ctx.generation
-            self._passes[p] += 1
-            if self._passes[p] != self.backward_passes_per_step:
-                return
-            self._bucket_of[p].ready += 1
+                self._follow(ctx)
+            if self._size == 1:
+                return  # nothing to reduce: autograd's gradient is the step's
+            if not self._queued:
+                self._queued = True
+                Variable._execution_engine.queue_callback(self._end_of_backward)
+            if self.backward_passes_per_step > 1:
+                self._passes[index] += 1
+                if self._passes[index] != self.backward_passes_per_step:
+                    return
+            self._buckets[self._bucket_index[index]].ready += 1
             # every rank must issue its collectives in the same order: launch buckets in index order
-            while self._next_launch < len(self._buckets):
-                bucket = self._buckets[self._next_launch]
-                if bucket.ready < len(bucket.params):
-                    break
-                self._launch(bucket)
+            buckets = self._buckets
+            while self._next_launch < len(buckets) and buckets[self._next_launch].ready == len(
+                buckets[self._next_launch].params
+            ):
+                self._launch(buckets[self._next_launch])
         except BaseException as e:  # noqa: BLE001 - surfaced at step(), not from inside autograd
+            self._error = e
+
+    def _end_of_backward(self) -> None:
+        """Autograd's callback when a backward that reached these parameters ends: reduce after the last pass."""
+        self._queued = False
+        if self._error is not None:
+            return
+        try:
+            self._backward_passes += 1
+            if self._backward_passes >= self.backward_passes_per_step:
+                self._reduce()
+        except BaseException as e:  # noqa: BLE001 - surfaced at step(), the one place the run loop expects it
             self._error = e
 
     def _launch(self, bucket: _Bucket) -> None:
@@ -258,115 +314,105 @@ class DistributedOptimizer(torch.optim.Optimizer):
         ctx = current()
         if bucket is self._buckets[0]:  # buckets launch in index order: the step's compute ends here
             PACE.launched(ctx.generation)
-        slot, ring = ctx.slot, ctx.group
-        assert slot is not None and ring is not None  # a backward of a joined rank launches buckets
-        size = slot.size
-        # Average divides while copying into the bucket (one pass, as DDP's default hook divides before
-        # its allreduce), so nothing is left to do to the sum but hand it back
-        scale = 1.0 / size if self.op is Average and size > 1 else None
-        offset = 0
+        ring = ctx.group
+        assert ring is not None  # a backward of a joined rank launches buckets
+        flat = bucket.flat
+        moved: list[torch.Tensor] = []  # autograd's gradients, to copy into the bucket in one call
+        into: list[torch.Tensor] = []
+        unused: list[torch.Tensor] = []  # parameters that got no gradient: zeros in the sum
+        for p, view in zip(bucket.params, bucket.views, strict=True):
+            grad = p.grad
+            if grad is view:
+                continue  # accumulated in place in the bucket (gradients zeroed, not set to None)
+            if grad is None:
+                unused.append(view)
+            else:
+                moved.append(grad)
+                into.append(view)
         with torch.no_grad():
-            for p in bucket.params:
-                n = p.numel()
-                dst = bucket.flat[offset : offset + n]
-                grad = p.grad
-                if grad is None:
-                    dst.zero_()
-                elif grad.data_ptr() == dst.data_ptr() and grad.is_contiguous():
-                    # still the bucket's view from the last step (grads kept, not set to None): in place
-                    if scale is not None:
-                        dst.mul_(scale)
-                else:
-                    if scale is not None:
-                        torch.mul(grad.reshape(-1), scale, out=dst)
-                    else:
-                        dst.copy_(grad.reshape(-1))
-                    if p.is_contiguous():
-                        # autograd's tensor is copied: free it now, not at step(). Held until then, every
-                        # gradient existed twice at the end of backward (4 bytes per parameter more at peak).
-                        # None, not the bucket's view, until step(): the bucket is being reduced, and a
-                        # .grad written meanwhile (a clip before synchronize(), a second backward) would
-                        # race the allreduce and could leave the ranks with different gradients
-                        p.grad = None
-                offset += n
+            if moved:
+                torch._foreach_copy_(into, moved)
+            if unused:
+                torch._foreach_zero_(unused)
+            # Average divides in the bucket before the sum (as DDP's default hook does): nothing is left to do after
+            if self.op is Average:
+                flat.mul_(1.0 / self._size)
             if bucket is self._buckets[-1]:
                 # fill_ takes the value as a kernel argument; item assignment copies it from pageable host memory,
                 # which makes the CPU wait for the device
-                bucket.flat[-1:].fill_(1.0 if ctx.notice > ctx.generation else 0.0)
-        # alone in the world the bucket already holds the sum (and the notice its agreement): a collective
-        # would only make synchronize() wait for the device, ending the overlap of launches and kernels
-        bucket.work = ring.allreduce_async(bucket.flat, Sum) if size > 1 else None
+                flat[-1:].fill_(1.0 if ctx.notice > ctx.generation else 0.0)
+        if moved or unused:
+            for p, view, contiguous in zip(bucket.params, bucket.views, bucket.contiguous, strict=True):
+                # the bucket is the gradient from now on; autograd's tensor is freed here, in backward, so the
+                # gradients never exist twice (a non-contiguous parameter keeps its layout: copied back after)
+                if contiguous and p.grad is not view:
+                    p.grad = view
+        bucket.work = ring.allreduce_async(flat, Sum)
 
-    # ---- step ------------------------------------------------------------
-    def synchronize(self) -> None:
-        """Wait for every bucket's allreduce and write the results into `.grad`; the next `step()` uses them."""
+    def _reduce(self) -> None:
+        """Launch what backward did not (parameters with no gradient), wait for every bucket, agree on notices."""
         ctx = current()
-        ctx.ensure_joined()
         try:
-            if self._error is not None:
-                raise self._error
-            if ctx.generation != self._generation:
-                self._reset_buckets()
-                self._generation = ctx.generation
             for bucket in self._buckets[self._next_launch :]:
-                self._launch(bucket)  # buckets with parameters that got no gradient this step
+                self._launch(bucket)
             for bucket in self._buckets:
                 if bucket.work is not None:
                     waiting = time.perf_counter()
                     bucket.work.wait()
                     PACE.waited(time.perf_counter() - waiting)
-                if bucket is self._buckets[-1]:
-                    _agree(ctx, bucket.flat[-1:])
-                offset = 0
-                with torch.no_grad():
-                    for p in bucket.params:
-                        n = p.numel()
-                        view = bucket.flat[offset : offset + n].view_as(p)
-                        if p.is_contiguous():
-                            p.grad = view  # the averaged gradient, in the bucket: no copy back
-                        elif p.grad is None:
+            _agree(ctx, self._buckets[-1].flat[-1:])
+            with torch.no_grad():
+                for bucket in self._buckets:
+                    for p, view, contiguous in zip(bucket.params, bucket.views, bucket.contiguous, strict=True):
+                        if contiguous:
+                            continue
+                        if p.grad is None:
                             p.grad = view.clone()  # keeps autograd's layout for a non-contiguous parameter
                         else:
                             p.grad.copy_(view)
-                        offset += n
+        finally:
+            self._reset_buckets()
+        PACE.reduced(ctx.generation)
+        self._reduced = True
+
+    # ---- step ------------------------------------------------------------
+    def synchronize(self) -> None:
+        """Have the reduced gradients in `.grad` now (backward's end already did, unless no gradient came)."""
+        ctx = current()
+        ctx.ensure_joined()
+        try:
+            if self._error is not None:
+                self._reset_buckets()  # what backward launched before it failed is void
+                raise self._error
+            if ctx.generation != self._generation:
+                self._follow(ctx)
+            if not self._reduced:
+                if self._size > 1:
+                    self._reduce()
+                else:
+                    PACE.launched(ctx.generation)
+                    ctx.agree_on_notice(ctx.notice > ctx.generation)  # alone: nothing to agree with
+                    PACE.reduced(ctx.generation)
+                    self._reduced = True
         except HorovodInternalError:
             raise
         except RuntimeError as e:
             raise HorovodInternalError(f"gradient allreduce failed: {e}") from e
         finally:
             self._error = None
-            self._reset_buckets()
-        PACE.reduced(ctx.generation)
+            self._queued = False
         self._synchronized = True
 
-    def step(self, closure: Any = None, grad_scaler: torch.amp.GradScaler | None = None) -> Any:
-        """Average the gradients across workers (unless `synchronize()` did), then step the wrapped optimizer.
-
-        With a `GradScaler` (which passes itself): the scaled gradients are
-        reduced, unscaled unless `scaler.unscale_(opt)` ran after
-        `synchronize()`, and the step is skipped when any is inf or NaN.
-        """
-        scaler_state = grad_scaler._per_optimizer_states[id(self)] if grad_scaler is not None else None
-        if scaler_state is not None and not self._synchronized and scaler_state["stage"] is OptState.UNSCALED:
-            raise RuntimeError(
-                "scaler.unscale_(optimizer) ran before optimizer.synchronize(): the gradients it saw were not "
-                "reduced yet, so nothing was unscaled (nor clipped). Call optimizer.synchronize() first, then "
-                "scaler.unscale_(optimizer), clip, and scaler.step(optimizer)"
-            )
-        if not self._synchronized:
+    def step(self, closure: Any = None) -> Any:
+        """Step the wrapped optimizer on the reduced gradients (reducing first if backward did not)."""
+        if not self._reduced or self._error is not None:
             self.synchronize()
+        self._reduced = False
         self._synchronized = False
-        if grad_scaler is None:
-            return self.optimizer.step(closure)
-        assert scaler_state is not None
-        # what GradScaler does for a plain optimizer, on the reduced gradients (its own bookkeeping)
-        if scaler_state["stage"] is OptState.READY:
-            grad_scaler.unscale_(self)
-        if sum(v.item() for v in scaler_state["found_inf_per_device"].values()):
-            return None
         return self.optimizer.step(closure)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        self._reduced = False
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def __repr__(self) -> str:

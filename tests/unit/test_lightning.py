@@ -242,3 +242,22 @@ def test_a_fit_entered_again_after_a_failure_mid_backward_trains_on():
         type(t).fit(t, model, train_dataloaders=loader, ckpt_path=enter_fit(t.strategy, state, None))
     type(t).fit(t, model, train_dataloaders=loader, ckpt_path=enter_fit(t.strategy, state, None))
     assert t.global_step == 10
+
+
+@pytest.mark.usefixtures("world_of_one")
+def test_the_ddp_setup_lightning_runs_on_a_gpu_wraps_the_model_elastic(monkeypatch):
+    """With a CUDA root device Lightning's `configure_ddp` registers DDP comm hooks and asserts the model is a torch
+    DistributedDataParallel: every `accelerator="gpu"` fit failed there. The CUDA branch, taken on the CPU."""
+    from ray_elastic.torch.ddp import ElasticDDP
+
+    strategy = ElasticDDPStrategy()
+    monkeypatch.setattr(ElasticDDPStrategy, "root_device", property(lambda self: torch.device("cuda", 0)))
+    strategy.model = _TwoLayers(set())
+    strategy.configure_ddp()
+    assert isinstance(strategy.model, ElasticDDP) and isinstance(strategy.model.module, _TwoLayers)
+
+
+@pytest.mark.parametrize("option", ["ddp_comm_hook", "ddp_comm_wrapper", "model_averaging_period"])
+def test_a_ddp_comm_hook_is_refused_naming_it(option):
+    with pytest.raises(ValueError, match=option):
+        ElasticDDPStrategy(**{option: 4 if option == "model_averaging_period" else (lambda *a: None)})

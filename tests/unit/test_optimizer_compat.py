@@ -95,14 +95,19 @@ def test_grad_scaler_on_the_reduced_gradients_skips_the_steps_a_plain_optimizer_
 
 
 @pytest.mark.usefixtures("world_of_one")
-def test_unscale_before_synchronize_is_refused_naming_the_order():
-    model, _ = _pair()
+def test_unscale_and_clip_right_after_backward_act_on_the_gradients_the_step_uses():
+    """The gradients are reduced when backward returns (as with DDP): no synchronize() is needed before unscale_."""
+    model, twin = _pair()
     opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
-    scaler = torch.amp.GradScaler("cpu")
-    scaler.scale(_loss(model, 0)).backward()
-    scaler.unscale_(opt)  # the gradients are being reduced: nothing to unscale, nothing to clip
-    with pytest.raises(RuntimeError, match="synchronize"):
-        scaler.step(opt)
+    plain = torch.optim.SGD(twin.parameters(), lr=0.1)
+    for m, o in ((model, opt), (twin, plain)):
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+        scaler.scale(_loss(m, 0)).backward()
+        scaler.unscale_(o)
+        torch.nn.utils.clip_grad_norm_(m.parameters(), 0.01)
+        scaler.step(o)
+    for a, b in zip(model.parameters(), twin.parameters(), strict=True):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.usefixtures("world_of_one")

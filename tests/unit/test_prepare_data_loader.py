@@ -7,13 +7,18 @@ set by hand), as `ElasticSampler`'s own tests do; the cluster test
 
 from __future__ import annotations
 
-from collections import Counter
+import dataclasses
+from collections import Counter, OrderedDict, UserDict, defaultdict
+from collections.abc import Mapping
+from typing import NamedTuple
 
 import pytest
 import torch
+from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset, WeightedRandomSampler
 
 from ray_elastic.torch import ElasticSampler, prepare_data_loader
+from ray_elastic.torch.data_loader import ElasticDataLoader
 from ray_elastic.torch.state import TorchState
 
 N, BS = 50, 4
@@ -86,3 +91,104 @@ def test_every_sample_once_through_a_rollback_and_a_new_world_with_no_record_cal
     padding = ranks[0].loader.sampler.padding_trained
     assert sum(seen.values()) - N == padding, f"{sum(seen.values()) - N} repeats, {padding} of them padding"
     assert ranks[0].loader.sampler.num_remaining == 0, "the loop came back after the last batch: all counted"
+
+
+# ---- batch shapes: each moved whole to the worker's device (meta stands in for a GPU) ----------------------------
+
+META = torch.device("meta")
+
+
+class Pair(NamedTuple):
+    x: torch.Tensor
+    y: torch.Tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class Example:
+    features: torch.Tensor
+    extras: dict
+    name: str = "batch"
+
+
+class Frozen(Mapping):
+    """A read-only Mapping built from a dict (as `types.MappingProxyType`-like user classes are)."""
+
+    def __init__(self, data: dict) -> None:
+        self._data = dict(data)
+
+    def __getitem__(self, key):
+        return self._data[key]
+
+    def __iter__(self):
+        return iter(self._data)
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+
+class Movable:
+    """A user's batch class that moves itself, and says which of its parts go."""
+
+    def __init__(self, x: torch.Tensor, lengths: torch.Tensor) -> None:
+        self.x, self.lengths = x, lengths
+
+    def to(self, device):
+        return Movable(self.x.to(device), self.lengths)  # lengths stay on the host, as its author wants
+
+
+def _loader_yielding(batch) -> ElasticDataLoader:
+    """A prepared loader of one batch, `batch` itself, moved to the meta device."""
+    loader = prepare_data_loader(DataLoader(TensorDataset(torch.arange(1)), batch_size=1, collate_fn=lambda _: batch))
+    loader.sampler.set_world(0, 1)
+    loader.device = META
+    return loader
+
+
+def _moved(batch):
+    (out,) = list(_loader_yielding(batch))
+    return out
+
+
+def test_a_user_dict_moves_and_keeps_its_type():
+    out = _moved(UserDict(x=torch.ones(2), n=3))
+    assert type(out) is UserDict and out["x"].device == META and out["n"] == 3
+
+
+def test_a_batch_encoding_moves_and_keeps_its_encodings():
+    transformers = pytest.importorskip("transformers")
+    batch = transformers.BatchEncoding({"input_ids": torch.ones(2, 3, dtype=torch.long)}, n_sequences=2)
+    out = _moved(batch)
+    assert isinstance(out, transformers.BatchEncoding) and out["input_ids"].device == META
+    assert out.n_sequences == 2, "moved by its own .to(), which keeps the tokenizer's encodings"
+
+
+def test_dict_types_keep_their_type_and_factory():
+    moved = _moved(defaultdict(list, x=torch.ones(1)))
+    assert type(moved) is defaultdict and moved.default_factory is list and moved["x"].device == META
+    ordered = _moved(OrderedDict(b=torch.ones(1), a=torch.ones(1)))
+    assert type(ordered) is OrderedDict and list(ordered) == ["b", "a"] and ordered["a"].device == META
+
+
+def test_another_mapping_is_rebuilt_as_its_type():
+    out = _moved(Frozen({"x": torch.ones(1)}))
+    assert type(out) is Frozen and out["x"].device == META
+
+
+def test_a_dataclass_moves_nested_and_keeps_its_other_fields():
+    out = _moved(Example(torch.ones(2), {"mask": [torch.ones(1)]}, name="b0"))
+    assert type(out) is Example and out.name == "b0"
+    assert out.features.device == META and out.extras["mask"][0].device == META
+
+
+def test_a_namedtuple_of_a_dataclass_and_a_user_dict_moves_all_the_way_down():
+    out = _moved(Pair(Example(torch.ones(1), {}), UserDict(y=torch.ones(1))))
+    assert type(out) is Pair and out.x.features.device == META and out.y["y"].device == META
+
+
+def test_an_object_that_moves_itself_is_asked_to():
+    out = _moved(Movable(torch.ones(2), torch.tensor([2])))
+    assert out.x.device == META and out.lengths.device.type == "cpu"
+    packed = pack_padded_sequence(torch.ones(3, 2, 4), [3, 2])
+    out = _moved(packed)
+    assert type(out) is PackedSequence and out.data.device == META
+    assert out.batch_sizes.device.type == "cpu", "a PackedSequence keeps its batch sizes on the host"

@@ -90,7 +90,15 @@ def _step(model: torch.nn.Module, opt: torch.optim.Optimizer, i: int) -> None:
     opt.step()
 
 
-def test_the_distributed_optimizer_loop_reads_nothing_off_the_device(ring, host_reads):
+def _as_world_of_two(ring: WorkerContext, monkeypatch) -> None:
+    """The optimizer reduces in buckets as in a world of two (the ring of one hands each bucket back as it is)."""
+    monkeypatch.setattr(ring.membership, "slot", WorkerSlot("w0", "host", 0, 2, 0, 2, 0, 1))
+
+
+@pytest.mark.parametrize("size", [1, 2])
+def test_the_distributed_optimizer_loop_reads_nothing_off_the_device(ring, host_reads, monkeypatch, size):
+    if size == 2:
+        _as_world_of_two(ring, monkeypatch)
     model = _model()
     opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))
     for i in range(20):
@@ -115,6 +123,7 @@ def test_a_notice_agreed_on_a_device_is_acted_on_at_the_next_check_or_at_once_at
     ring, host_reads, monkeypatch
 ):
     monkeypatch.setattr(optimizer, "reads_later", lambda t: True)  # CPU tensors take the GPU's path
+    _as_world_of_two(ring, monkeypatch)  # alone, the optimizer agrees on the host at once: no bucket, no device
     model = _model()
     opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01))
     for i in range(3):

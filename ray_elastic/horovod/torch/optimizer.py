@@ -63,14 +63,14 @@ class _HorovodOptimizer(_ElasticOptimizer):
         finally:
             self._skip_synchronize = False
 
-    def step(self, closure: Any = None, grad_scaler: torch.amp.GradScaler | None = None) -> Any:
+    def step(self, closure: Any = None) -> Any:
         if self._synchronized and not self._skip_synchronize:
             # Horovod warns and reduces again; the gradients are reduced already, so step on them as they are
             logger.warning(
                 "optimizer.step() after optimizer.synchronize() outside `with optimizer.skip_synchronize():`; "
                 "the gradients were reduced already and are used as they are"
             )
-        return super().step(closure, grad_scaler)
+        return super().step(closure)
 
 
 def DistributedOptimizer(  # noqa: N802 - Horovod's name for a factory

@@ -1,0 +1,213 @@
+"""`DistributedOptimizer`'s per-step work, and GradScaler on it, in a world of two without a second process.
+
+The ring is a mirror: its allreduce adds what an identical peer would (the
+bucket itself, so an averaged gradient comes back whole and bit for bit),
+and a test can have the peer send something else (an inf). The work is
+counted as torch's dispatcher sees it (`TorchDispatchMode`: every operator
+call, views and copies included), the optimizer's against a plain
+optimizer's on the same model, for two models that differ only in their
+number of parameters.
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from collections import Counter
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+from test_worker_runtime import make_context, no_ray  # noqa: F401 - fixtures
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ray_elastic.assignment import WorkerSlot
+from ray_elastic.collective.base import CollectiveWork, ReduceOp
+from ray_elastic.runtime.process import set_current
+from ray_elastic.torch import DistributedOptimizer
+
+
+class Mirror:
+    """A ring of two whose other rank sends `peer(bucket)` (by default the same gradients: the bucket again)."""
+
+    size = 2
+
+    def __init__(self) -> None:
+        self.peer: Callable[[torch.Tensor], torch.Tensor] = torch.clone
+        self.reduced = 0
+
+    def allreduce_async(self, value: torch.Tensor, op: ReduceOp) -> CollectiveWork:
+        self.reduced += 1
+        sent = self.peer(value)
+        return CollectiveWork("allreduce", then=lambda: value.add_(sent))
+
+
+@pytest.fixture
+def world_of_two() -> Iterator[Mirror]:
+    ctx = make_context()
+    ring = Mirror()
+    ctx.membership.group = ring
+    ctx.membership.slot = WorkerSlot("w0", "host", 0, 2, 0, 2, 0, 1)
+    ctx.membership.generation = 1
+    try:
+        yield ring
+    finally:
+        set_current(None)
+
+
+@pytest.fixture
+def world_of_one() -> Iterator[Mirror]:
+    ctx = make_context()
+    ring = Mirror()
+    ctx.membership.group = ring
+    ctx.membership.slot = WorkerSlot("w0", "host", 0, 1, 0, 1, 0, 1)
+    ctx.membership.generation = 1
+    try:
+        yield ring
+    finally:
+        set_current(None)
+
+
+class Ops(TorchDispatchMode):
+    """Counts the operator calls made inside it (tensor operators; not profiler records)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's signature
+        if not str(func).startswith("profiler."):  # the step's own profiler record, as any optimizer's
+            self.calls[str(func.overloadpacket)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _model(layers: int) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*(torch.nn.Linear(8, 8) for _ in range(layers)))
+
+
+def _extra_ops(layers: int, set_to_none: bool) -> Counter[str]:
+    """The operator calls of two steps (backward + step) with the optimizer, less those with a plain SGD."""
+    counts = []
+    for wrapped in (True, False):
+        model = _model(layers)
+        sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+        opt = DistributedOptimizer(sgd, bucket_cap_mb=64) if wrapped else sgd
+        x = torch.ones(2, 8)
+        _ = [_step(model, opt, x, set_to_none) for _ in range(2)]  # the first steps make the buckets
+        with Ops() as ops:
+            _step(model, opt, x, set_to_none)
+        counts.append(ops.calls)
+    return counts[0] - counts[1]
+
+
+def _step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, set_to_none: bool) -> None:
+    opt.zero_grad(set_to_none=set_to_none)
+    model(x).square().mean().backward()
+    opt.step()
+
+
+@pytest.mark.parametrize("set_to_none", [True, False], ids=["grads set to None", "grads zeroed"])
+def test_a_steps_work_grows_with_the_buckets_not_with_the_parameters(world_of_two, set_to_none):
+    few, many = _extra_ops(2, set_to_none), _extra_ops(16, set_to_none)  # 4 and 32 parameters, one bucket each
+    assert few == many, f"work per parameter: {dict(many - few)} more operator calls for 28 more parameters"
+    assert sum(many.values()) <= 12, f"a one-bucket step (the mirror's two included): {dict(many)}"
+    if not set_to_none:
+        assert "copy_" not in many and "_foreach_copy_" not in many, "gradients kept in the bucket were copied"
+
+
+def test_alone_in_the_world_the_optimizer_adds_no_work_and_no_bucket(world_of_one):
+    assert sum(_extra_ops(16, set_to_none=True).values()) == 0
+    model = _model(3)
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    _step(model, opt, torch.ones(2, 8), set_to_none=True)
+    assert all(b._flat is None for b in opt._buckets), "a bucket (a second copy of the gradients) was made"
+    assert world_of_one.reduced == 0
+
+
+def test_the_gradients_are_reduced_when_backward_returns_into_the_bucket_and_autograds_are_freed(world_of_two):
+    """As with DDP: `.grad` after `backward()` is the average, a view into the bucket; autograd's copy is gone."""
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64), torch.nn.Linear(64, 1))
+    autograds: dict[str, weakref.ref] = {}
+    for name, p in model.named_parameters():  # registered first: runs before the optimizer's hook
+        p.register_post_accumulate_grad_hook(lambda p, name=name: autograds.__setitem__(name, weakref.ref(p.grad)))
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), bucket_cap_mb=0.01)
+    assert len(opt._buckets) > 1
+    world_of_two.peer = torch.zeros_like  # the other rank's gradients are zeros: the average is half of ours
+    x = torch.randn(8, 64)
+    twin = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64), torch.nn.Linear(64, 1))
+    twin.load_state_dict(model.state_dict())
+    twin(x).square().mean().backward()
+    for _ in range(2):
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        alive = sorted(name for name, ref in autograds.items() if ref() is not None)
+        assert alive == [], f"autograd's gradients still held after backward: {alive}"
+        flats = [(b.flat.data_ptr(), b.flat.data_ptr() + b.flat.numel() * 4) for b in opt._buckets]
+        for p, q in zip(model.parameters(), twin.parameters(), strict=True):
+            assert any(lo <= p.grad.data_ptr() < hi for lo, hi in flats)
+            assert torch.equal(p.grad, q.grad / 2), "not the average when backward returned"
+        opt.step()
+        twin.load_state_dict(model.state_dict())
+        twin.zero_grad()
+        twin(x).square().mean().backward()
+
+
+@pytest.mark.parametrize("clip", [False, True], ids=["scaler.step", "unscale_+clip after backward"])
+def test_grad_scaler_steps_on_unscaled_reduced_gradients_and_every_rank_skips_the_peers_inf(world_of_two, clip):
+    """Through GradScaler's current protocol: no `grad_scaler=` keyword (torch's FutureWarning is an error here).
+
+    The other rank's gradients overflow at step 2 while ours are finite: our
+    rank must skip that step and lower the scale, as a plain optimizer whose
+    own gradients overflowed does; every other step equals the plain one bit
+    for bit (an optimizer stepping on scaled gradients would not).
+    """
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 1))
+    twin = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 1))
+    twin.load_state_dict(model.state_dict())
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    plain = torch.optim.SGD(twin.parameters(), lr=0.1)
+    scalers = {id(o): torch.amp.GradScaler("cpu", init_scale=2.0**10) for o in (opt, plain)}
+    stepped: list[bool] = []
+    opt.optimizer.register_step_post_hook(lambda *_: stepped.append(True))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        for step in range(5):
+            world_of_two.peer = (lambda b: torch.full_like(b, float("inf"))) if step == 2 else torch.clone
+            for m, o in ((model, opt), (twin, plain)):
+                scaler = scalers[id(o)]
+                o.zero_grad()
+                x = torch.randn(4, 6, generator=torch.Generator().manual_seed(step))
+                loss = m(x).pow(2).mean() * (float("inf") if step == 2 and o is plain else 1.0)
+                scaler.scale(loss).backward()
+                if clip:
+                    scaler.unscale_(o)
+                    torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05)
+                scaler.step(o)
+                scaler.update()
+            assert scalers[id(opt)].get_scale() == scalers[id(plain)].get_scale(), f"scale at step {step}"
+            for a, b in zip(model.parameters(), twin.parameters(), strict=True):
+                assert torch.equal(a, b), f"step {step}"
+    assert len(stepped) == 4, "the step whose reduced gradients overflowed was not skipped"
+    assert scalers[id(opt)].get_scale() < 2.0**10
+
+
+def test_accumulation_reduces_once_after_the_last_pass_and_a_transposed_parameter_keeps_its_layout(world_of_two):
+    torch.manual_seed(0)
+    weight = torch.nn.Parameter(torch.randn(3, 4).t())  # non-contiguous: its gradient keeps autograd's layout
+    bias = torch.nn.Parameter(torch.randn(3))
+    twin_w, twin_b = (torch.nn.Parameter(t.detach().clone()) for t in (weight, bias))
+    opt = DistributedOptimizer(torch.optim.SGD([weight, bias], lr=0.1), backward_passes_per_step=2)
+    plain = torch.optim.SGD([twin_w, twin_b], lr=0.1)
+    xs = [torch.randn(5, 4, generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    for w, b, o in ((weight, bias, opt), (twin_w, twin_b, plain)):
+        o.zero_grad()
+        for i, x in enumerate(xs):
+            (x @ w + b).square().mean().backward()
+            if o is opt and i == 0:
+                assert world_of_two.reduced == 0, "reduced after the first of two passes"
+        o.step()
+    assert world_of_two.reduced == len(opt._buckets)
+    assert not weight.is_contiguous() and weight.grad.stride() == twin_w.grad.stride()
+    assert torch.equal(weight, twin_w) and torch.equal(bias, twin_b)  # the mirror's average is our own sum
