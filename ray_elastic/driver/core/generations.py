@@ -121,6 +121,11 @@ class Generations:
         gone = [w for w in self.plan if roster[w].status not in ALIVE]
         return [w for w in gone if roster[w].holds_state] or gone
 
+    def holder_alive(self) -> bool:
+        """Whether a member of the current generation that holds the trained state is alive."""
+        roster = self.record.roster
+        return any(roster[w].holds_state and roster[w].status in ALIVE for w in self.plan)
+
     def restart_from_checkpoint(self, now: float) -> None:
         """Every member was lost: fresh workers form the next generation from the durable checkpoint."""
         self.plan = {}
@@ -170,6 +175,8 @@ class Generations:
             if self.waiting_since is None:
                 logger.info("driver: waiting (%s)", reason)
                 self.start_waiting(now, reason)
+        elif verdict is PublishVerdict.HOLDER_LEAVING:
+            logger.error("driver: not publishing: %s (the hand-over keeps one; a bug if this repeats)", reason)
         elif verdict is PublishVerdict.NOW:
             logger.info("driver: publishing generation %d (%s)", self.generation + 1, reason)
             return Published(verdict, self._publish(ready_records, now, reason))
@@ -183,6 +190,7 @@ class Generations:
         old_size = len(previous)
         self.generation += 1
         self.plan = assign_ranks([r.live for r in ready])
+        record.evicted.intersection_update(self.plan)  # the stragglers it leaves out are gone; one held over stays
         for rec in roster.live(WorkerStatus.READY):  # the others of `ready` are members already
             rec.status = WorkerStatus.MEMBER
             rec.admitted_in = self.generation
@@ -223,7 +231,6 @@ class Generations:
         """
         record, draining = self.record, self.record.draining
         leavers = [r for r in self.pending_leavers() if r.worker_id not in record.evicted]
-        record.evicted.clear()
         preempted = [r for r in leavers if r.host in draining]
         withdrawn = [r for r in leavers if r.host not in draining]
         for host in sorted({r.host for r in preempted}):

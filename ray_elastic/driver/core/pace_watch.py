@@ -120,7 +120,9 @@ class PaceWatch:
             healthy_comm=self._healthy_comm(len(gens.plan)),
             hosts={w: roster[w].host for w in gens.plan},
         )
-        if verdict.verdict is Straggler.EVICT:
+        if verdict.verdict is Straggler.EVICT and verdict.worker in self.record.evicted:
+            pass  # let go already, and held over while it hands the state on: its slot is benched once
+        elif verdict.verdict is Straggler.EVICT:
             self._evict(verdict, now)
         elif verdict.verdict is not Straggler.NONE and (verdict.worker, gens.generation) not in self._told:
             self._told.add((verdict.worker, gens.generation))

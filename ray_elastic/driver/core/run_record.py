@@ -66,8 +66,9 @@ class RunRecord:
             self.phase.move(DONE, reason, self.now)
 
     def let_go(self, rec: WorkerRecord) -> None:
-        """Stop a worker that is not needed (left out, or the run is finishing)."""
+        """Stop a worker that is not needed (left out, or the run is finishing); nothing it says counts any more."""
         self.act(m.Kill(rec.worker_id))
+        self.roster.fenced.add(rec.worker_id)
         rec.status = WorkerStatus.GONE
 
     def event(self, kind: EventKind, detail: str, now: float, world_size: int, generation: int) -> Event:
