@@ -203,8 +203,12 @@ class DriverCore:
         """
         record = self.record
         record.now = now
-        for message in messages:
+        batch = list(messages)
+        for i, message in enumerate(batch):
             if record.phase.is_final:
+                # the run ended in this batch (an uneven finish): rank 0's value, if it came with it, is still kept
+                said = [x for x in batch[i:] if not record.roster.is_void(getattr(x, "worker_id", ""))]
+                self.finishing.keep_value(said)
                 break
             self._apply(message, now)
         due = self._release_at is not None and now >= self._release_at

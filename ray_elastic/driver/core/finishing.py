@@ -16,6 +16,8 @@ from ray_elastic.driver.core.roster import IN_RING, WorkerRecord, WorkerStatus
 from ray_elastic.protocol import CoordinatorLost, Finished
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     from ray_elastic.driver.core.generations import Generations
     from ray_elastic.driver.core.run_record import RunRecord
 
@@ -57,6 +59,13 @@ class Finishing:
                 record.let_go(other)
             self._let_go_newcomers_after(outcome.generation)
         self.end_if_done()
+
+    def keep_value(self, messages: Iterable[m.Message]) -> None:
+        """Rank 0's value from a return that came in the batch that ended the run (failed as uneven before it)."""
+        for msg in messages:
+            outcome = msg.outcome if isinstance(msg, m.WorkerExited) else None
+            if isinstance(outcome, Finished) and outcome.rank == 0 and not self.returned:
+                self.return_value, self.checkpoint_error, self.returned = outcome.value, outcome.checkpoint_error, True
 
     def _let_go_newcomers_after(self, generation: int | None) -> None:
         """Stop the members admitted after `generation`, the one the returning worker trained in last.
