@@ -57,10 +57,9 @@ class Failures:
     # ---- deaths ------------------------------------------------------------------------
     def on_user_error(self, msg: m.WorkerExited, now: float) -> None:
         """`train_fn` raised: the run fails with its traceback, unless `max_failures` retries it as a failure."""
-        rec = self.record.roster.get(msg.worker_id)
-        if rec is None:
+        rec, outcome = self.record.roster.get(msg.worker_id), msg.outcome
+        if rec is None or not isinstance(outcome, UserError):
             return
-        outcome: UserError = msg.outcome
         slot = self.generations.plan.get(rec.worker_id)
         where = f"rank {slot.rank} " if slot is not None else ""
         said = "train_fn raised in worker" if outcome.retryable else "worker"

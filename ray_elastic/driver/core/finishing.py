@@ -47,10 +47,9 @@ class Finishing:
         if isinstance(outcome, CoordinatorLost):
             record.fail(outcome.error)
             return
-        finished = isinstance(outcome, Finished)
-        rec.status = WorkerStatus.FINISHED if finished else WorkerStatus.GONE
+        rec.status = WorkerStatus.FINISHED if isinstance(outcome, Finished) else WorkerStatus.GONE
         record.act(m.Kill(rec.worker_id))
-        if finished:
+        if isinstance(outcome, Finished):
             if outcome.rank == 0:
                 self.return_value = outcome.value
                 self.checkpoint_error = outcome.checkpoint_error

@@ -98,9 +98,9 @@ class Scaling:
                 logger.info("worker %s stays: its host is offered again before it left", rec.worker_id)
                 rec.status = WorkerStatus.MEMBER
         for worker_id in sorted(evicted):  # a straggler stays only while it holds the state over
-            rec = roster.get(worker_id)
-            if rec is not None and rec.status in IN_RING:
-                rec.status = WorkerStatus.MEMBER if worker_id == held else WorkerStatus.LEAVING
+            straggler = roster.get(worker_id)
+            if straggler is not None and straggler.status in IN_RING:
+                straggler.status = WorkerStatus.MEMBER if worker_id == held else WorkerStatus.LEAVING
         add = self._room_for(held, staying, remove, dict(decision.add))
         added = [self._spawn(host, now) for host, count in add.items() for _ in range(count)]
         gens = self.generations
