@@ -129,14 +129,14 @@ class DriverActor:
             try:
                 await self._load_start()
             except snapshot.StartError as e:  # forged, or gone with the run: nothing to start from
-                self.core.fail(str(e))
+                self._fail(str(e))
             else:
                 await self._loop()
         except NoAnswerError as e:  # a restart's bounded wait on the GCS or the KV actor ran out: named
-            self.core.fail(str(e))
+            self._fail(str(e))
         except Exception as e:  # noqa: BLE001 - a driver bug must still end the run with its reason
             logger.exception("driver failed")
-            self.core.fail(f"internal error in the driver: {type(e).__name__}: {e}")
+            self._fail(f"internal error in the driver: {type(e).__name__}: {e}")
         finally:
             for task in self._tasks:
                 task.cancel()
@@ -220,7 +220,7 @@ class DriverActor:
         rest_changed, self._metrics_written = taken != self._metrics_written, taken
         why = await self.ledger.persist(self.core, (self.metrics, self._metric_seqs), core_changed, rest_changed)
         if why is not None:
-            self.core.fail(f"the GCS did not take the driver's snapshot ({why}); the run cannot survive a restart")
+            self._fail(f"the GCS did not take the driver's snapshot ({why}); the run cannot survive a restart")
 
     async def _take(self, message: m.Message | None) -> None:
         """Queue a call's message; return once a snapshot holds it.
@@ -239,17 +239,17 @@ class DriverActor:
         try:
             saved = await self.ledger.load()
         except snapshot.ForgedSnapshotError as e:
-            self.core.fail(str(e))
+            self._fail(str(e))
             return []
         if saved is None:
-            self.core.fail("the run's driver actor restarted before it had saved any state; the run cannot go on")
+            self._fail("the run's driver actor restarted before it had saved any state; the run cannot go on")
             return []
         kv = self._kv().kv
         kv_generation = await within("ask the KV actor its generation", kv.current_generation.remote())
         confirmed = await within("ask the KV actor its newest snapshot", kv.snapshot_confirmed.remote())
         refused = judge_snapshot(self.ledger.written, saved[0].generation, confirmed, kv_generation)
         if refused is not None:  # the fresh core tells it: nothing of the old snapshot is taken
-            self.core.refuse_snapshot(refused, time.monotonic())
+            self.core.handle([m.SnapshotRefused(refused)], time.monotonic())
             return []
         self.core, self.metrics, self._metric_seqs = saved
         logger.warning("the driver restarted: resuming generation %d from its snapshot", self.core.generation)
@@ -299,6 +299,10 @@ class DriverActor:
         """Run `coro` beside the loop (cancelled when the run ends); the finished ones are let go."""
         self._tasks = [t for t in self._tasks if not t.done()]
         self._tasks.append(asyncio.create_task(coro))
+
+    def _fail(self, reason: str) -> None:
+        """The shell's own error ends the run: told to the core as a message, as everything that happens is."""
+        self.core.handle([m.DriverFailed(reason)], time.monotonic())
 
     def _kv(self) -> KVLink:
         """The link to the run's KV actor, found by name before the loop starts (`_load_start`)."""

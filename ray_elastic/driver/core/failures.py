@@ -99,7 +99,7 @@ class Failures:
         was_member = rec.status in IN_RING
         record.roster.fenced.add(worker_id)
         self._abandon(rec, what)
-        rec.status = WorkerStatus.GONE
+        record.roster.move(rec, WorkerStatus.GONE, f"{what}: {reason}")
         record.act(m.Release(worker_id))
         if node_alive:
             note = f"; node cooling down for {self.cooldown.record_failure(rec.host, now):g} s"

@@ -47,7 +47,10 @@ class Finishing:
         if isinstance(outcome, CoordinatorLost):
             record.fail(outcome.error)
             return
-        rec.status = WorkerStatus.FINISHED if isinstance(outcome, Finished) else WorkerStatus.GONE
+        if isinstance(outcome, Finished):
+            record.roster.move(rec, WorkerStatus.FINISHED, f"returned from train_fn (rank {outcome.rank})")
+        else:
+            record.roster.move(rec, WorkerStatus.GONE, "left the run (removed)")
         record.act(m.Kill(rec.worker_id))
         if isinstance(outcome, Finished):
             if outcome.rank == 0:
@@ -55,7 +58,7 @@ class Finishing:
                 self.checkpoint_error = outcome.checkpoint_error
                 self.returned = True
             for other in record.roster.live(WorkerStatus.STARTING, WorkerStatus.READY):
-                record.let_go(other)
+                record.let_go(other, "the run is finishing")
             self._let_go_newcomers_after(outcome.generation)
         self.end_if_done()
 
@@ -85,7 +88,7 @@ class Finishing:
         for worker_id in self.generations.plan:
             rec = roster.get(worker_id)
             if rec is not None and rec.status in IN_RING and rec.admitted_in > generation:
-                self.record.let_go(rec)
+                self.record.let_go(rec, f"admitted after generation {generation}, whose ranks returned")
 
     def end_if_done(self) -> None:
         """Once a worker returned and no member still trains, the run is done."""

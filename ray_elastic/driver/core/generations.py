@@ -192,7 +192,7 @@ class Generations:
         self.plan = assign_ranks([r.live for r in ready])
         record.evicted.intersection_update(self.plan)  # the stragglers it leaves out are gone; one held over stays
         for rec in roster.live(WorkerStatus.READY):  # the others of `ready` are members already
-            rec.status = WorkerStatus.MEMBER
+            roster.move(rec, WorkerStatus.MEMBER, f"admitted to generation {self.generation}")
             rec.admitted_in = self.generation
         ended = roster.ids(WorkerStatus.GONE, WorkerStatus.FINISHED)  # a plan's members are never starting
         notify = tuple(w for w in previous if w not in ended)

@@ -164,7 +164,7 @@ class PaceWatch:
             record.benched.hold_slot(host, now + seconds)
             held = f"its slot on node {host[:8]} is {note}; the node's other workers stay"
         for worker_id in verdict.workers:
-            record.roster[worker_id].status = WorkerStatus.LEAVING
+            record.roster.move(record.roster[worker_id], WorkerStatus.LEAVING, "let go as a straggler")
             record.evicted.add(worker_id)
         detail = f"straggler evicted: {_who(verdict, host)}: {verdict.reason}; {held}"
         logger.warning(detail)

@@ -90,17 +90,20 @@ class Scaling:
         held = self._hold_over(remove)
         for rec in sorted((roster[w] for w in remove), key=_BY_SEQ):  # a few: not a pass over every worker
             if rec.status in IN_RING:
-                rec.status = WorkerStatus.LEAVING  # leaves gracefully with the next generation
+                roster.move(rec, WorkerStatus.LEAVING, "its host is withdrawn")  # leaves with the next generation
             else:
-                record.let_go(rec)
+                record.let_go(rec, "its host is withdrawn, or the world is above max_workers")
         for rec in leavers:
             if rec.worker_id not in remove:
                 logger.info("worker %s stays: its host is offered again before it left", rec.worker_id)
-                rec.status = WorkerStatus.MEMBER
+                roster.move(rec, WorkerStatus.MEMBER, "its host is offered again")
         for worker_id in sorted(evicted):  # a straggler stays only while it holds the state over
             straggler = roster.get(worker_id)
             if straggler is not None and straggler.status in IN_RING:
-                straggler.status = WorkerStatus.MEMBER if worker_id == held else WorkerStatus.LEAVING
+                if worker_id == held:
+                    roster.move(straggler, WorkerStatus.MEMBER, "let go as a straggler, held over to hand the state on")
+                else:
+                    roster.move(straggler, WorkerStatus.LEAVING, "let go as a straggler")
         add = self._room_for(held, staying, remove, dict(decision.add))
         added = [self._spawn(host, now) for host, count in add.items() for _ in range(count)]
         gens = self.generations
