@@ -414,7 +414,8 @@ class Model:
         """The core's own decisions never take the world below min_workers: stragglers let go in this batch
         leave at least min_workers members, unless the world was below it without their leaving (withdrawals)."""
         core = self.core
-        evicted = core.record.evicted - evicted_before
+        # the stragglers let go in this batch whose hosts stay offered (a withdrawn one leaves anyway)
+        evicted = {w for w in core.record.evicted - evicted_before if core.workers[w].host in core.record.hosts}
         if evicted and not core.state.is_final:
             staying = [w for w in core.plan if core.workers[w].status is WorkerStatus.MEMBER]
             self.require(
