@@ -99,6 +99,7 @@ class Model:
         self.durable: int | None = None  # the newest durable checkpoint's commit
         self.lookups = 0  # checkpoint lookups out
         self.queries: list[m.QueryActivity] = []
+        self.draining: set[str] = set()
         self.finish: Finish | None = None
         self.log: list[str] = []
         self.final_before = False  # whether the run had ended before the batch being checked
@@ -139,16 +140,18 @@ class Model:
         """One random happening; its messages join the pending ones."""
         rng = self.rng
         choices = [
-            (self._boot, 5),
+            (self._boot, 8),
             (self._sync, 5),
             (self._train, 4),
-            (self._die, 2),
+            (self._die, 1),
             (self._discover, 3),
             (self._paces, 2),
             (self._finish, 1),
             (self._ring_error, 1),
             (self._answer, 2),
             (self._hang, 1),
+            (self._drain, 1),
+            (self._kv_restart, 1),
         ]
         pick = rng.choices([c for c, _ in choices], weights=[w for _, w in choices])[0]
         pick()
@@ -161,8 +164,8 @@ class Model:
 
     def _boot(self) -> None:
         booting = [w for w, rec in self.workers.items() if rec.running and not rec.never_boots and rec.progress is None]
-        if booting:
-            self.pending.append(m.WorkerReady(self.rng.choice(booting)))
+        for w in self.rng.sample(booting, min(len(booting), self.rng.randint(1, 2))):
+            self.pending.append(m.WorkerReady(w))
 
     def _sync(self) -> None:
         """The newest generation's ring forms, if every member runs: each takes rank 0's state."""
@@ -198,7 +201,7 @@ class Model:
         if not running:
             return
         victim = self.rng.choice(running)
-        node_lost = self.rng.random() < 0.2
+        node_lost = self.rng.random() < 0.1
         victims = [w for w in running if self.workers[w].host == self.workers[victim].host] if node_lost else [victim]
         if node_lost:
             self.offered.pop(self.workers[victim].host, None)
@@ -214,7 +217,7 @@ class Model:
     def _discover(self) -> None:
         rng, offered = self.rng, self.offered
         r = rng.random()
-        if r < 0.3 and offered:
+        if r < 0.25 and offered:
             offered.pop(rng.choice(sorted(offered)))
         elif r < 0.6:
             host = rng.choice(POOL)
@@ -282,6 +285,17 @@ class Model:
         answered = frozenset(x for x in self._running() if x != w)
         sample = m.CpuSample(0.0, 0.5, "S")
         self.pending.append(m.PingResults(answered, frozenset({w}), self.now - 5.0, {w: sample}))
+
+    def _drain(self) -> None:
+        """Ray drains a node (a preemption notice): its workers leave gracefully; discovery may drop it later."""
+        hosts = sorted({self.workers[w].host for w in self._running()} - self.draining)
+        if hosts:
+            self.draining.add(self.rng.choice(hosts))
+            self.pending.append(m.NodesDraining(dict.fromkeys(sorted(self.draining), 0.0)))
+
+    def _kv_restart(self) -> None:
+        """The KV actor died and Ray restarted it, empty."""
+        self.pending.append(m.KVRestarted("model"))
 
     # ---- delivering --------------------------------------------------------------------------------
     def batch(self) -> list[m.Message]:
@@ -448,9 +462,16 @@ class Model:
     def settle(self) -> None:
         """Deliver everything, answer everything, boot everyone, let time pass every deadline: the run must end
         or train on a whole generation, with nobody left waiting to be admitted."""
+        if self.rng.random() < 0.5:  # the cluster recovers: discovery offers every host again
+            self.offered = {h: 2 for h in POOL}
+            self.pending.append(m.HostsDiscovered(dict(self.offered)))
+        finish = self.rng.random() < 0.5  # the ranks return once they trained
         for _ in range(60):
             if self.core.state.is_final:
                 return
+            if finish and self.finish is None and self.generation in self.ring_synced:
+                self._train()
+                self._finish()
             for w, rec in self.workers.items():
                 if rec.running and not rec.never_boots and rec.progress is None and w not in self.plan:
                     self.pending.append(m.WorkerReady(w))
@@ -508,7 +529,7 @@ def play(seed: int, steps: int = 30) -> Model:
             model.restart_driver()
         elif r < 0.08:
             model.stale_word()
-        after = rng.choice((0.01, 0.5, 2.0, 2.0, 7.0)) if rng.random() < 0.97 else 70.0
+        after = rng.choice((0.01, 0.5, 2.0, 2.0, 7.0)) if rng.random() < 0.985 else 70.0
         model.deliver(model.batch(), after=after)
     model.settle()
     return model

@@ -53,6 +53,10 @@ def test_seed_30097_a_straggler_whose_host_is_withdrawn_is_not_counted_as_let_go
     driver_model.play(30097)  # the model's own check was too strict here: kept so that it stays precise
 
 
+def test_seed_744_a_straggler_let_go_as_a_member_dies_stays_while_below_min_workers():
+    driver_model.play(744)
+
+
 def test_seed_9327_an_uneven_finish_keeps_rank0s_value():
     driver_model.play(9327)
 

@@ -148,3 +148,34 @@ def test_max_workers_1_hands_the_state_over_to_a_newcomer_on_the_new_host():
     assert list(alone.plan) == [spawn.worker_id] and holds(s, spawn.worker_id)
     assert s.core.workers["w1"].status is WorkerStatus.LEAVING
     assert s.core.state is not DriverState.FAILED, s.core.failure
+
+
+def test_a_newcomer_that_never_boots_does_not_fail_a_run_whose_min_workers_are_ready():
+    """Found by the model: one stuck boot held generation 1 back until elastic_timeout, and the run failed as
+    'min_workers=2 not reached (ready workers: 2)'; its boot deadline, as long, came a tick too late."""
+    s = Script(min_workers=2)
+    s.send(m.HostsDiscovered({"A": 1, "B": 1, "C": 1}))
+    s.send(m.WorkerReady("w1"), m.WorkerReady("w2"))  # w3 never says it is ready
+    actions = []
+    for _ in range(8):
+        actions += s.send(m.Tick(), after=10.0)
+    assert s.core.state is DriverState.RUNNING, s.core.failure
+    assert [list(a.plan) for a in actions if isinstance(a, m.Publish)] == [["w1", "w2"]]
+    assert m.Kill("w3", failed=True) in actions and "w3" not in s.core.alive_ids(), "killed at its boot deadline"
+
+
+def test_a_straggler_let_go_as_another_member_dies_stays_while_the_world_would_be_below_min_workers():
+    """Found by the model: w2 let go (3 members, min 2), w3 dead in the same batch: the run waited with w1 alone
+    until elastic_timeout while w2, slow but working, was sent away."""
+    s = Script(min_workers=2, max_workers=3)
+    gen1 = s.start({"A": 1, "B": 1, "C": 1})
+    s.send(*paces(s, 1, {"w2": 3.0}, gen1.plan), m.WorkerDied("w3", "SIGKILL", node_alive=True))
+    [gen2] = s.of(m.Publish)
+    assert list(gen2.plan) == ["w1", "w2"] and s.core.state is DriverState.RESETTING
+    s.sync(gen2)
+    s.send(m.Tick(), after=11.0)  # C cooled down: a newcomer replaces w3
+    [spawn] = s.of(m.Spawn)
+    s.send(m.WorkerReady(spawn.worker_id))
+    [gen3] = s.of(m.Publish)
+    assert set(gen3.plan) == {"w1", spawn.worker_id}, "with min_workers back, the straggler leaves"
+    assert s.core.failure is None

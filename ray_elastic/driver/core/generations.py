@@ -138,6 +138,8 @@ class Generations:
         if self.waiting_since is None or now - self.waiting_since <= timeout:
             return False
         ready = len(record.roster.live(WorkerStatus.READY, WorkerStatus.MEMBER))
+        if ready >= record.config.min_workers:
+            return False  # min_workers are here: what is waited for is a newcomer's boot, bounded by its own deadline
         record.fail(
             f"min_workers={record.config.min_workers} not reached within elastic_timeout={timeout:g} s "
             f"(ready workers: {ready}; slots offered: {sum(record.hosts.values())}; hosts cooling down: {cooling})"

@@ -97,14 +97,8 @@ class Scaling:
             if rec.worker_id not in remove:
                 logger.info("worker %s stays: its host is offered again before it left", rec.worker_id)
                 roster.move(rec, WorkerStatus.MEMBER, "its host is offered again")
-        for worker_id in sorted(evicted):  # a straggler stays only while it holds the state over
-            straggler = roster.get(worker_id)
-            if straggler is not None and straggler.status in IN_RING:
-                if worker_id == held:
-                    roster.move(straggler, WorkerStatus.MEMBER, "let go as a straggler, held over to hand the state on")
-                else:
-                    roster.move(straggler, WorkerStatus.LEAVING, "let go as a straggler")
-        add = self._room_for(held, staying, remove, dict(decision.add))
+        kept = self._keep_stragglers(held, remove)
+        add = self._room_for(held, staying, remove, dict(decision.add), len(kept - {held}))
         added = [self._spawn(host, now) for host, count in add.items() for _ in range(count)]
         gens = self.generations
         if added and gens.generation > 0:
@@ -112,8 +106,29 @@ class Scaling:
             gens.announce(gens.event(EventKind.HOSTS_ADDED, detail, now), frozenset(added))
         self._request_autoscale()
 
+    def _keep_stragglers(self, held: str | None, remove: set[str]) -> set[str]:
+        """The stragglers let go that stay for now: the one holding the state over, and as many as the next
+        generation needs to reach min_workers (members died or were withdrawn after they were let go)."""
+        gens, roster, evicted = self.generations, self.record.roster, self.record.evicted
+        members = [w for w in gens.plan if roster[w].status in IN_RING and w not in evicted and w not in remove]
+        short = self.record.config.min_workers - len(members) - roster.count(WorkerStatus.READY)
+        kept = {held} if held is not None else set()
+        for worker_id in sorted(evicted, key=lambda w: roster[w].seq if w in roster.workers else 0):
+            straggler = roster.get(worker_id)
+            if straggler is None or straggler.status not in IN_RING or worker_id not in gens.plan:
+                continue
+            if worker_id == held:
+                roster.move(straggler, WorkerStatus.MEMBER, "let go as a straggler, held over to hand the state on")
+            elif short > 0:
+                kept.add(worker_id)
+                short -= 1
+                roster.move(straggler, WorkerStatus.MEMBER, "let go as a straggler, kept while below min_workers")
+            else:
+                roster.move(straggler, WorkerStatus.LEAVING, "let go as a straggler")
+        return kept
+
     def _room_for(
-        self, held: str | None, staying: list[WorkerRecord], remove: set[str], add: dict[str, int]
+        self, held: str | None, staying: list[WorkerRecord], remove: set[str], add: dict[str, int], kept: int = 0
     ) -> dict[str, int]:
         """The newcomers to start: the held-over worker counts toward max_workers, but a hand-over needs a taker.
 
@@ -123,10 +138,18 @@ class Scaling:
         holder that never leaves a withdrawn host, or a restart that throws
         away every step since the last durable checkpoint.
         """
-        if held is None:
+        if held is None and not kept:
+            return add
+        if held is None:  # stragglers kept for min_workers count toward max_workers
+            world = len(staying) - len(remove) + kept + sum(add.values())
+            for host in reversed(list(add)):
+                while world > self.record.config.max_workers and add[host]:
+                    add[host] -= 1
+                    world -= 1
             return add
         max_workers = self.record.config.max_workers
-        others = len(staying) - len(remove) - (0 if held in self.record.evicted else 1)  # besides the held one
+        # besides the held one: the stragglers kept count too
+        others = len(staying) - len(remove) - (0 if held in self.record.evicted else 1) + kept
         world = others + 1 + sum(add.values())
         keep = 0 if others else 1
         for host in reversed(list(add)):
