@@ -6,8 +6,13 @@ After every batch the workers are brought in line with the hosts
 longer offered leave gracefully with the next generation, and the run asks
 Ray's autoscaler for the slots still missing up to `max_workers`. A host
 missing from one discovery poll only is kept until the next (a blip is
-absorbed), and when discovery withdraws every member that holds the
-trained state at once, the oldest stays until the others have received it.
+absorbed). When every member that holds the trained state leaves at once
+(discovery withdraws them, or they are let go as stragglers), one holder
+stays until a generation of the others has synced whole: the state is
+handed over, never dropped; with no other worker left (`max_workers=1`),
+the newcomer that takes it starts one over `max_workers` for the hand-over.
+A straggler let go also stays while the next generation would be below
+`min_workers` without it.
 """
 
 from __future__ import annotations
