@@ -57,6 +57,14 @@ def test_seed_744_a_straggler_let_go_as_a_member_dies_stays_while_below_min_work
     driver_model.play(744)
 
 
+def test_seed_123885_newcomers_ready_are_admitted_while_replacements_of_failed_boots_boot():
+    driver_model.play(123885)
+
+
+def test_seed_129394_a_member_dropped_by_a_durable_restart_is_told_and_the_run_ends():
+    driver_model.play(129394)
+
+
 def test_seed_9327_an_uneven_finish_keeps_rank0s_value():
     driver_model.play(9327)
 

@@ -14,7 +14,7 @@ from test_pace_watch import paces
 
 from ray_elastic.driver.core import messages as m
 from ray_elastic.driver.core.roster import WorkerStatus
-from ray_elastic.protocol import DriverState, EventKind, Finished
+from ray_elastic.protocol import DriverState, EventKind, Finished, Removed
 
 
 def rank0(publish: m.Publish) -> str:
@@ -179,3 +179,38 @@ def test_a_straggler_let_go_as_another_member_dies_stays_while_the_world_would_b
     [gen3] = s.of(m.Publish)
     assert set(gen3.plan) == {"w1", spawn.worker_id}, "with min_workers back, the straggler leaves"
     assert s.core.failure is None
+
+
+def test_a_leaving_member_of_a_generation_given_up_for_a_durable_restart_is_told_and_the_run_can_end():
+    """Found by the model: the restart emptied the plan without telling w2 (leaving a draining node); it never
+    exited, and the run, whose ranks all returned, never ended."""
+    s = Script(min_workers=1, max_workers=2, checkpoint_dir="file:///tmp/ckpt", cooldown_range=(1.0, 1.0))
+    s.start({"A": 1})
+    s.send(m.HostsDiscovered({"A": 1, "B": 1}))
+    s.send(m.WorkerReady("w2"))
+    [gen2] = s.of(m.Publish)
+    s.send(m.NodesDraining({"B": 0.0}), m.WorkerDied("w1", "SIGKILL", node_alive=True))  # before w2 synced
+    s.send(m.CheckpointFound(True))
+    [spawn] = s.send(m.Tick(), after=1.5)[:1]
+    s.send(m.WorkerReady(spawn.worker_id))
+    [gen3] = s.of(m.Publish)
+    assert "w2" in gen3.notify and "w2" not in gen3.plan, "the member left out is told, so it exits"
+    s.send(m.WorkerExited("w2", Removed()))
+    s.sync(gen3)
+    s.send(m.WorkerExited(spawn.worker_id, Finished(0, "resumed model", generation=gen3.generation)))
+    assert s.core.state is DriverState.DONE and s.core.return_value == "resumed model"
+
+
+def test_a_replacement_for_a_boot_that_failed_does_not_hold_back_newcomers_that_are_ready():
+    """Found by the model: each replacement of a boot that failed held the ready newcomers back for another
+    elastic_timeout; with boots that keep failing, for ever."""
+    s = Script(min_workers=1, max_workers=3)
+    s.start({"A": 1})
+    s.send(m.HostsDiscovered({"A": 1, "B": 1, "C": 1, "D": 1}))
+    assert [a.host for a in s.of(m.Spawn)] == ["B", "C"]
+    s.send(m.WorkerReady("w2"))  # w3 on C never boots
+    assert s.of(m.Publish) == [], "newcomers started together are admitted together"
+    s.send(m.Tick(), after=61.0)  # w3 killed at its boot deadline; its replacement starts on D at once
+    assert [a.host for a in s.of(m.Spawn)] == ["D"]
+    [gen2] = s.of(m.Publish)
+    assert list(gen2.plan) == ["w1", "w2"], "w2 is admitted without waiting for the replacement's boot"
