@@ -66,6 +66,7 @@ class Finish:
     value: str
     said: set[str] = field(default_factory=set)  # workers whose return (or ring error) was delivered
     rank0_said: bool = False
+    broke_in: set[int] = field(default_factory=set)  # generations whose ring the uneven rank told broken
 
 
 class Model:
@@ -251,6 +252,7 @@ class Model:
             value = self.finish.value if slot.rank == 0 else None
             self.pending.append(m.WorkerExited(w, Finished(slot.rank, value, generation=self.generation)))
         if uneven is not None:  # its ring breaks once the others returned
+            self.finish.broke_in.add(self.generation)
             self.pending.append(m.ResetRequested(uneven, self.generation, "Connection closed by peer"))
 
     def _ring_error(self) -> None:
@@ -429,8 +431,12 @@ class Model:
         leave at least min_workers members, unless the world was below it without their leaving (withdrawals)."""
         core = self.core
         # the stragglers let go in this batch whose hosts stay offered (a withdrawn one leaves anyway)
-        evicted = {w for w in core.record.evicted - evicted_before if core.workers[w].host in core.record.hosts}
-        if evicted and not core.state.is_final:
+        evicted = {
+            w
+            for w in core.record.evicted - evicted_before
+            if core.workers[w].host in core.record.hosts and core.workers[w].status is WorkerStatus.LEAVING
+        }
+        if evicted and not core.state.is_final and not core.finishing.active:
             staying = [w for w in core.plan if core.workers[w].status is WorkerStatus.MEMBER]
             self.require(
                 len(staying) >= self.config.min_workers or len(staying) + len(evicted) < self.config.min_workers,
@@ -454,7 +460,9 @@ class Model:
         if fin.uneven is not None and core.state is DriverState.FAILED and "same step" in (core.failure or ""):
             if fin.rank0_said:
                 self.require(core.return_value == fin.value, "an uneven finish dropped rank 0's value")
-        if fin.uneven is None and fin.said >= set(fin.plan) and core.failure is None:
+        # the run ends once the last member ends: a leaver's exit may still be on its way
+        ending = any(isinstance(x, (m.WorkerExited, m.WorkerDied)) for x in self.pending)
+        if fin.uneven is None and fin.said >= set(fin.plan) and core.failure is None and not ending:
             self.require(core.state is DriverState.DONE, "every rank returned but the run is not done")
             self.require(core.return_value == fin.value, "the run ended without rank 0's value")
 
@@ -472,6 +480,11 @@ class Model:
             if finish and self.finish is None and self.generation in self.ring_synced:
                 self._train()
                 self._finish()
+            fin = self.finish
+            if fin is not None and fin.uneven is not None and self.generation not in fin.broke_in:
+                # the rank that did not return joins each new generation, whose ring never forms without the others
+                fin.broke_in.add(self.generation)
+                self.pending.append(m.ResetRequested(fin.uneven, self.generation, "timed out waiting for rank 0"))
             for w, rec in self.workers.items():
                 if rec.running and not rec.never_boots and rec.progress is None and w not in self.plan:
                     self.pending.append(m.WorkerReady(w))

@@ -65,6 +65,10 @@ def test_seed_129394_a_member_dropped_by_a_durable_restart_is_told_and_the_run_e
     driver_model.play(129394)
 
 
+def test_seed_209131_a_rank_that_never_returns_fails_the_run_as_uneven_after_a_newer_generation():
+    driver_model.play(209131)  # the model's own gap: the rank left behind tells each new ring it broke
+
+
 def test_seed_9327_an_uneven_finish_keeps_rank0s_value():
     driver_model.play(9327)
 
