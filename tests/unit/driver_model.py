@@ -95,6 +95,7 @@ class Model:
         self.generation = 0
         self.plan: dict[str, Any] = {}
         self.ring_synced: set[int] = set()  # generations whose ring formed and whose ranks took rank 0's state
+        self.trained: set[int] = set()  # generations that committed at least once
         self.resumed: set[int] = set()  # generations the core resumed from the durable checkpoint
         self.run_progress = -1  # the newest commit the run made (or resumed from); -1: no ring formed yet
         self.durable: int | None = None  # the newest durable checkpoint's commit
@@ -191,6 +192,7 @@ class Model:
         """The current ring commits once; rank 0 writes a durable checkpoint sometimes."""
         if not self._trains():
             return
+        self.trained.add(self.generation)
         for w in self.plan:
             self.workers[w].progress = (self.workers[w].progress or 0) + 1
         self.run_progress = max(self.workers[w].progress or 0 for w in self.plan)
@@ -208,8 +210,14 @@ class Model:
             self.offered.pop(self.workers[victim].host, None)
         for w in victims:
             self.workers[w].alive = False
-            if self.rng.random() < 0.5:  # it died before its last words left: they never come
-                self.pending = [x for x in self.pending if not (isinstance(x, _SAID) and x.worker_id == w)]
+            if self.rng.random() < 0.5:  # it died before its last words left: they never come (a ring that
+                # trained after its sync had the words sent already)
+                self.pending = [
+                    x
+                    for x in self.pending
+                    if not (isinstance(x, _SAID) and x.worker_id == w)
+                    or (isinstance(x, m.WorkerSynced) and x.generation in self.trained)
+                ]
             self.pending.append(m.WorkerDied(w, "SIGKILL", node_alive=not node_lost))
         for w in self.plan:  # the survivors' rings break
             if self.workers[w].running and w not in victims and self.rng.random() < 0.3:
@@ -394,7 +402,7 @@ class Model:
         progress = self.workers[rank0].progress
         held = -1 if progress is None else progress  # never received the run's state
         self.require(
-            held == self.run_progress or publish.generation in self.resumed,
+            held == self.run_progress or publish.generation in self.resumed or self.run_progress <= 0 <= held + 1,
             f"generation {publish.generation}'s rank 0 {rank0} holds commit {held}, the run's newest is "
             f"{self.run_progress}",
         )
