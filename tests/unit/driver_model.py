@@ -50,10 +50,11 @@ class Worker:
     exited: bool = False
     progress: int | None = None  # commits its state has seen; None: it never received the run's state
     never_boots: bool = False
+    hung: bool = False  # stopped answering: it neither trains nor returns until the core kills it
 
     @property
     def running(self) -> bool:
-        return self.alive and not self.exited
+        return self.alive and not self.exited and not self.hung
 
 
 @dataclass
@@ -292,6 +293,7 @@ class Model:
         if not members:
             return
         w = self.rng.choice(members)
+        self.workers[w].hung = True
         answered = frozenset(x for x in self._running() if x != w)
         sample = m.CpuSample(0.0, 0.5, "S")
         self.pending.append(m.PingResults(answered, frozenset({w}), self.now - 5.0, {w: sample}))
