@@ -13,7 +13,7 @@ PY310 ?= PYENV_VERSION=3.10.13 python3.10
 VENV310 := .venv310
 STAMP310 := $(VENV310)/.installed
 
-.PHONY: demo demo-docs test test-unit test-pygloo lint bench bench-link soak venv venv310 clean nettools
+.PHONY: demo demo-docs test test-unit test-pygloo fuzz lint bench bench-link soak venv venv310 clean nettools
 
 venv: $(STAMP)
 
@@ -66,6 +66,10 @@ test: $(STAMP) nettools
 # tests/unit only: no Ray, no rings of processes; on two pytest-xdist workers, in under a minute
 test-unit: $(STAMP)
 	$(BIN)/python -m pytest -q -ra -n 2 tests/unit
+
+# the model-based test of the driver's core with 100,000 random scripts (the unit lane runs 5,000): before a release
+fuzz: $(STAMP)
+	RAY_ELASTIC_FUZZ_SCRIPTS=100000 $(BIN)/python -m pytest -q -ra -n 2 tests/unit/test_driver_model.py
 
 # the conformance suite and the numpy example through a SIGKILL, on pygloo
 test-pygloo: $(STAMP310)

@@ -77,6 +77,8 @@ logger = logging.getLogger(__name__)
 class DriverActor:
     """Wrapped by `ray.remote` in `create_driver_actor`; methods run on one loop."""
 
+    _run_token: RunToken  # the run's token, set by `with_token_check` (auth.py) before __init__ runs
+
     def __init__(self, run_id: str, namespace: str, config: RunConfig) -> None:
         """Plain values only, which Ray keeps with the actor for its restarts (`_load_start` finds the rest)."""
         keep_in_session_log(f"driver-{run_id}")  # its lines in Ray's logs; fit() shows the events (logs.py)
@@ -127,14 +129,14 @@ class DriverActor:
             try:
                 await self._load_start()
             except snapshot.StartError as e:  # forged, or gone with the run: nothing to start from
-                self.core.fail(str(e))
+                self._fail(str(e))
             else:
                 await self._loop()
         except NoAnswerError as e:  # a restart's bounded wait on the GCS or the KV actor ran out: named
-            self.core.fail(str(e))
+            self._fail(str(e))
         except Exception as e:  # noqa: BLE001 - a driver bug must still end the run with its reason
             logger.exception("driver failed")
-            self.core.fail(f"internal error in the driver: {type(e).__name__}: {e}")
+            self._fail(f"internal error in the driver: {type(e).__name__}: {e}")
         finally:
             for task in self._tasks:
                 task.cancel()
@@ -180,7 +182,8 @@ class DriverActor:
             actions = await self._resume()
         else:
             try:
-                first = [m.HostsDiscovered(await cluster_facts.poll(poller))]
+                hosts = await cluster_facts.poll(poller)  # a fresh run's first poll raises rather than say None
+                first: list[m.Message] = [m.HostsDiscovered(hosts) if hosts is not None else m.Tick()]
             except DiscoveryError as e:
                 first = [m.DiscoveryFailed(str(e))]
             actions = self.core.handle(first, time.monotonic())
@@ -192,7 +195,7 @@ class DriverActor:
             for coro in (
                 cluster_facts.discovery_loop(poller, self.config, report),
                 self.liveness.run(),
-                self.kv.watch(lambda: self.core.generation),
+                self._kv().watch(lambda: self.core.generation),
                 self.autoscale.renew(),
                 cluster_facts.drain_loop(self.config, report),
             ):
@@ -217,7 +220,7 @@ class DriverActor:
         rest_changed, self._metrics_written = taken != self._metrics_written, taken
         why = await self.ledger.persist(self.core, (self.metrics, self._metric_seqs), core_changed, rest_changed)
         if why is not None:
-            self.core.fail(f"the GCS did not take the driver's snapshot ({why}); the run cannot survive a restart")
+            self._fail(f"the GCS did not take the driver's snapshot ({why}); the run cannot survive a restart")
 
     async def _take(self, message: m.Message | None) -> None:
         """Queue a call's message; return once a snapshot holds it.
@@ -236,16 +239,17 @@ class DriverActor:
         try:
             saved = await self.ledger.load()
         except snapshot.ForgedSnapshotError as e:
-            self.core.fail(str(e))
+            self._fail(str(e))
             return []
         if saved is None:
-            self.core.fail("the run's driver actor restarted before it had saved any state; the run cannot go on")
+            self._fail("the run's driver actor restarted before it had saved any state; the run cannot go on")
             return []
-        kv_generation = await within("ask the KV actor its generation", self.kv.kv.current_generation.remote())
-        confirmed = await within("ask the KV actor its newest snapshot", self.kv.kv.snapshot_confirmed.remote())
+        kv = self._kv().kv
+        kv_generation = await within("ask the KV actor its generation", kv.current_generation.remote())
+        confirmed = await within("ask the KV actor its newest snapshot", kv.snapshot_confirmed.remote())
         refused = judge_snapshot(self.ledger.written, saved[0].generation, confirmed, kv_generation)
         if refused is not None:  # the fresh core tells it: nothing of the old snapshot is taken
-            self.core.refuse_snapshot(refused, time.monotonic())
+            self.core.handle([m.SnapshotRefused(refused)], time.monotonic())
             return []
         self.core, self.metrics, self._metric_seqs = saved
         logger.warning("the driver restarted: resuming generation %d from its snapshot", self.core.generation)
@@ -275,9 +279,9 @@ class DriverActor:
             elif isinstance(action, m.Release):
                 self._release(action.worker_id)
             elif isinstance(action, m.Publish):
-                await self.kv.publish(action)
+                await self._kv().publish(action)
             elif isinstance(action, m.RestoreKV):
-                await self.kv.restore(action)
+                await self._kv().restore(action)
             elif isinstance(action, m.Abandon):
                 self.pool.abandon(action)
             elif isinstance(action, m.QueryActivity):
@@ -295,6 +299,16 @@ class DriverActor:
         """Run `coro` beside the loop (cancelled when the run ends); the finished ones are let go."""
         self._tasks = [t for t in self._tasks if not t.done()]
         self._tasks.append(asyncio.create_task(coro))
+
+    def _fail(self, reason: str) -> None:
+        """The shell's own error ends the run: told to the core as a message, as everything that happens is."""
+        self.core.handle([m.DriverFailed(reason)], time.monotonic())
+
+    def _kv(self) -> KVLink:
+        """The link to the run's KV actor, found by name before the loop starts (`_load_start`)."""
+        if self.kv is None:
+            raise RuntimeError("the driver used the run's KV actor before it found it (_load_start)")
+        return self.kv
 
     def _release(self, worker_id: str) -> None:
         """The worker is gone: the pool lets it go, and its metrics' sequence numbers unless it finished."""

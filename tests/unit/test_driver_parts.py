@@ -7,6 +7,7 @@ the parts below it, so a part's behaviour is visible without the others'.
 
 from __future__ import annotations
 
+import pytest
 from test_driver_core import config
 
 from ray_elastic.driver.core import messages as m
@@ -43,7 +44,7 @@ class Parts:
         for host, count in hosts.items():
             for _ in range(count):
                 rec = self.record.roster.new(host, now)
-                rec.status = WorkerStatus.READY
+                self.record.roster.move(rec, WorkerStatus.READY, "it said it is ready")
                 ids.append(rec.worker_id)
         return ids
 
@@ -60,10 +61,27 @@ class Parts:
 # ---- the roster ------------------------------------------------------------------------
 
 
+def test_a_workers_status_moves_only_as_the_table_allows_and_keeps_its_reason():
+    from ray_elastic.driver.core.roster import StatusError
+
+    p = Parts()
+    [a] = p.ready({"A": 1})
+    rec = p.record.roster[a]
+    assert rec.reason == "it said it is ready"
+    with pytest.raises(StatusError, match="cannot move from ready to finished"):
+        p.record.roster.move(rec, WorkerStatus.FINISHED, "returned")
+    p.record.roster.move(rec, WorkerStatus.GONE, "died: SIGKILL")
+    with pytest.raises(StatusError, match="cannot move from gone to member"):
+        p.record.roster.move(rec, WorkerStatus.MEMBER, "admitted")
+    assert rec.status is WorkerStatus.GONE and rec.reason == "died: SIGKILL"
+    with pytest.raises(AttributeError):
+        rec.status = WorkerStatus.MEMBER  # no other way in
+
+
 def test_the_roster_keeps_a_gone_worker_while_something_names_it_and_its_word_stays_void_after():
     p = Parts()
     a, b = p.ready({"A": 2})
-    p.record.roster[a].status = WorkerStatus.GONE
+    p.record.roster.move(p.record.roster[a], WorkerStatus.GONE, "died")
     p.record.roster.fenced.add(a)
     p.record.roster.prune(named=lambda w: w == a)
     assert a in p.record.roster.workers and p.record.roster.is_void(a)

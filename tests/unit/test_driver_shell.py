@@ -177,7 +177,7 @@ def test_a_restarted_driver_refuses_a_snapshot_older_than_the_kv_actor_confirmed
 
 def test_a_refused_snapshot_is_an_event_and_the_run_fails_naming_it():
     core = DriverCore(config())
-    core.refuse_snapshot("the driver's snapshot in the GCS is write 12, but ...", now=5.0)
+    core.handle([m.SnapshotRefused("the driver's snapshot in the GCS is write 12, but ...")], now=5.0)
     assert [e.kind for e in core.events] == [EventKind.SNAPSHOT_REFUSED]
     assert core.state is DriverState.FAILED and "the restarted driver refused it" in core.failure
 

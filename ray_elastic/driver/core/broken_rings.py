@@ -65,7 +65,8 @@ class BrokenRings:
             rec = roster.get(worker_id)
             if rec is not None:
                 if rec.spared:
-                    logger.info("worker %s answers again after %.1f s busy", worker_id, now - rec.silent_since)
+                    busy_s = now - (rec.silent_since or now)
+                    logger.info("worker %s answers again after %.1f s busy", worker_id, busy_s)
                 rec.heard()
         for worker_id in sorted(msg.timed_out):
             rec = roster.get(worker_id)
@@ -73,9 +74,10 @@ class BrokenRings:
             if rec is None or rec.status not in ALIVE or not rec.answered:
                 continue
             rec.went_silent(msg.sent_at)
+            silent_since = msg.sent_at if rec.silent_since is None else rec.silent_since
             busy, reason = judge_missed_ping(
                 msg.samples.get(worker_id, "no reading was taken"),
-                silent_for=now - rec.silent_since,
+                silent_for=now - silent_since,
                 liveness_timeout=config.liveness_timeout,
                 collective_timeout=config.collective_timeout,
             )

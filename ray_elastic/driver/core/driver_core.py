@@ -48,7 +48,7 @@ from ray_elastic.driver.core.scaling import Scaling
 from ray_elastic.protocol import DriverState, EventKind, RunOutcome, UserError
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable
+    from collections.abc import Callable, Iterable
 
     from ray_elastic.config import RunConfig
     from ray_elastic.driver.core.phase import PhaseChange
@@ -149,16 +149,6 @@ class DriverCore:
         """Whether nothing `worker_id` sends counts: declared dead, or no longer on record."""
         return self.record.roster.is_void(worker_id)
 
-    def fail(self, reason: str) -> None:
-        """The shell ends the run failed (its own error, or the user's stop)."""
-        self.record.fail(reason)
-
-    def refuse_snapshot(self, why: str, now: float) -> None:
-        """A restarted driver found a snapshot older than the run's (written back): say so, and fail with it."""
-        self.record.now = now
-        self.record.events.append(self.generations.event(EventKind.SNAPSHOT_REFUSED, why, now, paused=False))
-        self.record.fail(f"{why}; the restarted driver refused it, and the run cannot go on from it")
-
     # ---- a restarted driver -----------------------------------------------------
     def restarted(self, now: float, why: str) -> list[m.Action]:
         """This core came back from a snapshot in a restarted driver: the actions that may have been lost.
@@ -203,8 +193,12 @@ class DriverCore:
         """
         record = self.record
         record.now = now
-        for message in messages:
+        batch = list(messages)
+        for i, message in enumerate(batch):
             if record.phase.is_final:
+                # the run ended in this batch (an uneven finish): rank 0's value, if it came with it, is still kept
+                said = [x for x in batch[i:] if not record.roster.is_void(getattr(x, "worker_id", ""))]
+                self.finishing.keep_value(said)
                 break
             self._apply(message, now)
         due = self._release_at is not None and now >= self._release_at
@@ -240,74 +234,68 @@ class DriverCore:
         self.paces.prune(now)
 
     def _apply(self, msg: m.Message, now: float) -> None:
-        record, gens = self.record, self.generations
+        """One message, to the part that decides on it (`_HANDLERS`); a void worker's word changes nothing."""
         sender = getattr(msg, "worker_id", None)
-        if sender is not None and record.roster.is_void(sender):
-            # declared dead (killed as hung, or cut off and healed): its death is recorded, its word is void
+        if sender is not None and self.record.roster.is_void(sender):
+            # declared dead or let go (killed as hung, cut off and healed, left out): its word is void
             logger.info("ignored %s from worker %s, declared dead", type(msg).__name__, sender)
             return
-        if not isinstance(msg, (m.Tick, m.PingResults, m.HostsDiscovered, m.PacesReported, m.DataSlow, m.BackendNote)):
-            self._replan = True  # the others change the plan's inputs only through statuses and benched hosts
-        if isinstance(msg, m.HostsDiscovered):
-            self._replan |= self.scaling.update_hosts(msg.hosts, now)
-        elif isinstance(msg, m.NodesDraining):
-            self.scaling.on_draining(msg.deadlines, now)
-        elif isinstance(msg, m.WorkerReady):
-            rec = record.roster.get(msg.worker_id)
-            if rec is not None and rec.status is WorkerStatus.STARTING:
-                rec.status = WorkerStatus.READY
-                rec.heard()  # its process is up: from now on the liveness check applies
-        elif isinstance(msg, m.WorkerExited):
-            if isinstance(msg.outcome, UserError):
-                self.failures.on_user_error(msg, now)
-            else:
-                self.finishing.on_exit(msg)
-                self.rings.on_finished()
-        elif isinstance(msg, m.WorkerDied):
-            self.failures.on_died(msg.worker_id, msg.reason, msg.node_alive, now)
-        elif isinstance(msg, m.WorkerStartFailed):
-            rec = record.roster.get(msg.worker_id)
-            where = f" on node {rec.host[:8]}" if rec is not None else ""
-            record.fail(f"Ray could not start worker {msg.worker_id}{where}: {msg.reason}")
-        elif isinstance(msg, m.WorkerSynced):
-            whole, place = gens.on_synced(msg)
-            if whole:
-                self.failures.check_crash_loop(msg.generation, place)
-        elif isinstance(msg, m.WorkerResumed):
-            self.failures.on_resumed(msg, now)
-        elif isinstance(msg, m.ResetRequested):
-            self.rings.on_reset_requested(msg)
-        elif isinstance(msg, m.ActivityReport):
-            self.rings.on_activity(msg, now)
-        elif isinstance(msg, m.PingResults):
-            self.rings.on_pings(msg, now)
-        elif isinstance(msg, m.CheckpointFound):
-            self.failures.on_checkpoint_found(msg, now)
-        elif isinstance(msg, m.PacesReported):
-            self.paces.on_paces(msg, now)
-        elif isinstance(msg, m.DataSlow):
-            detail = (
-                f"block {msg.block} of dataset {msg.dataset!r} took {msg.seconds:.1f} s to produce; its pipeline "
-                "was running (slow, not starved of CPUs)"
-            )
-            record.events.append(gens.event(EventKind.DATA_SLOW, detail, now, paused=False))
-        elif isinstance(msg, m.BackendNote):
-            if not any(e.kind is EventKind.BACKEND_CHANGED and e.detail == msg.reason for e in record.events):
-                record.events.append(gens.event(EventKind.BACKEND_CHANGED, msg.reason, now, paused=False))
-        elif isinstance(msg, m.Tick):
-            self.paces.release(now)
-            if not gens.check_wait(now, cooling=len(self.failures.cooldown.cooling(now))):
-                self.failures.check_boot_deadlines(now)
-        elif isinstance(msg, m.PublishFailed):
-            record.fail(f"the rendezvous (KV) actor did not take generation {msg.generation}: {msg.reason}")
-        elif isinstance(msg, m.KVRestarted):
-            self._on_kv_restarted(msg, now)
-        elif isinstance(msg, m.KVLost):
-            record.fail(f"the run's rendezvous (KV) actor died ({msg.reason}); workers cannot form rings")
-        elif isinstance(msg, (m.DiscoveryFailed, m.Stop)):
-            record.fail(msg.reason)
-        else:
+        handler = _HANDLERS.get(type(msg))
+        if handler is None:
             raise TypeError(f"the driver core got an unknown message {msg!r}")
+        if type(msg) not in _PLAN_UNCHANGED:
+            self._replan = True  # the others change the plan's inputs only through statuses and benched hosts
+        handler(self, msg, now)
+
+    # ---- what each message does, where no part takes it whole -------------------------------------------------
+    def _on_hosts(self, msg: m.HostsDiscovered, now: float) -> None:
+        if self.scaling.update_hosts(msg.hosts, now):
+            self._replan = True  # the same hosts again change nothing
+
+    def _on_ready(self, msg: m.WorkerReady, now: float) -> None:
+        rec = self.record.roster.get(msg.worker_id)
+        if rec is not None and rec.status is WorkerStatus.STARTING:
+            self.record.roster.move(rec, WorkerStatus.READY, "it said it is ready")
+            rec.heard()  # its process is up: from now on the liveness check applies
+
+    def _on_exited(self, msg: m.WorkerExited, now: float) -> None:
+        if isinstance(msg.outcome, UserError):
+            self.failures.on_user_error(msg, now)
+        else:
+            self.finishing.on_exit(msg)
+            self.rings.on_finished()
+
+    def _on_start_failed(self, msg: m.WorkerStartFailed, now: float) -> None:
+        rec = self.record.roster.get(msg.worker_id)
+        where = f" on node {rec.host[:8]}" if rec is not None else ""
+        self.record.fail(f"Ray could not start worker {msg.worker_id}{where}: {msg.reason}")
+
+    def _on_synced(self, msg: m.WorkerSynced, now: float) -> None:
+        whole, place = self.generations.on_synced(msg)
+        if whole:
+            self.failures.check_crash_loop(msg.generation, place)
+
+    def _on_data_slow(self, msg: m.DataSlow, now: float) -> None:
+        detail = (
+            f"block {msg.block} of dataset {msg.dataset!r} took {msg.seconds:.1f} s to produce; its pipeline "
+            "was running (slow, not starved of CPUs)"
+        )
+        self.record.events.append(self.generations.event(EventKind.DATA_SLOW, detail, now, paused=False))
+
+    def _on_backend_note(self, msg: m.BackendNote, now: float) -> None:
+        record = self.record
+        if not any(e.kind is EventKind.BACKEND_CHANGED and e.detail == msg.reason for e in record.events):
+            record.events.append(self.generations.event(EventKind.BACKEND_CHANGED, msg.reason, now, paused=False))
+
+    def _on_tick(self, msg: m.Tick, now: float) -> None:
+        self.paces.release(now)
+        if not self.generations.check_wait(now, cooling=len(self.failures.cooldown.cooling(now))):
+            self.failures.check_boot_deadlines(now)
+
+    def _on_snapshot_refused(self, msg: m.SnapshotRefused, now: float) -> None:
+        """A restarted driver found a snapshot older than the run's (written back): say so, and fail with it."""
+        self.record.events.append(self.generations.event(EventKind.SNAPSHOT_REFUSED, msg.why, now, paused=False))
+        self.record.fail(f"{msg.why}; the restarted driver refused it, and the run cannot go on from it")
 
     def _on_kv_restarted(self, msg: m.KVRestarted, now: float) -> None:
         """The KV actor came back empty. Between resets that costs nothing: the rings need no keys.
@@ -326,3 +314,38 @@ class DriverCore:
         if gens.syncing:
             logger.warning("the KV actor restarted during a reset: generation %d forms again", gens.generation)
             gens.reform()
+
+
+# messages that change what the plan reads only through statuses and benched hosts (which the core counts)
+_PLAN_UNCHANGED = frozenset({m.Tick, m.PingResults, m.HostsDiscovered, m.PacesReported, m.DataSlow, m.BackendNote})
+
+# every message type, and what takes it: one line each, so a new message cannot be dropped silently
+_HANDLERS: dict[type, Callable[[DriverCore, Any, float], None]] = {
+    m.HostsDiscovered: DriverCore._on_hosts,
+    m.NodesDraining: lambda core, msg, now: core.scaling.on_draining(msg.deadlines, now),
+    m.WorkerReady: DriverCore._on_ready,
+    m.WorkerExited: DriverCore._on_exited,
+    m.WorkerDied: lambda core, msg, now: core.failures.on_died(msg.worker_id, msg.reason, msg.node_alive, now),
+    m.WorkerStartFailed: DriverCore._on_start_failed,
+    m.WorkerSynced: DriverCore._on_synced,
+    m.WorkerResumed: lambda core, msg, now: core.failures.on_resumed(msg, now),
+    m.ResetRequested: lambda core, msg, now: core.rings.on_reset_requested(msg),
+    m.ActivityReport: lambda core, msg, now: core.rings.on_activity(msg, now),
+    m.PingResults: lambda core, msg, now: core.rings.on_pings(msg, now),
+    m.CheckpointFound: lambda core, msg, now: core.failures.on_checkpoint_found(msg, now),
+    m.PacesReported: lambda core, msg, now: core.paces.on_paces(msg, now),
+    m.DataSlow: DriverCore._on_data_slow,
+    m.BackendNote: DriverCore._on_backend_note,
+    m.Tick: DriverCore._on_tick,
+    m.PublishFailed: lambda core, msg, now: core.record.fail(
+        f"the rendezvous (KV) actor did not take generation {msg.generation}: {msg.reason}"
+    ),
+    m.KVRestarted: DriverCore._on_kv_restarted,
+    m.KVLost: lambda core, msg, now: core.record.fail(
+        f"the run's rendezvous (KV) actor died ({msg.reason}); workers cannot form rings"
+    ),
+    m.DiscoveryFailed: lambda core, msg, now: core.record.fail(msg.reason),
+    m.Stop: lambda core, msg, now: core.record.fail(msg.reason),
+    m.DriverFailed: lambda core, msg, now: core.record.fail(msg.reason),
+    m.SnapshotRefused: DriverCore._on_snapshot_refused,
+}

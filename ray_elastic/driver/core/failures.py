@@ -48,7 +48,7 @@ class Failures:
         self.failure_places: list[int] = []  # per failure-driven reset: the commit training resumed from
         self._failure_reasons: list[str] = []
         self.last_abandon: m.Abandon | None = None  # the newest generation declared dead to its live members
-        self._checkpoint_lookup = False  # a LookForCheckpoint is out
+        self._checkpoint_lookup: int | None = None  # the generation whose holders were lost, while a lookup is out
 
     def note_cause(self, cause: str) -> None:
         """What broke the ring, named if the failures repeat (a crash loop) or every member is lost."""
@@ -57,10 +57,9 @@ class Failures:
     # ---- deaths ------------------------------------------------------------------------
     def on_user_error(self, msg: m.WorkerExited, now: float) -> None:
         """`train_fn` raised: the run fails with its traceback, unless `max_failures` retries it as a failure."""
-        rec = self.record.roster.get(msg.worker_id)
-        if rec is None:
+        rec, outcome = self.record.roster.get(msg.worker_id), msg.outcome
+        if rec is None or not isinstance(outcome, UserError):
             return
-        outcome: UserError = msg.outcome
         slot = self.generations.plan.get(rec.worker_id)
         where = f"rank {slot.rank} " if slot is not None else ""
         said = "train_fn raised in worker" if outcome.retryable else "worker"
@@ -100,7 +99,7 @@ class Failures:
         was_member = rec.status in IN_RING
         record.roster.fenced.add(worker_id)
         self._abandon(rec, what)
-        rec.status = WorkerStatus.GONE
+        record.roster.move(rec, WorkerStatus.GONE, f"{what}: {reason}")
         record.act(m.Release(worker_id))
         if node_alive:
             note = f"; node cooling down for {self.cooldown.record_failure(rec.host, now):g} s"
@@ -170,13 +169,17 @@ class Failures:
         """Nobody holds the trained state: go on only from a durable checkpoint (`CheckpointFound` answers)."""
         if self.record.config.checkpoint_dir is None:
             self._fail_all_lost("configure checkpoint_dir to resume from a durable checkpoint")
-        elif not self._checkpoint_lookup:
-            self._checkpoint_lookup = True
+        elif self._checkpoint_lookup is None:
+            self._checkpoint_lookup = self.generations.generation
             self.record.act(m.LookForCheckpoint())
 
     def on_checkpoint_found(self, msg: m.CheckpointFound, now: float) -> None:
-        self._checkpoint_lookup = False
+        """The lookup's answer, unless it is stale: a holder came back, or a generation was published, since."""
         gens, where = self.generations, self.record.config.checkpoint_dir
+        asked, self._checkpoint_lookup = self._checkpoint_lookup, None
+        if asked is None or asked != gens.generation or gens.holder_alive():
+            logger.info("ignored the durable checkpoint lookup's answer: a worker holding the state is back")
+            return
         if msg.error is not None:
             self._fail_all_lost(
                 f"the durable checkpoint in {where} could not be looked for within "
@@ -222,7 +225,7 @@ class Failures:
 
     def look_again(self) -> list[m.Action]:
         """The checkpoint lookup, if one was out."""
-        return [m.LookForCheckpoint()] if self._checkpoint_lookup else []
+        return [m.LookForCheckpoint()] if self._checkpoint_lookup is not None else []
 
 
 def _lost(gens: Generations) -> str:

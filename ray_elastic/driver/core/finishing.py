@@ -16,6 +16,8 @@ from ray_elastic.driver.core.roster import IN_RING, WorkerRecord, WorkerStatus
 from ray_elastic.protocol import CoordinatorLost, Finished
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     from ray_elastic.driver.core.generations import Generations
     from ray_elastic.driver.core.run_record import RunRecord
 
@@ -45,18 +47,27 @@ class Finishing:
         if isinstance(outcome, CoordinatorLost):
             record.fail(outcome.error)
             return
-        finished = isinstance(outcome, Finished)
-        rec.status = WorkerStatus.FINISHED if finished else WorkerStatus.GONE
+        if isinstance(outcome, Finished):
+            record.roster.move(rec, WorkerStatus.FINISHED, f"returned from train_fn (rank {outcome.rank})")
+        else:
+            record.roster.move(rec, WorkerStatus.GONE, "left the run (removed)")
         record.act(m.Kill(rec.worker_id))
-        if finished:
+        if isinstance(outcome, Finished):
             if outcome.rank == 0:
                 self.return_value = outcome.value
                 self.checkpoint_error = outcome.checkpoint_error
                 self.returned = True
             for other in record.roster.live(WorkerStatus.STARTING, WorkerStatus.READY):
-                record.let_go(other)
+                record.let_go(other, "the run is finishing")
             self._let_go_newcomers_after(outcome.generation)
         self.end_if_done()
+
+    def keep_value(self, messages: Iterable[m.Message]) -> None:
+        """Rank 0's value from a return that came in the batch that ended the run (failed as uneven before it)."""
+        for msg in messages:
+            outcome = msg.outcome if isinstance(msg, m.WorkerExited) else None
+            if isinstance(outcome, Finished) and outcome.rank == 0 and not self.returned:
+                self.return_value, self.checkpoint_error, self.returned = outcome.value, outcome.checkpoint_error, True
 
     def _let_go_newcomers_after(self, generation: int | None) -> None:
         """Stop the members admitted after `generation`, the one the returning worker trained in last.
@@ -77,7 +88,7 @@ class Finishing:
         for worker_id in self.generations.plan:
             rec = roster.get(worker_id)
             if rec is not None and rec.status in IN_RING and rec.admitted_in > generation:
-                self.record.let_go(rec)
+                self.record.let_go(rec, f"admitted after generation {generation}, whose ranks returned")
 
     def end_if_done(self) -> None:
         """Once a worker returned and no member still trains, the run is done."""

@@ -51,6 +51,7 @@ class Generations:
         self._booting: list[tuple[Event, frozenset[str]]] = []
         self._synced_commits: int | None = None  # the newest generation's commits, as its ranks synced
         self._force = False  # re-form the ring at the end of this batch even with the same members
+        self._dropped: list[str] = []  # the members of a generation given up for a durable restart: told the next
 
     def __getstate__(self) -> dict:
         # the plan as plain tuples: pickle writes those in C, a NamedTuple per slot through Python, which at
@@ -121,9 +122,14 @@ class Generations:
         gone = [w for w in self.plan if roster[w].status not in ALIVE]
         return [w for w in gone if roster[w].holds_state] or gone
 
+    def holder_alive(self) -> bool:
+        """Whether a member of the current generation that holds the trained state is alive."""
+        roster = self.record.roster
+        return any(roster[w].holds_state and roster[w].status in ALIVE for w in self.plan)
+
     def restart_from_checkpoint(self, now: float) -> None:
         """Every member was lost: fresh workers form the next generation from the durable checkpoint."""
-        self.plan = {}
+        self._dropped, self.plan = list(self.plan), {}
         self.start_waiting(now, "every member was lost: fresh workers resume from the durable checkpoint")
 
     def check_wait(self, now: float, cooling: int) -> bool:
@@ -133,6 +139,8 @@ class Generations:
         if self.waiting_since is None or now - self.waiting_since <= timeout:
             return False
         ready = len(record.roster.live(WorkerStatus.READY, WorkerStatus.MEMBER))
+        if ready >= record.config.min_workers:
+            return False  # min_workers are here: what is waited for is a newcomer's boot, bounded by its own deadline
         record.fail(
             f"min_workers={record.config.min_workers} not reached within elastic_timeout={timeout:g} s "
             f"(ready workers: {ready}; slots offered: {sum(record.hosts.values())}; hosts cooling down: {cooling})"
@@ -157,7 +165,7 @@ class Generations:
             ready=ready,
             alive=roster.ids(*ALIVE),
             leaving=[r.worker_id for r in roster.live(WorkerStatus.LEAVING)],
-            starting=roster.count(WorkerStatus.STARTING),
+            starting=self._booting_with(roster.live(WorkerStatus.READY)),
             min_workers=self.record.config.min_workers,
             force=force,
             holds=lambda w: roster[w].holds_state,
@@ -170,24 +178,42 @@ class Generations:
             if self.waiting_since is None:
                 logger.info("driver: waiting (%s)", reason)
                 self.start_waiting(now, reason)
+        elif verdict is PublishVerdict.HOLDER_LEAVING:
+            logger.error("driver: not publishing: %s (the hand-over keeps one; a bug if this repeats)", reason)
         elif verdict is PublishVerdict.NOW:
             logger.info("driver: publishing generation %d (%s)", self.generation + 1, reason)
             return Published(verdict, self._publish(ready_records, now, reason))
         return Published(verdict)
 
+    def _booting_with(self, ready: Sequence[WorkerRecord]) -> int:
+        """The newcomers still booting that the ready ones wait for: those started with them or before.
+
+        Newcomers started together are admitted together (one reset, not
+        one per boot); one started later (a replacement of a boot that
+        failed) does not hold back those ready: a host whose boots keep
+        failing would otherwise keep them out for ever.
+        """
+        roster = self.record.roster
+        latest = max((r.started_at for r in ready), default=None)
+        if latest is None:
+            return roster.count(WorkerStatus.STARTING)
+        return sum(1 for r in roster.live(WorkerStatus.STARTING) if r.started_at <= latest)
+
     def _publish(self, ready: Sequence[WorkerRecord], now: float, reason: str) -> bool:
         """Form the next generation of `ready`; whether it absorbed a change other than a ring re-formed."""
         record, roster = self.record, self.record.roster
         self._tell_leavers(now)
-        previous = list(self.plan)
-        old_size = len(previous)
+        # after a durable restart the plan was emptied: its members still alive (leaving) are told all the same
+        previous, self._dropped = list(self.plan) or self._dropped, []
+        old_size = len(self.plan)
         self.generation += 1
         self.plan = assign_ranks([r.live for r in ready])
+        record.evicted.intersection_update(self.plan)  # the stragglers it leaves out are gone; one held over stays
         for rec in roster.live(WorkerStatus.READY):  # the others of `ready` are members already
-            rec.status = WorkerStatus.MEMBER
+            roster.move(rec, WorkerStatus.MEMBER, f"admitted to generation {self.generation}")
             rec.admitted_in = self.generation
         ended = roster.ids(WorkerStatus.GONE, WorkerStatus.FINISHED)  # a plan's members are never starting
-        notify = tuple(w for w in previous if w not in ended)
+        notify = tuple(w for w in previous if w not in ended and w in roster.workers)
         # the plan and who must sync are recorded before the shell publishes: a sync that
         # arrives right after the publish finds them
         self.syncing = set(self.plan)
@@ -223,7 +249,6 @@ class Generations:
         """
         record, draining = self.record, self.record.draining
         leavers = [r for r in self.pending_leavers() if r.worker_id not in record.evicted]
-        record.evicted.clear()
         preempted = [r for r in leavers if r.host in draining]
         withdrawn = [r for r in leavers if r.host not in draining]
         for host in sorted({r.host for r in preempted}):

@@ -193,6 +193,20 @@ class Stop:
     reason: str
 
 
+@dataclass(frozen=True)
+class DriverFailed:
+    """The shell's own error ends the run (a snapshot the GCS did not take, a restart that could not resume)."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class SnapshotRefused:
+    """A restarted driver refused its snapshot (older than the run's): an event says why, and the run fails."""
+
+    why: str
+
+
 Message = (
     HostsDiscovered
     | NodesDraining
@@ -215,6 +229,8 @@ Message = (
     | BackendNote
     | Tick
     | Stop
+    | DriverFailed
+    | SnapshotRefused
 )
 
 

@@ -110,21 +110,26 @@ class PaceWatch:
         if any(roster[w].status is not WorkerStatus.MEMBER for w in gens.plan):
             return  # a member is leaving or finished: the next generation is judged afresh
         config = self.record.config
-        sums = self._sums
+        every = self._sums
         verdict = judge_stragglers(
             {w: self.paces[w] for w in gens.plan},
-            pace={w: (sums[w][1] / sums[w][0], sums[w][2] / sums[w][0]) for w in gens.plan},
+            pace={w: (every[w][1] / every[w][0], every[w][2] / every[w][0]) for w in gens.plan},
             generation=gens.generation,
             min_workers=config.min_workers,
             evict=config.evict_stragglers,
             healthy_comm=self._healthy_comm(len(gens.plan)),
             hosts={w: roster[w].host for w in gens.plan},
         )
-        if verdict.verdict is Straggler.EVICT:
-            self._evict(verdict, now)
-        elif verdict.verdict is not Straggler.NONE and (verdict.worker, gens.generation) not in self._told:
-            self._told.add((verdict.worker, gens.generation))
-            detail = f"straggler: {_who(verdict, roster[verdict.worker].host)}: {verdict.reason}"
+        worker = verdict.worker
+        if worker is None or verdict.verdict is Straggler.NONE:
+            return
+        if verdict.verdict is Straggler.EVICT and worker in self.record.evicted:
+            pass  # let go already, and held over while it hands the state on: its slot is benched once
+        elif verdict.verdict is Straggler.EVICT:
+            self._evict(verdict, worker, now)
+        elif (worker, gens.generation) not in self._told:
+            self._told.add((worker, gens.generation))
+            detail = f"straggler: {_who(verdict, roster[worker].host)}: {verdict.reason}"
             logger.warning(detail)
             ev = gens.event(EventKind.STRAGGLER_FOUND, detail, now)
             ev.reset_duration = 0.0
@@ -147,10 +152,10 @@ class PaceWatch:
             self.comm[size] = min(self.comm.get(size, low), low)
         return self.comm.get(size)
 
-    def _evict(self, verdict: StragglerVerdict, now: float) -> None:
+    def _evict(self, verdict: StragglerVerdict, worker: str, now: float) -> None:
         """Let the verdict's workers go gracefully with the next generation; hold their slots while they cool down."""
         record = self.record
-        host = record.roster[verdict.worker].host
+        host = record.roster[worker].host
         seconds, note = self.probation.evicted(host, now)
         if verdict.node is not None:
             record.benched.hold_node(host, now + seconds)
@@ -159,7 +164,7 @@ class PaceWatch:
             record.benched.hold_slot(host, now + seconds)
             held = f"its slot on node {host[:8]} is {note}; the node's other workers stay"
         for worker_id in verdict.workers:
-            record.roster[worker_id].status = WorkerStatus.LEAVING
+            record.roster.move(record.roster[worker_id], WorkerStatus.LEAVING, "let go as a straggler")
             record.evicted.add(worker_id)
         detail = f"straggler evicted: {_who(verdict, host)}: {verdict.reason}; {held}"
         logger.warning(detail)

@@ -30,6 +30,7 @@ from ray_elastic.driver.core.messages import ACTIVITY_ERROR, ACTIVITY_TIMEOUT, C
 class PublishVerdict(enum.Enum):
     UNCHANGED = "unchanged"  # the members are the current generation: nothing to do
     ALL_LOST = "all_lost"  # no worker alive holds the trained state: only a durable checkpoint helps
+    HOLDER_LEAVING = "holder_leaving"  # holders live but would all leave: never publish a plan without one
     WAIT_FOR_BOOT = "wait_for_boot"  # newcomers still start: admit them together once they are ready
     BELOW_MIN = "below_min"  # fewer than min_workers ready: wait for more
     NOW = "now"  # publish the next generation
@@ -55,7 +56,8 @@ def decide_publish(
     `force` re-forms the ring even with the same members (it broke);
     `holds(w)` whether member `w` finished a sync, so holds the trained state.
     A next generation whose members hold none of it would hand a newcomer's
-    untrained state to everyone: that is `ALL_LOST`, never `NOW`.
+    untrained state to everyone: that is `ALL_LOST` when no holder lives,
+    `HOLDER_LEAVING` when the holders that live all leave; never `NOW`.
     """
     if not force and set(ready) == set(current):
         return PublishVerdict.UNCHANGED, "the membership is unchanged"
@@ -65,6 +67,9 @@ def decide_publish(
     if any(map(holds, current)) and not any(w in alive for w in current if holds(w)):
         held = ", ".join(w for w in current if holds(w))
         return PublishVerdict.ALL_LOST, f"every worker holding the trained state was lost ({held})"
+    if any(map(holds, current)) and not any(map(holds, ready)):
+        held = ", ".join(w for w in current if holds(w) and w in alive)
+        return PublishVerdict.HOLDER_LEAVING, f"every worker holding the trained state is leaving ({held})"
     lost = any(w not in alive for w in current)
     if starting and not (lost or force or any(w in leaving for w in current)):
         return PublishVerdict.WAIT_FOR_BOOT, f"{starting} newcomer(s) still booting; they are admitted together"

@@ -2,9 +2,11 @@
 
 Every part of the core reads the roster; only the parts that decide a
 worker's fate change its status (scaling starts and lets go, failures
-declare dead, generations admit, finishing records an exit). A worker
-declared dead is fenced: nothing it sends counts any more, even when it
-comes back from a partition that healed.
+declare dead, generations admit, finishing records an exit), and only
+through `Roster.move`, which checks the move against `MOVES` and keeps its
+reason (`WorkerRecord.reason`), as `phase.py` does for the run's phase. A
+worker declared dead or let go is fenced: nothing it sends counts any
+more, even when it comes back from a partition that healed.
 
 At thousands of workers the roster is on the driver's hot path: each batch
 asks who is starting, ready or gone, and the driver's snapshot pickles it
@@ -35,6 +37,25 @@ class WorkerStatus(enum.Enum):
     GONE = "gone"  # died, removed or killed
 
 
+# from each status, the statuses a move may reach; FINISHED and GONE are final
+MOVES: dict[WorkerStatus, frozenset[WorkerStatus]] = {
+    # it said it is ready; it died or was let go before
+    WorkerStatus.STARTING: frozenset({WorkerStatus.READY, WorkerStatus.GONE}),
+    # a generation admitted it; it died or was let go before
+    WorkerStatus.READY: frozenset({WorkerStatus.MEMBER, WorkerStatus.GONE}),
+    # withdrawn, drained or let go as a straggler; it returned from train_fn; it died, exited or was let go
+    WorkerStatus.MEMBER: frozenset({WorkerStatus.LEAVING, WorkerStatus.FINISHED, WorkerStatus.GONE}),
+    # offered again, or held over to hand the state on; it returned; it died or exited
+    WorkerStatus.LEAVING: frozenset({WorkerStatus.MEMBER, WorkerStatus.FINISHED, WorkerStatus.GONE}),
+    WorkerStatus.FINISHED: frozenset(),
+    WorkerStatus.GONE: frozenset(),
+}
+
+
+class StatusError(RuntimeError):
+    """A move `MOVES` does not allow: the core's bookkeeping is wrong, and the run must not go on on it."""
+
+
 ALIVE = frozenset({WorkerStatus.STARTING, WorkerStatus.READY, WorkerStatus.MEMBER, WorkerStatus.LEAVING})
 IN_RING = frozenset({WorkerStatus.MEMBER, WorkerStatus.LEAVING})
 _STATUSES = tuple(WorkerStatus)
@@ -42,7 +63,7 @@ _BY_SEQ = attrgetter("seq")
 
 
 class WorkerRecord:
-    """One worker on record; setting `status` moves it in its roster."""
+    """One worker on record; `Roster.move` changes its status."""
 
     __slots__ = (
         "worker_id",
@@ -54,6 +75,7 @@ class WorkerRecord:
         "spared",
         "live",
         "admitted_in",
+        "reason",
         "_status",
         "_roster",
     )
@@ -69,17 +91,13 @@ class WorkerRecord:
         self.spared = False  # silent but computing: spared by the liveness check
         self.live = LiveWorker(worker_id, host, seq)  # what the pure planners take, made once
         self.admitted_in = 0  # the generation that made it a member (0: not admitted yet)
+        self.reason = "started"  # why it is in its status (`Roster.move`)
         self._status = status
 
     @property
     def status(self) -> WorkerStatus:
+        """Its status; changed only by `Roster.move`."""
         return self._status
-
-    @status.setter
-    def status(self, status: WorkerStatus) -> None:
-        if status is not self._status:
-            self._roster._move(self, self._status, status)
-            self._status = status
 
     def heard(self) -> None:
         """It answered (a ping, or said it is ready): its process is up, and any silence is over."""
@@ -130,9 +148,17 @@ class Roster:
         self.version += 1
         return rec
 
-    def _move(self, rec: WorkerRecord, old: WorkerStatus, new: WorkerStatus) -> None:
+    def move(self, rec: WorkerRecord, to: WorkerStatus, reason: str) -> None:
+        """The one place a worker's status changes: checked against `MOVES`, its reason kept; the same status is
+        no move. `StatusError` for a move the table does not allow."""
+        old = rec._status
+        if to is old:
+            return
+        if to not in MOVES[old]:
+            raise StatusError(f"worker {rec.worker_id} cannot move from {old.value} to {to.value} ({reason})")
         del self._by_status[old][rec.worker_id]
-        self._by_status[new][rec.worker_id] = rec
+        self._by_status[to][rec.worker_id] = rec
+        rec._status, rec.reason = to, reason
         self.version += 1
 
     def get(self, worker_id: str) -> WorkerRecord | None:
@@ -196,6 +222,7 @@ class Roster:
             "spared": [r.worker_id for r in recs if r.spared],
             "holds": bytes(r.live.holds for r in recs),
             "admitted": [r.admitted_in for r in recs],
+            "reasons": [r.reason for r in recs],
             "fenced": self.fenced,
             "seq": self._seq,
             "version": self.version,
@@ -204,12 +231,14 @@ class Roster:
     def __setstate__(self, state: dict[str, Any]) -> None:
         Roster.__init__(self)
         self.fenced, self._seq, self.version = state["fenced"], state["seq"], state["version"]
+        reasons = dict(zip(state["ids"], state["reasons"], strict=True))
         columns = zip(state["ids"], state["hosts"], state["seqs"], state["statuses"], state["started"], strict=True)
         flags = zip(state["answered"], state["holds"], state["admitted"], strict=True)
         for (worker_id, host, seq, status, started), (answered, holds, admitted) in zip(columns, flags, strict=True):
             rec = WorkerRecord(self, worker_id, host, seq, _STATUSES[status], started)
             rec.answered = bool(answered)
             rec.admitted_in = admitted
+            rec.reason = reasons[worker_id]
             if not answered or worker_id in state["silent"]:
                 self.unsettled.add(worker_id)
             if holds:

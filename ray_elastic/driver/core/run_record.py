@@ -65,10 +65,11 @@ class RunRecord:
         if not self.phase.is_final:
             self.phase.move(DONE, reason, self.now)
 
-    def let_go(self, rec: WorkerRecord) -> None:
-        """Stop a worker that is not needed (left out, or the run is finishing)."""
+    def let_go(self, rec: WorkerRecord, reason: str) -> None:
+        """Stop a worker that is not needed (left out, or the run is finishing); nothing it says counts any more."""
         self.act(m.Kill(rec.worker_id))
-        rec.status = WorkerStatus.GONE
+        self.roster.fenced.add(rec.worker_id)
+        self.roster.move(rec, WorkerStatus.GONE, f"let go: {reason}")
 
     def event(self, kind: EventKind, detail: str, now: float, world_size: int, generation: int) -> Event:
         return Event(

@@ -6,8 +6,13 @@ After every batch the workers are brought in line with the hosts
 longer offered leave gracefully with the next generation, and the run asks
 Ray's autoscaler for the slots still missing up to `max_workers`. A host
 missing from one discovery poll only is kept until the next (a blip is
-absorbed), and when discovery withdraws every member that holds the
-trained state at once, the oldest stays until the others have received it.
+absorbed). When every member that holds the trained state leaves at once
+(discovery withdraws them, or they are let go as stragglers), one holder
+stays until a generation of the others has synced whole: the state is
+handed over, never dropped; with no other worker left (`max_workers=1`),
+the newcomer that takes it starts one over `max_workers` for the hand-over.
+A straggler let go also stays while the next generation would be below
+`min_workers` without it.
 """
 
 from __future__ import annotations
@@ -74,10 +79,11 @@ class Scaling:
     def reconcile(self, now: float) -> None:
         """Bring the workers in line with the hosts: start newcomers, let leavers go."""
         record, config = self.record, self.record.config
-        roster = record.roster
+        roster, evicted = record.roster, record.evicted
         # stragglers let go leave whatever the hosts offer: their slots are held out of the plan (`record.benched`)
-        leavers = [r for r in self.generations.pending_leavers() if r.worker_id not in record.evicted]
-        staying = roster.live(WorkerStatus.STARTING, WorkerStatus.READY, WorkerStatus.MEMBER) + leavers
+        leavers = [r for r in self.generations.pending_leavers() if r.worker_id not in evicted]
+        live = roster.live(WorkerStatus.STARTING, WorkerStatus.READY, WorkerStatus.MEMBER)
+        staying = [r for r in live if r.worker_id not in evicted] + leavers
         decision = plan_scaling(
             [r.live for r in staying],
             self._usable_hosts(staying),
@@ -89,27 +95,81 @@ class Scaling:
         held = self._hold_over(remove)
         for rec in sorted((roster[w] for w in remove), key=_BY_SEQ):  # a few: not a pass over every worker
             if rec.status in IN_RING:
-                rec.status = WorkerStatus.LEAVING  # leaves gracefully with the next generation
+                roster.move(rec, WorkerStatus.LEAVING, "its host is withdrawn")  # leaves with the next generation
             else:
-                record.let_go(rec)
+                record.let_go(rec, "its host is withdrawn, or the world is above max_workers")
         for rec in leavers:
             if rec.worker_id not in remove:
                 logger.info("worker %s stays: its host is offered again before it left", rec.worker_id)
-                rec.status = WorkerStatus.MEMBER
-        add = dict(decision.add)
-        if held is not None:
-            # the held-over worker counts toward max_workers: one newcomer fewer
-            world = len(staying) - len(remove) + sum(add.values())
-            for host in reversed(list(add)):
-                while world > config.max_workers and add[host]:
-                    add[host] -= 1
-                    world -= 1
+                roster.move(rec, WorkerStatus.MEMBER, "its host is offered again")
+        kept = self._keep_stragglers(held, remove)
+        add = self._room_for(held, staying, remove, dict(decision.add), len(kept - {held}))
         added = [self._spawn(host, now) for host, count in add.items() for _ in range(count)]
         gens = self.generations
         if added and gens.generation > 0:
             detail = f"{len(added)} new worker(s) {self._where(add)}"
             gens.announce(gens.event(EventKind.HOSTS_ADDED, detail, now), frozenset(added))
         self._request_autoscale()
+
+    def _keep_stragglers(self, held: str | None, remove: set[str]) -> set[str]:
+        """The stragglers let go that stay for now: the one holding the state over, and as many as the next
+        generation needs to reach min_workers (members died or were withdrawn after they were let go)."""
+        gens, roster, evicted = self.generations, self.record.roster, self.record.evicted
+        members = [w for w in gens.plan if roster[w].status in IN_RING and w not in evicted and w not in remove]
+        short = self.record.config.min_workers - len(members) - roster.count(WorkerStatus.READY)
+        kept = {held} if held is not None else set()
+        for worker_id in sorted(evicted, key=lambda w: roster[w].seq if w in roster.workers else 0):
+            straggler = roster.get(worker_id)
+            if straggler is None or straggler.status not in IN_RING or worker_id not in gens.plan:
+                continue
+            if worker_id == held:
+                roster.move(straggler, WorkerStatus.MEMBER, "let go as a straggler, held over to hand the state on")
+            elif short > 0:
+                kept.add(worker_id)
+                short -= 1
+                roster.move(straggler, WorkerStatus.MEMBER, "let go as a straggler, kept while below min_workers")
+            else:
+                roster.move(straggler, WorkerStatus.LEAVING, "let go as a straggler")
+        return kept
+
+    def _room_for(
+        self, held: str | None, staying: list[WorkerRecord], remove: set[str], add: dict[str, int], kept: int = 0
+    ) -> dict[str, int]:
+        """The newcomers to start: the held-over worker counts toward max_workers, but a hand-over needs a taker.
+
+        With no other worker staying (`max_workers=1`, a whole pool
+        replaced), one newcomer starts beyond `max_workers` for as long as
+        the hand-over lasts (its generation's sync): the alternative is a
+        holder that never leaves a withdrawn host, or a restart that throws
+        away every step since the last durable checkpoint.
+        """
+        if held is None and not kept:
+            return add
+        if held is None:  # stragglers kept for min_workers count toward max_workers
+            world = len(staying) - len(remove) + kept + sum(add.values())
+            for host in reversed(list(add)):
+                while world > self.record.config.max_workers and add[host]:
+                    add[host] -= 1
+                    world -= 1
+            return add
+        max_workers = self.record.config.max_workers
+        # besides the held one: the stragglers kept count too
+        others = len(staying) - len(remove) - (0 if held in self.record.evicted else 1) + kept
+        world = others + 1 + sum(add.values())
+        keep = 0 if others else 1
+        for host in reversed(list(add)):
+            while world > max_workers and add[host] and sum(add.values()) > keep:
+                add[host] -= 1
+                world -= 1
+        if world > max_workers:
+            logger.warning(
+                "worker %s hands the trained state over to a newcomer: the world is %d, over max_workers=%d, "
+                "until the newcomer synced",
+                held,
+                world,
+                max_workers,
+            )
+        return add
 
     def _usable_hosts(self, staying: list[WorkerRecord]) -> dict[str, int]:
         """Slots to plan with: none on a draining node, none held for a straggler cooling down (`Bench`); on a
@@ -127,34 +187,39 @@ class Scaling:
         return usable
 
     def _hold_over(self, remove: set[str]) -> str | None:
-        """Keep one state holder among the members `remove` would take away, if no staying member holds the state.
+        """Keep one holder of the trained state among the members leaving, until the state is handed over.
 
-        A member holds the trained state once it synced in the current
-        generation. When discovery withdraws every holder at once (a blip, a
-        whole pool replaced), the oldest of them stays until a generation
-        with others has synced whole, so the state is handed over, never
-        dropped. Whole, not as soon as one of them said so: the others' word
+        Members leave when discovery withdraws their host (`remove`) or when
+        they are let go as stragglers (`record.evicted`). If no member that
+        stays holds the state in a generation synced whole, one of the
+        leavers stays: a holder (one that finished a sync; the stragglers
+        last, as they are slow), oldest first; the oldest when none synced
+        yet. Whole, not as soon as one newcomer said so: the others' word
         can come after it, and that one dying then would leave no holder the
-        driver knows of.
+        driver knows of. Never a newcomer that did not sync while a holder
+        lives: its untrained state would be handed to everyone.
         """
-        gens, roster = self.generations, self.record.roster
-        removed = [roster[w] for w in remove if w in gens.plan and roster[w].status in IN_RING]
-        if not removed:
+        gens, roster, evicted = self.generations, self.record.roster, self.record.evicted
+        in_ring = [w for w in gens.plan if roster[w].status in IN_RING]
+        leaving = [roster[w] for w in in_ring if w in remove or w in evicted]
+        if not leaving:
             return None
-        staying = [w for w in gens.plan if roster[w].status in IN_RING and w not in remove]
-        if staying and not any(w in gens.syncing for w in staying):
+        staying = [w for w in in_ring if w not in remove and w not in evicted]
+        if staying and not any(w in gens.syncing for w in staying) and any(roster[w].holds_state for w in staying):
             return None
-        keep = min(removed, key=lambda r: r.seq)
+        holders = [r for r in leaving if r.holds_state]
+        pool = [r for r in holders if r.worker_id not in evicted] or holders
+        pool = pool or [r for r in leaving if r.worker_id not in evicted] or leaving
+        keep = min(pool, key=_BY_SEQ)
         remove.discard(keep.worker_id)
-        if self._holding == keep.worker_id:
-            return keep.worker_id
-        self._holding = keep.worker_id
-        logger.warning(
-            "discovery withdrew every worker holding the trained state; worker %s on node %s stays until "
-            "the others received it",
-            keep.worker_id,
-            keep.host[:8],
-        )
+        if self._holding != keep.worker_id:
+            self._holding = keep.worker_id
+            logger.warning(
+                "every worker holding the trained state is leaving; worker %s on node %s stays until the others "
+                "received it",
+                keep.worker_id,
+                keep.host[:8],
+            )
         return keep.worker_id
 
     def _where(self, add: Mapping[str, int]) -> str:

@@ -122,6 +122,9 @@ async def look_for_checkpoint(config: RunConfig, report: Report) -> None:
     as a checkpoint that does not exist.
     """
     url = config.checkpoint_dir
+    if url is None:  # the core asks only with checkpoint_dir set; without one there is no durable checkpoint
+        report(m.CheckpointFound(False))
+        return
     loop = asyncio.get_running_loop()
     deadline = time.monotonic() + config.elastic_timeout
     while True:
