@@ -89,3 +89,36 @@ def test_a_ray_train_script_recovers_in_place_through_a_kill_and_grows_onto_a_ne
         import torch
 
         assert torch.load(f"{d}/checkpoint.pt")["epoch"] == config["epochs"]
+
+
+def test_a_fixed_world_recovers_in_place_through_fully_qualified_calls(cluster, no_leaks, tmp_path):
+    """num_workers=int: the lost worker is replaced, the survivors never leave their processes.
+
+    The loop prepares through `ray.train.torch.*` and wraps its reports in
+    `except Exception`, which must not swallow the run's interrupt.
+    """
+    log, marker = tmp_path / "log.jsonl", tmp_path / "killed"
+    config = {
+        "lr": 0.05,
+        "epochs": 3,
+        "batch_size_per_worker": 4,
+        "checkpoint_every": 2,
+        "log": str(log),
+        "fully_qualified": True,
+        "kill": {"at": [1, 10], "where": "report", "rank": 2, "marker": str(marker)},
+    }
+    result = train_fashion_mnist(config=config, num_workers=3, storage_path=str(tmp_path / "runs"), name="fixed")
+    records = _records(log)
+    killed_at = marker.stat().st_mtime
+    entries = [r for r in records if r.get("entry")]
+    before = {r["pid"] for r in entries if r["time"] < killed_at}
+    after = [r for r in entries if r["time"] > killed_at]
+    assert len(before) == 3 and len(before & {r["pid"] for r in after}) == 2, f"survivors kept: {entries}"
+    assert {r["size"] for r in after} == {3}, f"a fixed world trains at its size only: {after}"
+    assert not [r for r in records if "swallowed" in r], "the user's except Exception caught the run's interrupt"
+    steps = _surviving_steps(records)
+    for epoch in range(config["epochs"]):
+        seen = Counter(i for r in steps if r["epoch"] == epoch for i in r["ids"])
+        assert set(seen) == set(range(NUM_TRAIN)) and sum(seen.values()) - NUM_TRAIN <= 2 * 2, (epoch, seen)
+    assert result.metrics["epoch"] == config["epochs"] - 1
+    assert result.path.endswith("fixed") and result.checkpoint is not None

@@ -5,7 +5,9 @@ Only the imports differ from Ray Train's: `TorchTrainer`, `prepare_model` and
 calls `ray.train.report`, `ray.train.get_checkpoint` and
 `ray.train.get_context` fully qualified, as the guide does. It evaluates on a
 prepared test loader every epoch (dividing by its `len`), passes a checkpoint
-to every few reports and resumes from `get_checkpoint()`.
+to every few reports and resumes from `get_checkpoint()`. With
+`fully_qualified`, it prepares through `ray.train.torch.prepare_model` and
+`prepare_data_loader` too.
 
 For the tests it also logs, per worker, every step's sample ids and every
 entry into the loop (`log`), and can SIGKILL itself once (`kill`).
@@ -20,6 +22,7 @@ import tempfile
 import time
 
 import ray.train
+import ray.train.torch
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -56,9 +59,14 @@ def _log(config: dict, **record) -> None:
 def train_func_per_worker(config: dict) -> None:
     train_loader = DataLoader(fashion_like(NUM_TRAIN, 1), batch_size=config["batch_size_per_worker"], shuffle=True)
     test_loader = DataLoader(fashion_like(NUM_TEST, 2), batch_size=config["batch_size_per_worker"])
-    train_loader = prepare_data_loader(train_loader)
-    test_loader = prepare_data_loader(test_loader)
-    model = prepare_model(NeuralNetwork())
+    if config.get("fully_qualified"):  # the script as Ray Train's guide writes it, but for TorchTrainer's import
+        train_loader = ray.train.torch.prepare_data_loader(train_loader)
+        test_loader = ray.train.torch.prepare_data_loader(test_loader)
+        model = ray.train.torch.prepare_model(NeuralNetwork())
+    else:
+        train_loader = prepare_data_loader(train_loader)
+        test_loader = prepare_data_loader(test_loader)
+        model = prepare_model(NeuralNetwork())
     loss_fn = nn.CrossEntropyLoss()
     optimizer = torch.optim.SGD(model.parameters(), lr=config["lr"], momentum=0.9)
 
@@ -85,13 +93,7 @@ def train_func_per_worker(config: dict) -> None:
             train_loader.sampler.set_epoch(epoch)
         model.train()
         for X, y, ids in train_loader:
-            kill = config.get("kill")
-            if kill and [epoch, step] == kill["at"] and context.get_world_rank() == kill["rank"]:
-                try:
-                    os.close(os.open(kill["marker"], os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-                    os.kill(os.getpid(), signal.SIGKILL)
-                except FileExistsError:
-                    pass
+            _maybe_kill(config, epoch, step, "step")
             loss = loss_fn(model(X), y)
             optimizer.zero_grad()
             loss.backward()
@@ -107,7 +109,11 @@ def train_func_per_worker(config: dict) -> None:
             )
             time.sleep(config.get("step_sleep", 0.0))
             if step % config["checkpoint_every"] == 0:
-                _report(model, optimizer, epoch, step, {"loss": loss.item(), "epoch": epoch})
+                _maybe_kill(config, epoch, step, "report")  # the others are in report() when this rank dies
+                try:  # a script that swallows its own errors must not swallow the run's interrupts
+                    _report(model, optimizer, epoch, step, {"loss": loss.item(), "epoch": epoch})
+                except Exception as e:  # noqa: BLE001 - what some users write
+                    _log(config, swallowed=repr(e))
 
         model.eval()
         test_loss, num_correct, num_total = 0.0, 0, 0
@@ -128,6 +134,20 @@ def train_func_per_worker(config: dict) -> None:
         _report(model, optimizer, epoch + 1, step, metrics)
 
 
+def _maybe_kill(config: dict, epoch: int, step: int, where: str) -> None:
+    """SIGKILL this worker once, at `kill["at"]` (epoch, steps done) and `kill["where"]`, if it is `kill["rank"]`."""
+    kill = config.get("kill")
+    if not kill or [epoch, step] != kill["at"] or kill.get("where", "step") != where:
+        return
+    if ray.train.get_context().get_world_rank() != kill["rank"]:
+        return
+    try:
+        os.close(os.open(kill["marker"], os.O_CREAT | os.O_EXCL | os.O_WRONLY))  # once, across the workers
+    except FileExistsError:
+        return
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 def _report(model: nn.Module, optimizer: torch.optim.Optimizer, epoch: int, step: int, metrics: dict) -> None:
     """Ray Train v2's pattern: rank 0 writes the checkpoint to a temporary directory, every rank reports."""
     with tempfile.TemporaryDirectory() as d:
@@ -145,7 +165,7 @@ def _report(model: nn.Module, optimizer: torch.optim.Optimizer, epoch: int, step
 
 
 def train_fashion_mnist(config: dict, num_workers, storage_path: str, name: str = "fashion"):
-    trainer = TorchTrainer(
+    trainer = TorchTrainer(  # only this import (and the configs') differs from a Ray Train script
         train_func_per_worker,
         train_loop_config=config,
         scaling_config=ScalingConfig(num_workers=num_workers),
