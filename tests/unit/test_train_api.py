@@ -206,3 +206,47 @@ def test_a_commit_after_a_completed_pass_keeps_the_next_one_whole():
     state.restore()
     assert len(loader) == N // BS
     assert len(list(loader)) == N // BS
+
+
+# ---- positions by preparation order, and a shard's passes ----------------------------------------------
+
+
+def test_a_re_entered_loop_gets_each_prepared_loader_back_where_the_last_report_left_it(monkeypatch):
+    session = train_session.Session("exp", None)
+    monkeypatch.setattr(train_session, "_SESSION", session)
+    train_loader = _loader(0, 1)
+    it = iter(train_loader)
+    next(it), next(it)  # two batches handed out, the first one trained
+    session.state.loaders = [train_loader.sampler.state_dict(), _loader(0, 1).sampler.state_dict()]
+    session.begin_call()  # the re-entry: what the interrupted call prepared is let go
+    assert session.loaders == []
+    again = ray_elastic_train_torch().prepare_data_loader(DataLoader(TensorDataset(torch.arange(N)), batch_size=BS))
+    test = ray_elastic_train_torch().prepare_data_loader(DataLoader(TensorDataset(torch.arange(N)), batch_size=BS))
+    assert again.sampler.num_processed == BS, "the first prepared loader resumes the first committed position"
+    assert test.sampler.num_processed == 0
+    assert session.loaders == [again, test]
+
+
+class _FakeShard:
+    """A DataShard's iteration surface: one epoch of 3 batches per pass, its position kept in `epoch`."""
+
+    def __init__(self) -> None:
+        self.epoch = 0
+
+    def iter_batches(self, batch_size, *, batch_format, drop_last):
+        yield from ((self.epoch, i) for i in range(3))
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+
+def test_each_pass_over_a_dataset_shard_is_an_epoch_as_in_ray_and_a_cut_pass_is_not():
+    shard = _FakeShard()
+    it = train_session.ShardIterator(shard)
+    assert list(it.iter_batches(batch_size=2)) == [(0, 0), (0, 1), (0, 2)]
+    cut = it.iter_batches(batch_size=2)
+    next(cut)
+    del cut  # a reset cuts the pass: the epoch does not advance
+    assert shard.epoch == 1
+    with pytest.raises(ValueError, match="prefetch_batches"):
+        it.iter_batches(batch_size=2, prefetch_batches=4)
