@@ -68,6 +68,17 @@ def train_loop(config: dict) -> None:
             raytrain_checkpoint(model, opt, step, rank)
 
 
+def wait_for_free_cpus(cpus: float, timeout: float) -> None:
+    """Until the last run's actors released their CPUs: a run started short of a slot measures something else."""
+    import ray
+
+    deadline = time.monotonic() + timeout
+    while ray.available_resources().get("CPU", 0.0) < cpus:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the cluster did not free {cpus} CPUs within {timeout} s: {ray.available_resources()}")
+        time.sleep(0.2)
+
+
 def one_rep(which: str, kill_step: int, every: int, workdir: str, rep: int) -> dict:
     marker, log = os.path.join(workdir, f"{which}-killed-{rep}"), os.path.join(workdir, f"{which}-log-{rep}")
     config = {"steps": kill_step + 30, "every": every, "kill_step": kill_step, "kill_rank": 1}
@@ -82,7 +93,8 @@ def one_rep(which: str, kill_step: int, every: int, workdir: str, rep: int) -> d
         from ray_elastic.train.torch import TorchTrainer
 
         workers = (3, 4)
-    TorchTrainer(
+    wait_for_free_cpus(4, 120)
+    result = TorchTrainer(
         train_loop,
         train_loop_config=config,
         scaling_config=ScalingConfig(num_workers=workers),
@@ -95,7 +107,10 @@ def one_rep(which: str, kill_step: int, every: int, workdir: str, rep: int) -> d
     killed = os.stat(marker).st_mtime
     steps = [json.loads(line) for line in Path(log).read_text().splitlines()]
     first = next(s for s in steps if s["entered"] > killed)
-    return {"recovery_s": first["time"] - killed, "steps_redone": kill_step - (first["step"] - 1)}
+    row = {"recovery_s": first["time"] - killed, "steps_redone": kill_step - (first["step"] - 1)}
+    if which != "ray_train":  # the membership events: the world sizes it trained at
+        row["events"] = [f"{e.kind}:{e.world_size}" for e in result.elastic.events]
+    return row
 
 
 def main() -> None:

@@ -21,6 +21,10 @@ prepared loaders and dataset shards.
   call's leftovers (its frames, loader iterators, cached GPU memory) are freed.
 - The interrupts cross the user's code as `LoopInterrupt`, a `BaseException`,
   so an `except Exception` in the loop cannot swallow them.
+- Freeing is a full `gc.collect()`; after it, `gc.freeze()` takes every
+  object then alive out of later collections, so the next re-entry's collect
+  scans only what the loop made (a collect of a process with torch and Ray
+  imported costs 0.2-0.5 s on two busy cores; after the freeze, milliseconds).
 - For the call's duration, `ray.train.report`/`get_checkpoint`/`get_context`/
   `get_dataset_shard` and `ray.train.torch.prepare_model`/`prepare_data_loader`/
   `get_device` are these, so fully qualified calls reach them too.
@@ -104,7 +108,10 @@ class Session:
         """Free what the previous call held (frames, loader iterators, cached GPU memory) before the next."""
         self.loaders = []
         self.shard_names = set()
-        gc.collect()
+        gc.collect()  # what the interrupted call left in reference cycles: a DDP, loader iterators, their tensors
+        # everything alive now (the imports, the runtime, the state) leaves the collector's scans, so the next
+        # re-entry's collect reads only what the loop made: 0.2-0.5 s on two busy cores, down to milliseconds
+        gc.freeze()
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.empty_cache()
 
@@ -123,7 +130,7 @@ class Session:
             if holder == size:
                 return  # no rank passed a checkpoint: no commit, no membership change
             files = elastic.broadcast_object(_read_files(checkpoint) if me == holder else None, root_rank=holder)
-            if me == holder and delete_local and checkpoint is not None:
+            if delete_local and checkpoint is not None:
                 shutil.rmtree(checkpoint.path, ignore_errors=True)
             held = self.state.checkpoint
             self.state.checkpoint = (1 if held is None else held[0] + 1, files)

@@ -94,8 +94,10 @@ def test_a_ray_train_script_recovers_in_place_through_a_kill_and_grows_onto_a_ne
 def test_a_fixed_world_recovers_in_place_through_fully_qualified_calls(cluster, no_leaks, tmp_path):
     """num_workers=int: the lost worker is replaced, the survivors never leave their processes.
 
-    The loop prepares through `ray.train.torch.*` and wraps its reports in
-    `except Exception`, which must not swallow the run's interrupt.
+    Rank 0, which wrote every checkpoint, dies inside a report: the others
+    still hold its last one. The loop prepares through `ray.train.torch.*`
+    and wraps its reports in `except Exception`, which must not swallow the
+    run's interrupt.
     """
     log, marker = tmp_path / "log.jsonl", tmp_path / "killed"
     config = {
@@ -105,7 +107,7 @@ def test_a_fixed_world_recovers_in_place_through_fully_qualified_calls(cluster, 
         "checkpoint_every": 2,
         "log": str(log),
         "fully_qualified": True,
-        "kill": {"at": [1, 10], "where": "report", "rank": 2, "marker": str(marker)},
+        "kill": {"at": [1, 10], "where": "report", "rank": 0, "marker": str(marker)},
     }
     result = train_fashion_mnist(config=config, num_workers=3, storage_path=str(tmp_path / "runs"), name="fixed")
     records = _records(log)
@@ -115,6 +117,7 @@ def test_a_fixed_world_recovers_in_place_through_fully_qualified_calls(cluster, 
     after = [r for r in entries if r["time"] > killed_at]
     assert len(before) == 3 and len(before & {r["pid"] for r in after}) == 2, f"survivors kept: {entries}"
     assert {r["size"] for r in after} == {3}, f"a fixed world trains at its size only: {after}"
+    assert all(r["at"] == [1, 8] for r in after), f"all resume from rank 0's last checkpoint (step 8): {after}"
     assert not [r for r in records if "swallowed" in r], "the user's except Exception caught the run's interrupt"
     steps = _surviving_steps(records)
     for epoch in range(config["epochs"]):
