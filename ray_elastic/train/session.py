@@ -193,11 +193,24 @@ class ShardIterator:
         _check_iter_options(ignored)
         return self._pass(self._shard.iter_batches(batch_size, batch_format=batch_format, drop_last=drop_last))
 
-    def iter_torch_batches(self, *, batch_size: int = 256, drop_last: bool = False, **kwargs: Any) -> Iterator[Any]:
-        device = kwargs.pop("device", None)
-        _check_iter_options(kwargs)
-        batches = self._shard.iter_torch_batches(batch_size, drop_last=drop_last)
-        return self._pass(batches if device is None else _moved(batches, device))
+    def iter_torch_batches(
+        self,
+        *,
+        batch_size: int = 256,
+        dtypes: Any = None,
+        device: Any = "auto",
+        collate_fn: Callable[[dict[str, np.ndarray]], Any] | None = None,
+        drop_last: bool = False,
+        **ignored: Any,
+    ) -> Iterator[Any]:
+        """As Ray's: tensors on the worker's device (`device="auto"`), or `collate_fn`'s batches."""
+        _check_iter_options(ignored)
+        device = elastic_torch.get_device() if device == "auto" else device
+        return self._pass(
+            self._shard.iter_torch_batches(
+                batch_size, dtypes=dtypes, device=device, collate_fn=collate_fn, drop_last=drop_last
+            )
+        )
 
     def _pass(self, batches: Iterator[Any]) -> Iterator[Any]:
         yield from batches
@@ -205,11 +218,6 @@ class ShardIterator:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.__dict__["_shard"], name)
-
-
-def _moved(batches: Iterator[Any], device: Any) -> Iterator[Any]:
-    for batch in batches:
-        yield {k: v.to(device) for k, v in batch.items()} if isinstance(batch, dict) else batch.to(device)
 
 
 def _check_iter_options(options: dict[str, Any]) -> None:

@@ -125,3 +125,26 @@ def test_a_fixed_world_recovers_in_place_through_fully_qualified_calls(cluster, 
         assert set(seen) == set(range(NUM_TRAIN)) and sum(seen.values()) - NUM_TRAIN <= 2 * 2, (epoch, seen)
     assert result.metrics["epoch"] == config["epochs"] - 1
     assert result.path.endswith("fixed") and result.checkpoint is not None
+
+
+def test_get_dataset_shard_passes_are_epochs_of_every_row_once(cluster, no_leaks, tmp_path):
+    """A Ray Dataset given to `TorchTrainer(datasets=)`: each `iter_torch_batches` call is one whole epoch."""
+    ray_data = pytest.importorskip("ray.data")
+    from ray_train_fashion import train_func_on_a_dataset
+
+    from ray_elastic.train import RunConfig, ScalingConfig
+    from ray_elastic.train.torch import TorchTrainer
+
+    log = tmp_path / "log.jsonl"
+    config = {"epochs": 2, "batch_size": 8, "log": str(log)}
+    TorchTrainer(
+        train_func_on_a_dataset,
+        train_loop_config=config,
+        scaling_config=ScalingConfig(num_workers=2),
+        run_config=RunConfig(name="data", storage_path=str(tmp_path / "runs")),
+        datasets={"train": ray_data.range(64)},
+    ).fit()
+    records = _records(log)
+    for epoch in range(config["epochs"]):
+        seen = Counter(i for r in records if r["epoch"] == epoch for i in r["ids"])
+        assert seen == Counter(range(64)), f"epoch {epoch}: {seen}"

@@ -172,3 +172,12 @@ def train_fashion_mnist(config: dict, num_workers, storage_path: str, name: str 
         run_config=RunConfig(name=name, storage_path=storage_path),
     )
     return trainer.fit()
+
+
+def train_func_on_a_dataset(config: dict) -> None:
+    """Ray Train's Ray Data shape: each epoch one `iter_torch_batches` pass over this worker's shard."""
+    shard = ray.train.get_dataset_shard("train")
+    for epoch in range(config["epochs"]):
+        for batch in shard.iter_torch_batches(batch_size=config["batch_size"]):
+            _log(config, epoch=epoch, ids=batch["id"].tolist(), rank=ray.train.get_context().get_world_rank())
+        ray.train.report({"epoch": epoch})
