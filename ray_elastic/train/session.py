@@ -21,10 +21,6 @@ prepared loaders and dataset shards.
   call's leftovers (its frames, loader iterators, cached GPU memory) are freed.
 - The interrupts cross the user's code as `LoopInterrupt`, a `BaseException`,
   so an `except Exception` in the loop cannot swallow them.
-- Freeing is a full `gc.collect()`; after it, `gc.freeze()` takes every
-  object then alive out of later collections, so the next re-entry's collect
-  scans only what the loop made (a collect of a process with torch and Ray
-  imported costs 0.2-0.5 s on two busy cores; after the freeze, milliseconds).
 - For the call's duration, `ray.train.report`/`get_checkpoint`/`get_context`/
   `get_dataset_shard` and `ray.train.torch.prepare_model`/`prepare_data_loader`/
   `get_device` are these, so fully qualified calls reach them too.
@@ -108,10 +104,10 @@ class Session:
         """Free what the previous call held (frames, loader iterators, cached GPU memory) before the next."""
         self.loaders = []
         self.shard_names = set()
-        gc.collect()  # what the interrupted call left in reference cycles: a DDP, loader iterators, their tensors
-        # everything alive now (the imports, the runtime, the state) leaves the collector's scans, so the next
-        # re-entry's collect reads only what the loop made: 0.2-0.5 s on two busy cores, down to milliseconds
-        gc.freeze()
+        # what the interrupted call left in reference cycles: a DDP, loader iterators, their tensors. A full
+        # collect (0.2-0.5 s on two busy cores): gc.freeze() after it made the next one milliseconds, but then
+        # 5 recoveries in 19 took ~8 s, none in 8 without it (not diagnosed; bench/RESULTS.md)
+        gc.collect()
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.empty_cache()
 
