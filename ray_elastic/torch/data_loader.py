@@ -5,7 +5,9 @@ size, collate function and worker processes, with an `ElasticSampler` in
 place of its sampler (shuffling if the loader shuffled). Each batch the loop
 takes is held by the sampler (`hold_batch`) and counts as trained when the
 loop comes back for the next one, or at a commit after its step, whichever
-comes first; a rollback before either hands it out again. So a plain
+comes first; a rollback before either hands it out again. A pass the loop
+ran to its end leaves the next one whole (an evaluation loader iterated every
+epoch), while a pass cut by a rollback resumes where it was. So a plain
 `for x, y in loader:` loop needs no `record_batch`. Batches move to the
 worker's GPU where it has one.
 
@@ -145,7 +147,7 @@ class ElasticDataLoader:
         for i, batch in enumerate(self.loader):
             self.sampler.hold_batch(i, batch_size)  # counts batch i - 1: the loop came back for this one
             yield batch if self.device is None else _to_device(batch, self.device)
-        self.sampler.record_pending()  # the loop came back after the last batch
+        self.sampler.end_pass()  # the loop came back after the last batch: counted, and the next pass is whole
 
     def __len__(self) -> int:
         return len(self.loader)

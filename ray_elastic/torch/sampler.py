@@ -20,6 +20,14 @@ marks only this rank's indices and raises `needs_union`: the state handler
 then ORs the bitmaps across ranks (in place on `bitmap`) before it saves or
 syncs.
 
+Passes. A pass is one iteration that ran to its end: `end_pass()` (what
+`prepare_data_loader`'s loader calls when its loop comes back after the last
+batch) marks it complete, and the next `__iter__` in the same epoch starts a
+whole new pass, as torch's `DistributedSampler` does (an evaluation loader
+iterated every epoch without `set_epoch`). The mark is part of the state, so
+a commit taken after the pass keeps it; a pass cut by a rollback has no mark
+and resumes exactly where its last commit left it.
+
 The processed set is a packed bitmap (`np.packbits` layout: bit `i` stands
 for dataset index `i`): 10 million samples cost 1.25 MB. The epoch's order is
 recomputed from `(seed, epoch)` at every iteration, never stored in the state.
@@ -92,6 +100,7 @@ class ElasticSampler(Sampler[int]):
         self._iteration: _Iteration | None = None
         # a batch being trained, counted once it is done (hold_batch); void once its iteration ended
         self._pending: tuple[int, int] | None = None
+        self._complete = False  # the epoch's last pass ran to its end: the next __iter__ starts a whole one
 
     # ---- world and epoch -----------------------------------------------------------------
 
@@ -115,10 +124,7 @@ class ElasticSampler(Sampler[int]):
         if epoch == self._epoch:
             return
         self._epoch = epoch
-        self._bitmap[:] = 0
-        self._padding_trained = 0
-        self._needs_union = False
-        self._iteration = None
+        self._start_pass()
 
     # ---- iteration -----------------------------------------------------------------------
 
@@ -126,7 +132,10 @@ class ElasticSampler(Sampler[int]):
         """This rank's share of the unprocessed indices, in epoch order.
 
         Computed now (not at the first `next`), so `record_batch` refers to this split.
+        After a complete pass (`end_pass`) the share is of the whole epoch again.
         """
+        if self._complete:
+            self._start_pass()
         rank, size = self._current_world()
         order = self._epoch_order()
         processed = np.unpackbits(self._bitmap, count=self._n).view(bool)
@@ -148,7 +157,7 @@ class ElasticSampler(Sampler[int]):
         if self._iteration is not None:
             return len(self._iteration.padded) // self._iteration.size
         _, size = self._current_world()
-        remaining = self.num_remaining
+        remaining = self._n if self._complete else self.num_remaining
         return remaining // size if self._drop_last else -(-remaining // size)
 
     # ---- recording progress --------------------------------------------------------------
@@ -201,6 +210,19 @@ class ElasticSampler(Sampler[int]):
         if pending is not None and self._iteration is not None:
             self.record_batch(*pending)
 
+    def end_pass(self) -> None:
+        """The current iteration ran to its end: the next `__iter__` of this epoch hands out a whole pass.
+
+        Call it when the loop came back after the last batch (after the last
+        `record_batch`); `prepare_data_loader`'s loader does. Without a current
+        iteration (none started, or a `set_epoch`, `set_world` or
+        `load_state_dict` ended it) it does nothing.
+        """
+        self.record_pending()
+        if self._iteration is not None:
+            self._complete = True
+            self._iteration = None
+
     def record_indices(self, indices: Any) -> None:
         """Mark dataset indices processed on this rank only, and raise `needs_union`.
 
@@ -240,6 +262,7 @@ class ElasticSampler(Sampler[int]):
             "bitmap": self._bitmap.copy(),
             "padding_trained": self._padding_trained,
             "needs_union": self._needs_union,
+            "complete": self._complete,
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -263,6 +286,7 @@ class ElasticSampler(Sampler[int]):
         self._drop_last = bool(state_dict["drop_last"])
         self._padding_trained = int(state_dict["padding_trained"])
         self._needs_union = bool(state_dict["needs_union"])
+        self._complete = bool(state_dict.get("complete", False))  # absent from states saved before passes
         self._iteration = None
 
     # ---- read-only views -----------------------------------------------------------------
@@ -320,6 +344,15 @@ class ElasticSampler(Sampler[int]):
         self._needs_union = bool(value)
 
     # ---- internals -----------------------------------------------------------------------
+
+    def _start_pass(self) -> None:
+        """Nothing of the epoch processed: a whole pass (a new epoch's, or the next after a complete one)."""
+        self._bitmap[:] = 0
+        self._padding_trained = 0
+        self._needs_union = False
+        self._complete = False
+        self._iteration = None
+        self._pending = None
 
     def _current_world(self) -> tuple[int, int]:
         if self._world is not None:

@@ -1,0 +1,133 @@
+"""Ray Train's configs read as `ElasticTrainer` options, and what has no elastic counterpart refused by name.
+
+The config classes are Ray's own (`ray.train.ScalingConfig`, `RunConfig`,
+`CheckpointConfig`, `FailureConfig`, `ray.train.torch.TorchConfig`), so a
+script builds them unchanged. `trainer_options` maps them onto the options of
+the one driver (`ElasticTrainer`); a field set to anything but Ray's default
+that the elastic run cannot honour raises `ValueError` naming the field,
+before anything is spawned, rather than being ignored.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+from ray.train.torch import TorchConfig
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+# the fields each config may leave only at Ray's default, and why
+_REFUSED: dict[type, dict[str, str]] = {
+    ScalingConfig: {
+        "trainer_resources": "the elastic driver is a small actor of its own, with no resources to set",
+        "placement_strategy": "workers are placed one per slot that discovery offers (oldest hosts first)",
+        "accelerator_type": "pick the node kind through resources_per_worker (a custom resource)",
+        "label_selector": "workers go where discovery finds slots; there is no label scheduling",
+        "use_tpu": "TPUs are not supported: the rings are Gloo or NCCL",
+        "topology": "TPUs are not supported: the rings are Gloo or NCCL",
+        "elastic_resize_monitor_interval_s": "the cluster is watched every second and resized in place",
+    },
+    RunConfig: {
+        "storage_filesystem": "give storage_path as a local path or an fsspec URL",
+        "callbacks": "Ray Train callbacks hook its controller, which an elastic run does not have",
+        "worker_runtime_env": "set the runtime environment with ray.init(runtime_env=...)",
+        "logging_config": "the workers log through Ray's own logging",
+    },
+    CheckpointConfig: {
+        "checkpoint_score_attribute": "the last reported checkpoint is the one kept (no ranking)",
+        "checkpoint_score_order": "the last reported checkpoint is the one kept (no ranking)",
+    },
+    FailureConfig: {
+        "controller_failure_limit": "there is no Ray Train controller; the driver actor restarts itself",
+        "max_preemption_failures": "a preempted (drained) node's workers leave gracefully and are never counted",
+        "relax_collectives_on_preemption": "a drained node's workers leave at the next report with a checkpoint",
+        "preemption_grace_s": "a drained node's workers leave at the next report with a checkpoint",
+    },
+    TorchConfig: {
+        "init_method": "the ring is set up by the run's own rendezvous",
+    },
+}
+
+# TorchTrainer keywords that have no elastic counterpart
+REFUSED_TRAINER_ARGS: dict[str, str] = {
+    "dataset_config": "the datasets are split by the run's feed, exactly once per epoch",
+    "validation_config": "validate in train_loop_per_worker and report the result",
+    "metadata": "pass what the workers need in train_loop_config",
+}
+
+_UNLIMITED_FAILURES = 2**31 - 1  # Ray's max_failures=-1
+
+
+def check_unsupported(config: Any) -> None:
+    """Raise `ValueError` naming the first field of `config` set away from Ray's default that cannot be honoured."""
+    refused = _REFUSED.get(type(config), {})
+    default = type(config)()
+    for name, why in refused.items():
+        if getattr(config, name) != getattr(default, name):
+            raise ValueError(
+                f"{type(config).__name__}({name}={getattr(config, name)!r}) is not supported by "
+                f"ray_elastic.train: {why}"
+            )
+
+
+def _typed(value: Any, cls: type, what: str) -> Any:
+    if value is None:
+        return cls()
+    if not isinstance(value, cls):
+        raise TypeError(f"{what} must be a ray.train {cls.__name__}, got {type(value).__name__}")
+    return value
+
+
+def trainer_options(
+    scaling_config: ScalingConfig | None,
+    run_config: RunConfig | None,
+    torch_config: TorchConfig | None,
+) -> tuple[dict[str, Any], RunConfig]:
+    """The `ElasticTrainer` options these configs ask for, and the run config (Ray's defaults filled in)."""
+    scaling = _typed(scaling_config, ScalingConfig, "scaling_config")
+    run = _typed(run_config, RunConfig, "run_config")
+    torch_cfg = _typed(torch_config, TorchConfig, "torch_config")
+    checkpointing = _typed(run.checkpoint_config, CheckpointConfig, "RunConfig.checkpoint_config")
+    failure = _typed(run.failure_config, FailureConfig, "RunConfig.failure_config")
+    for config in (scaling, run, checkpointing, failure, torch_cfg):
+        check_unsupported(config)
+    options: dict[str, Any] = {}
+    options["min_workers"], options["max_workers"] = _world(scaling.num_workers)
+    options["resources_per_worker"] = _resources(scaling.use_gpu, scaling.resources_per_worker)
+    if torch_cfg.backend is not None:
+        if torch_cfg.backend not in ("gloo", "nccl"):
+            raise ValueError(f"TorchConfig(backend={torch_cfg.backend!r}): the elastic ring is 'gloo' or 'nccl'")
+        options["backend"] = torch_cfg.backend
+    if torch_cfg.timeout_s != TorchConfig().timeout_s:
+        options["collective_timeout"] = float(torch_cfg.timeout_s)
+    max_failures = failure.max_failures
+    options["max_failures"] = _UNLIMITED_FAILURES if max_failures == -1 else max_failures
+    options["checkpoint_dir"] = os.path.join(run.storage_path, run.name, "elastic")
+    options["checkpoint_every"] = 1  # every report with a checkpoint is written
+    if checkpointing.num_to_keep is not None:
+        options["checkpoint_keep"] = checkpointing.num_to_keep
+    return options, run
+
+
+def _world(num_workers: Any) -> tuple[int, int]:
+    if isinstance(num_workers, bool):
+        raise ValueError(f"ScalingConfig(num_workers={num_workers!r}) must be an int or (min, max)")
+    if isinstance(num_workers, int):
+        return num_workers, num_workers
+    if isinstance(num_workers, tuple) and len(num_workers) == 2 and all(type(n) is int for n in num_workers):
+        return num_workers
+    raise ValueError(f"ScalingConfig(num_workers={num_workers!r}) must be an int or a (min, max) tuple of ints")
+
+
+def _resources(use_gpu: Any, resources: Mapping[str, float] | None) -> dict[str, float]:
+    if not isinstance(use_gpu, bool):
+        raise ValueError(f"ScalingConfig(use_gpu={use_gpu!r}): only True or False (no search space)")
+    if resources is not None and not isinstance(resources, dict):
+        raise ValueError(f"ScalingConfig(resources_per_worker={resources!r}): a dict of resources (no search space)")
+    out = dict(resources) if resources is not None else {"CPU": 1.0}
+    if use_gpu:
+        out.setdefault("GPU", 1.0)
+    return out

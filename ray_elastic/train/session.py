@@ -1,0 +1,351 @@
+"""The worker side of `ray_elastic.train`: Ray Train's per-worker calls on an elastic run, and the re-entry loop.
+
+`PerWorker` is the `train_fn` the elastic driver runs in every worker. It
+calls the user's `train_loop_per_worker` inside `@elastic.run` over one
+`ObjectState` holding what a Ray Train loop resumes from: the last reported
+checkpoint's files, in memory, and the committed positions of the loop's
+prepared loaders and dataset shards.
+
+- `report(metrics, checkpoint=c)` is the commit point. Every rank calls it at
+  the same step (as Ray Train requires); one tiny allreduce tells whether any
+  rank passed a checkpoint. If one did, the lowest such rank's files are read
+  into memory and broadcast, so every rank's commit holds them (they survive
+  rank 0's death), the data positions are taken, and the state is committed,
+  which is where membership changes are agreed. A report without a
+  checkpoint on every rank commits nothing.
+- A failure (a dead peer) or a membership change unwinds the loop; the state
+  rolls back to the last report with a checkpoint (or keeps it, on a graceful
+  change), the ring is rebuilt, and `train_loop_per_worker` is called again
+  in the same process, where `get_checkpoint()` returns that checkpoint.
+  Newcomers get the same state by the sync. Before each call the previous
+  call's leftovers (its frames, loader iterators, cached GPU memory) are freed.
+- The interrupts cross the user's code as `LoopInterrupt`, a `BaseException`,
+  so an `except Exception` in the loop cannot swallow them.
+- For the call's duration, `ray.train.report`/`get_checkpoint`/`get_context`/
+  `get_dataset_shard` and `ray.train.torch.prepare_model`/`prepare_data_loader`/
+  `get_device` are these, so fully qualified calls reach them too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import importlib
+import inspect
+import logging
+import os
+import shutil
+import tempfile
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from ray.train import Checkpoint
+
+import ray_elastic as elastic
+import ray_elastic.torch as elastic_torch
+from ray_elastic.runtime import current, maybe_current
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterator
+
+logger = logging.getLogger(__name__)
+
+Files = dict[str, bytes]  # a checkpoint's files by path relative to its directory
+
+
+class LoopInterrupt(BaseException):  # noqa: N818 - named for what it does to the loop, as Horovod's interrupts are
+    """A failure or a membership change unwinding `train_loop_per_worker` (not an `Exception`: it is not the loop's)."""
+
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(f"the elastic run is resetting: {type(cause).__name__}: {cause}")
+        self.cause = cause
+
+
+class TrainContext:
+    """What `get_context()` returns: Ray Train's `TrainContext` getters on the current generation."""
+
+    def __init__(self, experiment_name: str) -> None:
+        self._experiment_name = experiment_name
+
+    def get_world_rank(self) -> int:
+        return elastic.rank()
+
+    def get_world_size(self) -> int:
+        return elastic.size()
+
+    def get_local_rank(self) -> int:
+        return elastic.local_rank()
+
+    def get_local_world_size(self) -> int:
+        return elastic.local_size()
+
+    def get_node_rank(self) -> int:
+        """This worker's host among the run's hosts (`ray_elastic.cross_rank()`)."""
+        return elastic.cross_rank()
+
+    def get_experiment_name(self) -> str:
+        return self._experiment_name
+
+
+class Session:
+    """One worker's Ray Train loop: the committed state, and what the current call prepared."""
+
+    def __init__(self, experiment_name: str, initial: tuple[int, Files] | None) -> None:
+        self.context = TrainContext(experiment_name)
+        # checkpoint: (how many checkpoints were reported, files) or None; loaders: sampler states by call order
+        self.state: Any = elastic.ObjectState(checkpoint=initial, loaders=[], shards={})
+        self.loaders: list[Any] = []  # this call's prepared loaders, in the order it prepared them
+        self.shard_names: set[str] = set()
+        self._materialized: tuple[int, str] | None = None  # the checkpoint written out for get_checkpoint()
+
+    # ---- the re-entry ----------------------------------------------------------------
+    def begin_call(self) -> None:
+        """Free what the previous call held (frames, loader iterators, cached GPU memory) before the next."""
+        self.loaders = []
+        self.shard_names = set()
+        # what the interrupted call left in reference cycles: a DDP, loader iterators, their tensors. A full
+        # collect (0.2-0.5 s on two busy cores): gc.freeze() after it made the next one milliseconds, but then
+        # 5 recoveries in 19 took ~8 s, none in 8 without it (not diagnosed; bench/RESULTS.md)
+        gc.collect()
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
+
+    def close(self) -> None:
+        if self._materialized is not None:
+            shutil.rmtree(self._materialized[1], ignore_errors=True)
+            self._materialized = None
+
+    # ---- report and get_checkpoint -------------------------------------------------------
+    def report(self, metrics: dict[str, Any], checkpoint: Checkpoint | None, delete_local: bool) -> None:
+        with _interrupts_unwind():
+            _check_ring()
+            elastic.report(metrics)
+            me, size = elastic.rank(), elastic.size()
+            holder = int(elastic.allreduce(np.array([me if checkpoint is not None else size]), op=elastic.Min)[0])
+            if holder == size:
+                return  # no rank passed a checkpoint: no commit, no membership change
+            files = elastic.broadcast_object(_read_files(checkpoint) if me == holder else None, root_rank=holder)
+            if delete_local and checkpoint is not None:
+                shutil.rmtree(checkpoint.path, ignore_errors=True)
+            held = self.state.checkpoint
+            self.state.checkpoint = (1 if held is None else held[0] + 1, files)
+            for loader in self.loaders:
+                loader.sampler.record_pending()  # the batch trained before this report counts
+            self.state.loaders = [loader.sampler.state_dict() for loader in self.loaders]
+            self.state.commit()
+
+    def get_checkpoint(self) -> Checkpoint | None:
+        held = self.state.checkpoint
+        if held is None:
+            return None
+        index, files = held
+        if self._materialized is None or self._materialized[0] != index:
+            self.close()
+            directory = tempfile.mkdtemp(prefix=f"ray_elastic_checkpoint_{index:06d}_")
+            write_files(files, directory)
+            self._materialized = (index, directory)
+        return Checkpoint.from_directory(self._materialized[1])
+
+    # ---- data --------------------------------------------------------------------------
+    def prepare_data_loader(self, data_loader: Any, move_to_device: bool) -> Any:
+        with _interrupts_unwind():
+            loader = elastic_torch.prepare_data_loader(data_loader, move_to_device=move_to_device)
+        committed = self.state.loaders
+        k = len(self.loaders)
+        if k < len(committed) and committed[k]["n"] == len(loader.dataset):
+            loader.sampler.load_state_dict(committed[k])  # where the last report left this loader
+        self.loaders.append(loader)
+        return loader
+
+    def get_dataset_shard(self, name: str) -> Any:
+        with _interrupts_unwind():
+            shard = elastic.get_dataset_shard(name)
+        held = self.state.shards.get(name)
+        if held is None:
+            fresh = {"epoch": 0, "position": 0, "padding_rows": 0, "dropped_rows": 0}
+            shard.load_state_dict({**shard.state_dict(), **fresh})  # nothing committed yet: the first epoch
+            self.state.shards = {**self.state.shards, name: shard}
+        elif held is not shard:
+            shard.load_state_dict(held.state_dict())  # a newcomer's synced position
+            self.state.shards = {**self.state.shards, name: shard}
+        self.shard_names.add(name)
+        return ShardIterator(shard)
+
+
+class ShardIterator:
+    """A dataset shard as Ray Train's `DataIterator`: each `iter_*` call is one pass (an epoch) of the dataset.
+
+    A pass the loop ran to its end moves the shard to its next epoch; a pass
+    cut by a reset resumes from the position the last report committed.
+    """
+
+    def __init__(self, shard: Any) -> None:
+        self._shard = shard
+
+    def iter_batches(
+        self, *, batch_size: int = 256, batch_format: str = "numpy", drop_last: bool = False, **ignored: Any
+    ) -> Iterator[Any]:
+        _check_iter_options(ignored)
+        return self._pass(self._shard.iter_batches(batch_size, batch_format=batch_format, drop_last=drop_last))
+
+    def iter_torch_batches(
+        self,
+        *,
+        batch_size: int = 256,
+        dtypes: Any = None,
+        device: Any = "auto",
+        collate_fn: Callable[[dict[str, np.ndarray]], Any] | None = None,
+        drop_last: bool = False,
+        **ignored: Any,
+    ) -> Iterator[Any]:
+        """As Ray's: tensors on the worker's device (`device="auto"`), or `collate_fn`'s batches."""
+        _check_iter_options(ignored)
+        device = elastic_torch.get_device() if device == "auto" else device
+        return self._pass(
+            self._shard.iter_torch_batches(
+                batch_size, dtypes=dtypes, device=device, collate_fn=collate_fn, drop_last=drop_last
+            )
+        )
+
+    def _pass(self, batches: Iterator[Any]) -> Iterator[Any]:
+        yield from batches
+        self._shard.set_epoch(self._shard.epoch + 1)  # the loop came back after the last batch
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["_shard"], name)
+
+
+def _check_iter_options(options: dict[str, Any]) -> None:
+    if options:
+        raise ValueError(
+            f"ray_elastic.train's dataset shard does not support {sorted(options)}: the rows of each step are "
+            "set by the run's lockstep plan"
+        )
+
+
+# ---- the module-level calls, as Ray Train names them -------------------------------------
+
+_SESSION: Session | None = None  # the loop running in this worker process, while it runs
+
+
+def current_session(what: str) -> Session:
+    if _SESSION is None:
+        raise RuntimeError(
+            f"ray_elastic.train.{what}() only works inside train_loop_per_worker run by ray_elastic.train.torch."
+            "TorchTrainer.fit()"
+        )
+    return _SESSION
+
+
+def _check_ring() -> None:
+    """Raise if the ring already broke: an error the loop swallowed must not let it train on a dead ring."""
+    ctx = maybe_current()
+    ring = getattr(ctx, "group", None) if ctx is not None else None
+    if ring is not None and ring.abandoned is not None:
+        raise elastic.HorovodInternalError(ring.abandoned)
+
+
+@contextlib.contextmanager
+def _interrupts_unwind() -> Iterator[None]:
+    """Let a failure or membership change leave as `LoopInterrupt`, past the user's `except Exception`."""
+    try:
+        yield
+    except (elastic.HorovodInternalError, elastic.HostsUpdatedInterrupt) as e:
+        raise LoopInterrupt(e) from e
+    except Exception as e:
+        if current().ring_failure(e) is not None:
+            raise LoopInterrupt(e) from e
+        raise
+
+
+def _read_files(checkpoint: Checkpoint) -> Files:
+    if not isinstance(checkpoint, Checkpoint):
+        raise TypeError(f"report(checkpoint=...) takes a ray.train.Checkpoint, got {type(checkpoint).__name__}")
+    files: Files = {}
+    with checkpoint.as_directory() as directory:
+        for root, _, names in os.walk(directory):
+            for name in names:
+                path = os.path.join(root, name)
+                with open(path, "rb") as f:
+                    files[os.path.relpath(path, directory)] = f.read()
+    return files
+
+
+def write_files(files: Files, directory: str) -> None:
+    """Write a checkpoint's files under `directory` (made if missing)."""
+    for relative, data in files.items():
+        path = os.path.join(directory, relative)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb") as f:
+            f.write(data)
+
+
+def read_directory(checkpoint: Checkpoint) -> Files:
+    """A checkpoint's files, in memory (`TorchTrainer(resume_from_checkpoint=...)`)."""
+    return _read_files(checkpoint)
+
+
+# ---- the loop ------------------------------------------------------------------------------
+
+_PATCHED = {
+    "ray.train": ("report", "get_checkpoint", "get_context", "get_dataset_shard"),
+    "ray.train.torch": ("prepare_model", "prepare_data_loader", "get_device"),
+}
+
+
+@contextlib.contextmanager
+def _ray_train_calls_elastic() -> Iterator[None]:
+    """`ray.train.report(...)` and the others reach this module's functions while the loop runs (this process only)."""
+    ours = {"ray.train": "ray_elastic.train", "ray.train.torch": "ray_elastic.train.torch"}
+    saved: list[tuple[Any, str, Any]] = []
+    try:
+        for module_name, names in _PATCHED.items():
+            module, replacement = importlib.import_module(module_name), importlib.import_module(ours[module_name])
+            for name in names:
+                saved.append((module, name, getattr(module, name)))
+                setattr(module, name, getattr(replacement, name))
+        yield
+    finally:
+        for module, name, value in reversed(saved):
+            setattr(module, name, value)
+
+
+class PerWorker:
+    """The `train_fn` an elastic run ships to its workers: the user's loop in the re-entry loop."""
+
+    def __init__(
+        self,
+        loop: Callable[..., Any],
+        config: dict[str, Any] | None,
+        experiment_name: str,
+        initial: tuple[int, Files] | None,
+    ) -> None:
+        self.loop = loop
+        self.takes_config = len(inspect.signature(loop).parameters) > 0
+        self.config = config
+        self.experiment_name = experiment_name
+        self.initial = initial
+
+    def __call__(self, _config: dict[str, Any]) -> Any:
+        global _SESSION
+        this = Session(self.experiment_name, self.initial)
+
+        @elastic.run
+        def call(state: Any) -> Any:
+            this.begin_call()
+            try:
+                with _ray_train_calls_elastic():
+                    value = (
+                        self.loop(self.config if self.config is not None else {}) if self.takes_config else self.loop()
+                    )
+            except LoopInterrupt as interrupt:
+                raise interrupt.cause from None  # the run loop rolls back (or keeps) and calls again
+            return value, state.checkpoint
+
+        _SESSION = this
+        try:
+            return call(this.state)
+        finally:
+            _SESSION = None
+            this.close()
