@@ -33,7 +33,7 @@ from ray_elastic.protocol import EventKind
 
 ROOT = Path(__file__).parents[2]
 DOCS = ROOT / "docs"
-NOT_USER_PAGES = {"internals.md", "user-guide.md"}  # contributors' page; the old guide's map of where sections went
+NOT_USER_PAGES = {"internals.md"}  # the contributors' page
 PAGES = sorted(p for p in DOCS.glob("*.md") if p.name not in NOT_USER_PAGES and not p.name.startswith("migrating-"))
 TEXT = {p.name: p.read_text() for p in PAGES}
 ALL = "\n".join(TEXT.values())
