@@ -1,6 +1,6 @@
 """A Ray Train v2 script with only its imports changed, on the session's cluster, through a SIGKILL and a node added.
 
-The script (support/ray_train_fashion.py) is in the Fashion-MNIST guide's
+The script (support/ray_train_script.py) is in the Fashion-MNIST guide's
 shape: a prepared test loader evaluated every epoch, a checkpoint passed to
 `ray.train.report` (fully qualified) and resumed from `get_checkpoint()`.
 """
@@ -17,7 +17,7 @@ from conftest import wait_until
 
 pytest.importorskip("ray.train")
 
-from ray_train_fashion import NUM_TRAIN, train_fashion_mnist  # noqa: E402
+from ray_train_script import NUM_TRAIN, train_fashion_mnist  # noqa: E402
 
 
 def _fit_in_thread(**kwargs) -> Future:
@@ -130,7 +130,7 @@ def test_a_fixed_world_recovers_in_place_through_fully_qualified_calls(cluster, 
 def test_get_dataset_shard_passes_are_epochs_of_every_row_once(cluster, no_leaks, tmp_path):
     """A Ray Dataset given to `TorchTrainer(datasets=)`: each `iter_torch_batches` call is one whole epoch."""
     ray_data = pytest.importorskip("ray.data")
-    from ray_train_fashion import train_func_on_a_dataset
+    from ray_train_script import train_func_on_a_dataset
 
     from ray_elastic.train import RunConfig, ScalingConfig
     from ray_elastic.train.torch import TorchTrainer
