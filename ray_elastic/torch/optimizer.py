@@ -255,7 +255,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     # ---- backward ----------------------------------------------------------
     def _follow(self, ctx: Any) -> None:
-        """A new generation (a reset): launches of the old ring are void, and the world may have a new size."""
+        """A new generation (a reset): launches of the old ring are void, and the world may have a new size.
+
+        So is an error recorded on the old ring: the reset that replaced it already rolled the step back. With
+        several optimizers, each records the broken ring's error in the backward that hit it, and only the first
+        one stepped raises it; the others' must not fail the next generation (as the same error twice in a row).
+        """
+        self._error = None
         self._reset_buckets()
         self._generation = ctx.generation
         slot = ctx.slot
@@ -381,11 +387,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         ctx = current()
         ctx.ensure_joined()
         try:
+            if ctx.generation != self._generation:
+                self._follow(ctx)
             if self._error is not None:
                 self._reset_buckets()  # what backward launched before it failed is void
                 raise self._error
-            if ctx.generation != self._generation:
-                self._follow(ctx)
             if not self._reduced:
                 if self._size > 1:
                     self._reduce()

@@ -23,7 +23,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ray_elastic.assignment import WorkerSlot
 from ray_elastic.collective.base import CollectiveWork, ReduceOp
-from ray_elastic.runtime.process import set_current
+from ray_elastic.exceptions import HorovodInternalError
+from ray_elastic.runtime.process import current, set_current
 from ray_elastic.torch import DistributedOptimizer
 
 
@@ -211,3 +212,28 @@ def test_accumulation_reduces_once_after_the_last_pass_and_a_transposed_paramete
     assert world_of_two.reduced == len(opt._buckets)
     assert not weight.is_contiguous() and weight.grad.stride() == twin_w.grad.stride()
     assert torch.equal(weight, twin_w) and torch.equal(bias, twin_b)  # the mirror's average is our own sum
+
+
+def test_a_broken_rings_error_recorded_by_every_optimizer_fails_only_its_own_generation(world_of_two):
+    """Two optimizers over parts of one model: the ring breaks in one backward, both record it, the first one
+    stepped raises, the loop resets to the next generation, and there the second one steps as any other."""
+    torch.manual_seed(0)
+    parts = [torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)]
+    opts = [DistributedOptimizer(torch.optim.SGD(p.parameters(), lr=0.1), p.named_parameters()) for p in parts]
+    world_of_two.peer = lambda bucket: (_ for _ in ()).throw(RuntimeError("Connection reset by peer"))
+
+    def backward() -> None:
+        for o in opts:
+            o.zero_grad()
+        sum(p(torch.ones(1, 4)).sum() for p in parts).backward()
+
+    backward()
+    with pytest.raises(HorovodInternalError, match="Connection reset by peer"):
+        opts[0].step()  # the run loop rolls back and resets here: opts[1] never steps in generation 1
+    world_of_two.peer = torch.clone  # the next generation's ring is healthy
+    current().membership.generation = 2
+    backward()
+    before = [p.weight.detach().clone() for p in parts]
+    for o in opts:
+        o.step()  # opts[1]'s error belonged to generation 1's ring: it must not fail generation 2
+    assert all(not torch.equal(b, p.weight) for b, p in zip(before, parts, strict=True)), "both parts stepped"
