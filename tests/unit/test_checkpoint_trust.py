@@ -177,7 +177,13 @@ def test_whatever_a_state_holds_every_pt_loads_with_weights_only_and_reads_back(
 
 @settings(max_examples=40, deadline=None, suppress_health_check=_UNHEALTHY_OK)
 @given(
-    lr=st.one_of(st.floats(1e-6, 1.0), _numpy_scalars.filter(lambda v: isinstance(v, np.floating) and 0 < v < 1)),
+    # numpy's float learning rates drawn directly: filtering _numpy_scalars kept 8 of 58 draws once, and
+    # hypothesis's filter_too_much health check failed the test
+    lr=st.one_of(
+        st.floats(1e-6, 1.0),
+        st.floats(1e-6, 0.999, width=64).map(np.float64),
+        st.floats(2.0**-20, 0.5, width=32).map(np.float32),
+    ),
     extra=_values,
 )
 def test_a_torch_state_round_trips_through_the_store_whatever_its_values(tmp_path_factory, lr, extra):
