@@ -70,6 +70,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ray_elastic.collective.activity import collective_activity
 from ray_elastic.collective.factory import TORCH_BACKENDS
 from ray_elastic.collective.shm import can_reduce
+from ray_elastic.collective.torch_dist import TorchDistGroup
 from ray_elastic.exceptions import HorovodInternalError
 from ray_elastic.runtime.pace import PACE
 from ray_elastic.runtime.process import current, maybe_current
@@ -78,6 +79,8 @@ from ray_elastic.torch.notice import NoticeCopy
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
+
+    from ray_elastic.runtime.context import WorkerContext
 
 AGREE_EVERY_S = 0.1  # how often, in training time, the ranks agree on a host change (see _Cadence)
 MAX_CHECKS_PER_AGREEMENT = 1000
@@ -131,7 +134,7 @@ class ElasticDDP(torch.nn.Module):
             old.reducer = None
             old.logger = None
 
-    def _build(self, ctx: Any) -> DistributedDataParallel:
+    def _build(self, ctx: WorkerContext) -> DistributedDataParallel:
         # TorchState's sync already broadcast rank 0's parameters in this generation: skip DDP's second copy
         synced = ctx.synced_generation == ctx.generation
         kwargs = dict(self._ddp_kwargs)
@@ -159,7 +162,7 @@ class ElasticDDP(torch.nn.Module):
         except Exception as e:
             raise _as_ring_error(e, ctx, "DistributedDataParallel's forward") from e
 
-    def _carry_notice(self, ctx: Any) -> None:
+    def _carry_notice(self, ctx: WorkerContext) -> None:
         """Have the ring reduce this forward's host-change notice behind its backward's first allreduce (Gloo).
 
         `check_host_updates()` after the step reads the reduced notice; if no
@@ -177,18 +180,19 @@ class ElasticDDP(torch.nn.Module):
 
         def resolve() -> bool:
             try:
+                ring = _ring(ctx)
                 if carrier.work is None:
                     cadence.agreed(0, 1)
-                    return ctx.group.max_int(ctx.notice) > ctx.generation
-                notices, proposals = carrier.reduced(ctx.group)  # started during backward: done by now
-                cadence.agreed(proposals, ctx.group.size)
+                    return ring.max_int(ctx.notice) > ctx.generation
+                notices, proposals = carrier.reduced(ring)  # started during backward: done by now
+                cadence.agreed(proposals, ring.size)
                 return notices > 0
             finally:
                 collective_activity(False)
 
         ctx.agree_on_notice_later(resolve)
 
-    def _skip_notice(self, ctx: Any) -> None:
+    def _skip_notice(self, ctx: WorkerContext) -> None:
         """A training forward whose check agrees on nothing: the ranks agreed a moment ago, and will again soon.
 
         Every rank skips the same checks (the cadence is decided in the
@@ -207,7 +211,7 @@ class ElasticDDP(torch.nn.Module):
 
         ctx.agree_on_notice_later(resolve)
 
-    def _agree_on_notice(self, ctx: Any) -> None:
+    def _agree_on_notice(self, ctx: WorkerContext) -> None:
         """Start the one-number allreduce that tells every rank whether any holds a host-change notice (NCCL).
 
         It runs while forward and backward compute; the `check_host_updates()`
@@ -217,7 +221,7 @@ class ElasticDDP(torch.nn.Module):
         check, the worker counts as inside a collective (the driver's
         stuck-rank check), as for a Gloo notice.
         """
-        group = ctx.group
+        group = _ring(ctx)
         mine = int(ctx.notice > ctx.generation)
         if group.size == 1:
             ctx.agree_on_notice(mine > 0)  # nobody to agree with: no collective, nothing to read off the GPU
@@ -479,7 +483,15 @@ def is_ring_error(e: BaseException) -> bool:
     return isinstance(e, RuntimeError) and "gloo" in str(e).lower()  # Gloo's errors name its source files
 
 
-def _as_ring_error(e: BaseException, ctx: Any, what: str) -> BaseException:
+def _ring(ctx: WorkerContext) -> TorchDistGroup:
+    """The generation's ring, as `prepare_model` has it: a torch process group (it refuses other backends),
+    joined by the forward that built this generation's DDP."""
+    group = ctx.group
+    assert isinstance(group, TorchDistGroup), f"prepare_model runs on torch's backends, not on {group!r}"
+    return group
+
+
+def _as_ring_error(e: BaseException, ctx: WorkerContext, what: str) -> BaseException:
     """`e` as a `HorovodInternalError` if the ring is broken or `e` came from it, else `e` itself."""
     if isinstance(e, HorovodInternalError) or ctx.ring_failure(e) is None:
         return e

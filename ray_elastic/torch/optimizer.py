@@ -72,6 +72,8 @@ from ray_elastic.torch.notice import NoticeCopy, host_value, reads_later
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
+    from ray_elastic.runtime.context import WorkerContext
+
 
 class _Bucket:
     """Parameters of one device and one dtype, and the flat buffer their gradients are reduced in.
@@ -125,7 +127,7 @@ def _buckets(params: list[torch.Tensor], cap: int) -> list[_Bucket]:
     return buckets
 
 
-def _agree(ctx: Any, notice: torch.Tensor) -> None:
+def _agree(ctx: WorkerContext, notice: torch.Tensor) -> None:
     """Hand the reduced notice count to the runtime: read now on the host, one check later off a device."""
     if reads_later(notice):
         ctx.agree_on_notice_deferred(lambda: NoticeCopy(notice).any)
@@ -254,7 +256,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._add_params(added)  # buckets of their own, before the one that carries the host-change count
 
     # ---- backward ----------------------------------------------------------
-    def _follow(self, ctx: Any) -> None:
+    def _follow(self, ctx: WorkerContext) -> None:
         """A new generation (a reset): launches of the old ring are void, and the world may have a new size.
 
         So is an error recorded on the old ring: the reset that replaced it already rolled the step back. With
