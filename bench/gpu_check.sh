@@ -41,7 +41,7 @@ cat "$OUT/env.txt"
 
 # 1. the GPU suite first (users' loops through a kill and a newcomer on a shared GPU, a resume, a checkpoint on
 # the CPU): the part no other machine can run. Each test has 120 s, so one that hangs does not take the others' time.
-timeout 240 "$PY" -m pytest -q -ra -p no:cacheprovider --timeout 120 --durations=0 tests/gpu > "$OUT/gpu_suite.log" 2>&1
+timeout 240 "$PY" -m pytest -q -ra -p no:cacheprovider --timeout 120 --durations=0 tests/gpu tests/unit/test_device_state_cuda.py > "$OUT/gpu_suite.log" 2>&1
 suite_rc=$?
 tail -n 25 "$OUT/gpu_suite.log"
 

@@ -21,6 +21,7 @@ import os
 import sys
 import sysconfig
 import threading
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import cloudpickle
@@ -28,7 +29,6 @@ import ray
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
-    from types import ModuleType
 
 _TAG = "ray-elastic-payload-1"
 # cloudpickle's by-value registry is process-wide: two threads packing at once must not interleave
@@ -81,14 +81,20 @@ def worker_import_roots() -> list[str]:
 
 
 def _user_modules() -> list[ModuleType]:
-    """Modules loaded from files outside the installed packages and the standard library (and not ours)."""
+    """Modules loaded from files outside the installed packages and the standard library (and not ours).
+
+    `sys.modules` may hold objects that are not modules (a package can put
+    any object there: one seen beside Lightning on a GPU machine had no
+    `__name__`); they are not the user's modules, and skipped.
+    """
     paths = sysconfig.get_paths()
     installed = tuple({os.path.abspath(paths[k]) for k in ("purelib", "platlib", "stdlib", "platstdlib")})
     return [
         module
         for name, module in list(sys.modules.items())
         if name != "__main__"
-        and module.__name__ == name
+        and isinstance(module, ModuleType)
+        and getattr(module, "__name__", None) == name
         and not name.startswith("ray_elastic")
         and isinstance(getattr(module, "__file__", None), str)
         and not os.path.abspath(module.__file__ or "").startswith(installed)

@@ -43,30 +43,27 @@ class Mirror:
         return CollectiveWork("allreduce", then=lambda: value.add_(sent))
 
 
-@pytest.fixture
-def world_of_two() -> Iterator[Mirror]:
+def _world(size: int) -> Iterator[Mirror]:
+    """This process as rank 0 of a joined world of `size` (1 or 2), its ring the mirror."""
     ctx = make_context()
     ring = Mirror()
     ctx.membership.group = ring
-    ctx.membership.slot = WorkerSlot("w0", "host", 0, 2, 0, 2, 0, 1)
+    ctx.membership.slot = WorkerSlot("w0", "host", 0, size, 0, size, 0, 1)
     ctx.membership.generation = 1
     try:
         yield ring
     finally:
         set_current(None)
+
+
+@pytest.fixture
+def world_of_two() -> Iterator[Mirror]:
+    yield from _world(2)
 
 
 @pytest.fixture
 def world_of_one() -> Iterator[Mirror]:
-    ctx = make_context()
-    ring = Mirror()
-    ctx.membership.group = ring
-    ctx.membership.slot = WorkerSlot("w0", "host", 0, 1, 0, 1, 0, 1)
-    ctx.membership.generation = 1
-    try:
-        yield ring
-    finally:
-        set_current(None)
+    yield from _world(1)
 
 
 class Ops(TorchDispatchMode):
@@ -124,6 +121,55 @@ def test_alone_in_the_world_the_optimizer_adds_no_work_and_no_bucket(world_of_on
     _step(model, opt, torch.ones(2, 8), set_to_none=True)
     assert all(b._flat is None for b in opt._buckets), "a bucket (a second copy of the gradients) was made"
     assert world_of_one.reduced == 0
+
+
+def _hooked(model: torch.nn.Module) -> int:
+    """How many parameters have a gradient hook (Python that autograd calls in the middle of backward)."""
+    return sum(bool(p._post_accumulate_grad_hooks) for p in model.parameters())
+
+
+def test_alone_autograd_calls_no_python_of_ours_and_a_world_that_grows_and_shrinks_is_followed(world_of_one):
+    """At world 1 no hook is registered (they cost a GPU step 5%); a reset to two hooks every parameter again.
+
+    The first backward after the world grew ran unhooked: `step()` reduces it. From the next one on the
+    gradients are averaged when backward returns; after a reset back to one, the hooks go again. Every step
+    equals a plain optimizer's on the average (the mirror's peer sends zeros: half of ours).
+    """
+    model, twin = _model(3), _model(3)
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    plain = torch.optim.SGD(twin.parameters(), lr=0.1)
+    world_of_one.peer = torch.zeros_like
+    ctx = current()
+    x = torch.ones(2, 8)
+
+    def step(size: int, *, reduced_in_backward: bool) -> None:
+        for m, o in ((model, opt), (twin, plain)):
+            o.zero_grad()
+            m(x).square().mean().backward()
+        if size == 2:
+            reduced = world_of_one.reduced
+            assert reduced_in_backward == (reduced > 0), f"reduced when backward returned: {reduced > 0}"
+            for q in twin.parameters():
+                q.grad /= 2
+        opt.step()
+        plain.step()
+        for a, b in zip(model.parameters(), twin.parameters(), strict=True):
+            assert torch.equal(a, b), f"world of {size}: not the plain optimizer's step on the average"
+
+    for _ in range(2):
+        step(1, reduced_in_backward=False)
+        assert _hooked(model) == 0, "hooks registered in a world of one"
+    ctx.membership.slot = WorkerSlot("w0", "host", 0, 2, 0, 2, 0, 2)
+    ctx.membership.generation = 2
+    step(2, reduced_in_backward=False)
+    assert _hooked(model) == 6
+    world_of_one.reduced = 0
+    step(2, reduced_in_backward=True)
+    ctx.membership.slot = WorkerSlot("w0", "host", 0, 1, 0, 1, 0, 3)
+    ctx.membership.generation = 3
+    reduced = world_of_one.reduced
+    step(1, reduced_in_backward=False)
+    assert world_of_one.reduced == reduced and _hooked(model) == 0, "still reducing, or hooked, alone again"
 
 
 def test_the_gradients_are_reduced_when_backward_returns_into_the_bucket_and_autograds_are_freed(world_of_two):

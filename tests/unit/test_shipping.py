@@ -62,3 +62,16 @@ def test_something_else_is_not_taken_for_a_payload():
 
     with pytest.raises(ValueError, match="not a ray-elastic payload"):
         unpack(cloudpickle.dumps(("other", b"", None)))
+
+
+class _NotAModule:
+    """What some packages put into `sys.modules`: an object with no `__name__` (seen beside Lightning on a GPU)."""
+
+    def __getattr__(self, name: str):
+        raise AttributeError(name)
+
+
+def test_an_object_in_sys_modules_that_is_not_a_module_does_not_stop_fit(user_module, monkeypatch):
+    monkeypatch.setitem(sys.modules, "a_package._not_a_module", _NotAModule())
+    thing = unpack(pack(user_module.Thing(7)))
+    assert type(thing) is user_module.Thing and thing.n == 7
