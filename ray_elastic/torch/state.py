@@ -68,6 +68,7 @@ from ray_elastic.state.transfer import agree, share_object
 from ray_elastic.torch import copy_gate
 from ray_elastic.torch.broadcast import send_tensors_
 from ray_elastic.torch.data_loader import ElasticDataLoader
+from ray_elastic.torch.grad_scaler_handler import GradScalerHandler
 from ray_elastic.torch.handler import ObjectHandler, StateHandler, _moves_only_what_is_needed
 from ray_elastic.torch.heap import warm_heap
 from ray_elastic.torch.module_handler import ModuleHandler
@@ -106,7 +107,9 @@ def _handler_for(value: Any) -> StateHandler:
         return OptimizerHandler(value)
     if isinstance(value, (ElasticSampler, ElasticDataLoader)):  # a loader: its sampler's position, the loader kept
         return SamplerHandler(value)
-    if saves_itself(value):  # a scheduler, a GradScaler, an EMA: restored in place, never replaced by a copy
+    if isinstance(value, torch.amp.GradScaler):  # committed without reading its tensors (no device wait)
+        return GradScalerHandler(value)
+    if saves_itself(value):  # a scheduler, an EMA: restored in place, never replaced by a copy
         return StateDictHandler(value)
     return ObjectHandler(value)
 

@@ -166,18 +166,28 @@ def lightning_train_fn(config: dict) -> dict:
         def __init__(self) -> None:
             super().__init__()
             self.net = torch.nn.Linear(8, 1)
+            self.trained_on = ""  # the device of the last step (Lightning's teardown moves the model to the CPU)
 
         def training_step(self, batch, batch_idx):
             _kill_once(config, self.global_step, self.global_rank)
+            if self.trainer.world_size < 2:
+                time.sleep(0.1)  # alone after the kill: paced, so that the replacement joins mid-run
+            self.trained_on = str(self.device)
             x, y = batch
             return torch.nn.functional.mse_loss(self.net(x), y)
+
+        def on_train_epoch_end(self) -> None:
+            # every rank stops at the end of the first epoch after the second one that ran at world 2
+            rejoined = self.current_epoch >= 1 and self.trainer.world_size == 2
+            if self.trainer.strategy.reduce_boolean_decision(rejoined, all=False):
+                self.trainer.should_stop = True
 
         def configure_optimizers(self):
             return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
     model = Regression()
     trainer = pl.Trainer(
-        max_epochs=2,
+        max_epochs=40,
         accelerator="gpu",
         devices=1,
         strategy=ElasticDDPStrategy(commit_every=5),
@@ -190,7 +200,7 @@ def lightning_train_fn(config: dict) -> dict:
     prepare_trainer(trainer).fit(model, train_dataloaders=DataLoader(data, batch_size=BATCH, shuffle=True))
     return {
         "global_step": trainer.global_step,
-        "devices": elastic.allgather_object(str(next(model.parameters()).device)),
+        "devices": elastic.allgather_object(model.trained_on),
         "digests": elastic.allgather_object(_digest(model.parameters())),
     }
 
@@ -211,6 +221,7 @@ def test_lightning_on_the_gpu_goes_on_through_a_sigkill_and_ends_equal(gpu_ray, 
     assert marker.exists() and "worker_failed" in [e.kind for e in result.events]
     out = result.return_value
     assert out["global_step"] > 7
+    assert len(out["devices"]) == 2, "the replacement did not join before the end"
     assert all(d.startswith("cuda") for d in out["devices"]), out["devices"]
     assert len(set(out["digests"])) == 1, f"ranks diverged: {out['digests']}"
 

@@ -147,3 +147,47 @@ def test_a_rollback_between_a_grad_scalers_step_and_its_update_lets_the_redone_s
     scaler.unscale_(opt)  # raised "unscale_() is being called after step()" before
     scaler.step(opt)
     scaler.update()
+
+
+class _Reads(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts `.item()`-style reads (`_local_scalar_dense`): on a GPU each one waits for every queued kernel."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's signature
+        self.reads += func.overloadpacket is torch.ops.aten._local_scalar_dense
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_grad_scalers_commit_and_rollback_read_no_tensor_and_the_users_scaler_rolls_back():
+    """A GradScaler's state_dict() reads its scale with .item(): a commit must not (a device wait per commit)."""
+    model, opt = _model_opt()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=1)
+    scaler.scale(model(torch.ones(3, 4)).sum()).backward()
+    scaler.step(opt)
+    scaler.update()  # a finite step with growth_interval=1: the scale doubles
+    state = TorchState(model=model, optimizer=opt, scaler=scaler)
+    scale, tracker = scaler._scale, scaler._growth_tracker
+    with _Reads() as mode:
+        state.save()
+        scaler.update(new_scale=1.0)
+        scaler.set_growth_factor(3.0)
+        state.restore()
+    assert mode.reads == 0, f"{mode.reads} tensor reads (device waits) in a commit and rollback"
+    assert scaler._scale is scale and scaler._growth_tracker is tracker, "the scaler's tensors were replaced"
+    assert scaler.get_scale() == 2.0**9 and scaler.get_growth_factor() == 2.0
+    # the durable checkpoint is the state dict of host numbers, as torch writes it
+    assert state._handlers["scaler"].snapshot() == scaler.state_dict()
+
+
+def test_a_grad_scaler_whose_tensors_are_on_another_device_commits_and_rolls_back_there():
+    """`meta` stands in for CUDA: `.item()` on it raises, as a device wait in a commit would cost."""
+    scaler = torch.amp.GradScaler("cpu")
+    scaler._lazy_init_scale_growth_tracker(torch.device("meta"))
+    state = TorchState(scaler=scaler)
+    scale = scaler._scale
+    state.save()
+    state.restore()
+    assert scaler._scale is scale and scaler._scale.device.type == "meta"
