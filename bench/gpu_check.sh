@@ -3,7 +3,8 @@
 # (240 s for the GPU suite, 90 s for the bench, 150 s for the NCCL/shared-GPU cases).
 #
 # Runs from the repository root, with torch (a CUDA build) installed and Ray, pytest and the other test
-# dependencies installed into /tmp/site (or already importable). Writes every log and figure under $OUT
+# dependencies installed into /tmp/site (or already importable): on a lent machine, the wheels that
+# bench/gpu_wheels.sh fetched here, carried as .whl. Writes every log and figure under $OUT
 # (default: ./gpu-check-out):
 #   env.txt             the GPU, torch, CUDA, NCCL and Ray versions
 #   gpu_suite.log       tests/gpu: the training loops users write (DDP, DistributedOptimizer, Lightning, HF
