@@ -53,14 +53,19 @@ def check_verbose(verbose: Any) -> None:
         raise ValueError(f"verbose must be 0 (no progress bar, no event lines) or 1 (both), got {verbose!r}")
 
 
-def check_dataset_names(train_fn: Callable[..., Any], datasets: Mapping[str, Any]) -> None:
-    """Every name `train_fn` passes to `get_dataset_shard` as a literal is one of `datasets`."""
+def check_dataset_names(
+    train_fn: Callable[..., Any], datasets: Mapping[str, Any], who: tuple[str, str] = ("train_fn", "ElasticTrainer")
+) -> None:
+    """Every name `train_fn` passes to `get_dataset_shard` as a literal is one of `datasets`.
+
+    `who` names the function and the trainer in the error, as the user wrote them (Ray Train's names for
+    `ray_elastic.train`, whose own wrapper around the loop hides the loop's code from this check).
+    """
     asked = dataset_names_asked(train_fn)
     if asked - set(datasets):
         given = f"datasets {sorted(datasets)}" if datasets else "no datasets="
         raise ValueError(
-            f"train_fn asks get_dataset_shard for {sorted(asked - set(datasets))}, but ElasticTrainer "
-            f"was given {given}"
+            f"{who[0]} asks get_dataset_shard for {sorted(asked - set(datasets))}, but {who[1]} was given {given}"
         )
 
 

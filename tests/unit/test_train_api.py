@@ -93,6 +93,26 @@ def test_what_has_no_elastic_counterpart_is_refused_naming_the_field(kwargs, fie
         TorchTrainer(_loop, **kwargs)
 
 
+def _loop_reading_shards():
+    for _ in ray.train.get_dataset_shard("train").iter_torch_batches(batch_size=8):
+        pass
+    ray.train.get_dataset_shard("valid")
+
+
+def test_a_shard_name_the_datasets_lack_is_refused_through_ray_trains_calls(monkeypatch):
+    """The loop asks for "valid" by Ray Train's fully qualified call; only "train" was given: refused, nothing built."""
+    import ray_elastic
+
+    def spawned(*a, **k):
+        raise AssertionError("nothing may be built before the refusal")
+
+    monkeypatch.setattr(ray_elastic, "ElasticTrainer", spawned)
+    with pytest.raises(
+        ValueError, match=r"train_loop_per_worker asks get_dataset_shard for \['valid'\], but TorchTrainer"
+    ):
+        TorchTrainer(_loop_reading_shards, datasets={"train": object()})
+
+
 def test_an_unknown_keyword_is_a_type_error_as_in_ray():
     with pytest.raises(TypeError, match="nonsense"):
         TorchTrainer(_loop, nonsense=1)
