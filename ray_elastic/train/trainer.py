@@ -18,8 +18,8 @@ from ray.train import Checkpoint, RunConfig, ScalingConfig
 
 import ray_elastic as elastic
 from ray_elastic.train.config import REFUSED_TRAINER_ARGS, trainer_options
-from ray_elastic.trainer.preflight import check_dataset_names
 from ray_elastic.train.session import PerWorker, read_directory, write_files
+from ray_elastic.trainer.preflight import check_dataset_names
 
 if TYPE_CHECKING:
     from collections.abc import Callable
