@@ -128,21 +128,26 @@ def amp_train_fn(config: dict) -> dict:
     return train(state)
 
 
-@pytest.mark.parametrize("path", ["optimizer", "ddp"])
-def test_adamw_steplr_amp_and_a_sampler_through_a_sigkill_on_a_shared_gpu_end_bitwise_equal(gpu_ray, tmp_path, path):
+def _through_a_kill(train_fn, tmp_path: Path, config: dict, kill_step: int) -> dict:
+    """Two workers sharing GPU 0 (`{"GPU": 0.5}`); rank 1 SIGKILLed once at `kill_step`: rank 0's return value."""
     marker = tmp_path / "killed"
     result = ElasticTrainer(
-        amp_train_fn,
+        train_fn,
         min_workers=1,
         max_workers=2,
-        config={"path": path, "world": 2, "epochs": 2, "kill": {"step": 12, "rank": 1, "marker": str(marker)}},
+        config={**config, "kill": {"step": kill_step, "rank": 1, "marker": str(marker)}},
         resources_per_worker={"CPU": 1, "GPU": 0.5},
         cooldown_range=(0, 1),
         collective_timeout=30,
         verbose=0,
     ).fit()
     assert marker.exists() and "worker_failed" in [e.kind for e in result.events]
-    out = result.return_value
+    return result.return_value
+
+
+@pytest.mark.parametrize("path", ["optimizer", "ddp"])
+def test_adamw_steplr_amp_and_a_sampler_through_a_sigkill_on_a_shared_gpu_end_bitwise_equal(gpu_ray, tmp_path, path):
+    out = _through_a_kill(amp_train_fn, tmp_path, {"path": path, "world": 2, "epochs": 2}, kill_step=12)
     assert out["backend"] == "gloo"
     assert out["steps"] == 2 * N // (2 * BATCH), out["steps"]  # every batch of two epochs once, at world 2
     # AdamW's moments on the GPU, its step on the CPU (torch's rule), on every rank, the newcomer's too
@@ -207,19 +212,7 @@ def lightning_train_fn(config: dict) -> dict:
 
 def test_lightning_on_the_gpu_goes_on_through_a_sigkill_and_ends_equal(gpu_ray, tmp_path):
     pytest.importorskip("lightning")
-    marker = tmp_path / "killed"
-    result = ElasticTrainer(
-        lightning_train_fn,
-        min_workers=1,
-        max_workers=2,
-        config={"kill": {"step": 7, "rank": 1, "marker": str(marker)}},
-        resources_per_worker={"CPU": 1, "GPU": 0.5},
-        cooldown_range=(0, 1),
-        collective_timeout=30,
-        verbose=0,
-    ).fit()
-    assert marker.exists() and "worker_failed" in [e.kind for e in result.events]
-    out = result.return_value
+    out = _through_a_kill(lightning_train_fn, tmp_path, {}, kill_step=7)
     assert out["global_step"] > 7
     assert len(out["devices"]) == 2, "the replacement did not join before the end"
     assert all(d.startswith("cuda") for d in out["devices"]), out["devices"]
@@ -277,19 +270,7 @@ def hf_train_fn(config: dict) -> dict:
 
 def test_the_hf_trainer_on_the_gpu_goes_on_through_a_sigkill_and_ends_equal(gpu_ray, tmp_path):
     pytest.importorskip("transformers")
-    marker = tmp_path / "killed"
-    result = ElasticTrainer(
-        hf_train_fn,
-        min_workers=1,
-        max_workers=2,
-        config={"out": str(tmp_path / "out"), "kill": {"step": 12, "rank": 1, "marker": str(marker)}},
-        resources_per_worker={"CPU": 1, "GPU": 0.5},
-        cooldown_range=(0, 1),
-        collective_timeout=30,
-        verbose=0,
-    ).fit()
-    assert marker.exists() and "worker_failed" in [e.kind for e in result.events]
-    out = result.return_value
+    out = _through_a_kill(hf_train_fn, tmp_path, {"out": str(tmp_path / "out")}, kill_step=12)
     assert out["global_step"] == 30
     assert all(d.startswith("cuda") for d in out["devices"]), out["devices"]
     assert len(set(out["digests"])) == 1, f"ranks diverged: {out['digests']}"
