@@ -1,6 +1,6 @@
 """Ray Train's TorchTrainer and `ray_elastic.train`'s, side by side on one script: a SIGKILL's cost.
 
-One training loop in Ray Train v2's documented shape (`ray.train.torch.
+One training loop in Ray Train v2's documented shape (bench/recovery.py's; `ray.train.torch.
 prepare_model`, `ray.train.get_checkpoint()` at the top, `ray.train.report(...,
 checkpoint=...)` every `--every` steps, rank 0 writing the checkpoint), the
 small MLP of the other benchmarks. It runs under `ray.train.torch.TorchTrainer`
@@ -27,45 +27,13 @@ import json
 import logging
 import os
 import random
-import signal
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
-import torch
+from recovery import raytrain_train_fn
 from results_file import write_results
-from small_mlp import make_mlp, raytrain_checkpoint, raytrain_resume, sgd_step
-
-
-def train_loop(config: dict) -> None:
-    """Ray Train's shape, fully qualified calls; rank 0 logs each step with the time its loop was entered."""
-    import ray.train
-    import ray.train.torch
-
-    entered = time.time()
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    rank = ray.train.get_context().get_world_rank()
-    model = ray.train.torch.prepare_model(make_mlp())
-    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    step = raytrain_resume(model, opt)
-    g = torch.Generator().manual_seed(rank)
-    while step < config["steps"]:
-        sgd_step(model, opt, g)
-        step += 1
-        if rank == 0:
-            with open(config["log"], "a") as f:
-                f.write(json.dumps({"time": time.time(), "step": step, "entered": entered}) + "\n")
-        if rank == config["kill_rank"] and step == config["kill_step"]:
-            try:
-                os.close(os.open(config["marker"], os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-                os.kill(os.getpid(), signal.SIGKILL)
-            except FileExistsError:
-                pass
-        time.sleep(0.005)  # stands for more compute per step
-        if step % config["every"] == 0:
-            raytrain_checkpoint(model, opt, step, rank)
 
 
 def wait_for_free_cpus(cpus: float, timeout: float) -> None:
@@ -95,7 +63,7 @@ def one_rep(which: str, kill_step: int, every: int, workdir: str, rep: int) -> d
         workers = (3, 4)
     wait_for_free_cpus(4, 120)
     result = TorchTrainer(
-        train_loop,
+        raytrain_train_fn,
         train_loop_config=config,
         scaling_config=ScalingConfig(num_workers=workers),
         run_config=RunConfig(

@@ -192,10 +192,15 @@ SCALE_KEYS = ("up_first_step_s", "up_pause_s", "up_steps_lost", "down_to_world2_
 
 
 def raytrain_train_fn(config: dict) -> None:
-    """Ray Train's loop: the same MLP under DDP, a checkpoint every `every` steps, rank 0 logs each step."""
+    """Ray Train's loop: the same MLP under DDP, a checkpoint every `every` steps, rank 0 logs each step.
+
+    Each log line carries the time this loop was entered: after a kill, the first step of a loop entered
+    later is where training went on (bench/ray_train_recovery.py runs this loop under both TorchTrainers).
+    """
     import ray.train
     import ray.train.torch
 
+    entered = time.time()
     torch.set_num_threads(1)
     torch.manual_seed(0)
     rank = ray.train.get_context().get_world_rank()
@@ -208,7 +213,7 @@ def raytrain_train_fn(config: dict) -> None:
         step += 1
         if rank == 0:
             with open(config["log"], "a") as f:
-                f.write(json.dumps({"time": time.time(), "step": step}) + "\n")
+                f.write(json.dumps({"time": time.time(), "step": step, "entered": entered}) + "\n")
         if rank == config["kill_rank"] and step == config["kill_step"]:
             KillOnce(rank, step, config["marker"]).fire(step)
         time.sleep(0.005)
