@@ -127,16 +127,21 @@ def test_a_fixed_world_recovers_in_place_through_fully_qualified_calls(cluster, 
     assert result.path.endswith("fixed") and result.checkpoint is not None
 
 
-def test_get_dataset_shard_passes_are_epochs_of_every_row_once(cluster, no_leaks, tmp_path):
-    """A Ray Dataset given to `TorchTrainer(datasets=)`: each `iter_torch_batches` call is one whole epoch."""
+def test_get_dataset_shard_passes_are_epochs_of_every_row_once_through_a_sigkill(cluster, no_leaks, tmp_path):
+    """A Ray Dataset given to `TorchTrainer(datasets=)`: each `iter_torch_batches` call is one whole epoch.
+
+    Rank 1 is SIGKILLed after 2 of epoch 1's 4 batches. The survivor re-enters its loop in its own process from
+    epoch 0's checkpoint, a replacement joins, and epoch 1 is trained again from its start: what counts is every
+    epoch's rows exactly once, the rolled-back attempts' rows left out.
+    """
     ray_data = pytest.importorskip("ray.data")
     from ray_train_script import train_func_on_a_dataset
 
     from ray_elastic.train import RunConfig, ScalingConfig
     from ray_elastic.train.torch import TorchTrainer
 
-    log = tmp_path / "log.jsonl"
-    config = {"epochs": 2, "batch_size": 8, "log": str(log)}
+    log, marker = tmp_path / "log.jsonl", tmp_path / "killed"
+    config = {"epochs": 3, "batch_size": 8, "log": str(log), "kill": {"at": [1, 2], "rank": 1, "marker": str(marker)}}
     TorchTrainer(
         train_func_on_a_dataset,
         train_loop_config=config,
@@ -144,7 +149,21 @@ def test_get_dataset_shard_passes_are_epochs_of_every_row_once(cluster, no_leaks
         run_config=RunConfig(name="data", storage_path=str(tmp_path / "runs")),
         datasets={"train": ray_data.range(64)},
     ).fit()
+    assert marker.exists()
     records = _records(log)
+    entries = [r for r in records if r.get("entry")]
+    first, again = entries[:2], entries[2:]
+    assert again and {e["start_epoch"] for e in again} == {1}, f"the loops entered after the kill: {entries}"
+    survivors = {e["pid"] for e in first} & {e["pid"] for e in again}
+    assert survivors, "the survivor did not re-enter in its own process"
+    killed = {e["pid"] for e in first} - survivors
+    last = {e["pid"]: e["attempt"] for e in entries}  # each process's last entry into the loop
     for epoch in range(config["epochs"]):
-        seen = Counter(i for r in records if r["epoch"] == epoch for i in r["ids"])
+        # epoch 0 was reported before the kill; later epochs count the last attempts of the living processes
+        kept = [
+            r
+            for r in records
+            if r.get("epoch") == epoch and (epoch < 1 or (r["pid"] not in killed and r["attempt"] == last[r["pid"]]))
+        ]
+        seen = Counter(i for r in kept for i in r["ids"])
         assert seen == Counter(range(64)), f"epoch {epoch}: {seen}"

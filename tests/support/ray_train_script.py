@@ -175,9 +175,25 @@ def train_fashion_mnist(config: dict, num_workers, storage_path: str, name: str 
 
 
 def train_func_on_a_dataset(config: dict) -> None:
-    """Ray Train's Ray Data shape: each epoch one `iter_torch_batches` pass over this worker's shard."""
+    """Ray Train's Ray Data shape: each epoch one `iter_torch_batches` pass over this worker's shard.
+
+    A report with a checkpoint ends each epoch; a loop entered again resumes after the checkpoint's epoch.
+    Every entry is logged with the epoch it starts at and an id its batch records carry (`attempt`).
+    """
+    start = 0
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is not None:
+        with checkpoint.as_directory() as d, open(os.path.join(d, "epoch.json")) as f:
+            start = json.load(f)["epoch"] + 1
+    rank = ray.train.get_context().get_world_rank()
+    attempt = f"{os.getpid()}-{time.monotonic_ns()}"
+    _log(config, entry=True, start_epoch=start, attempt=attempt, rank=rank)
     shard = ray.train.get_dataset_shard("train")
-    for epoch in range(config["epochs"]):
-        for batch in shard.iter_torch_batches(batch_size=config["batch_size"]):
-            _log(config, epoch=epoch, ids=batch["id"].tolist(), rank=ray.train.get_context().get_world_rank())
-        ray.train.report({"epoch": epoch})
+    for epoch in range(start, config["epochs"]):
+        for step, batch in enumerate(shard.iter_torch_batches(batch_size=config["batch_size"]), start=1):
+            _log(config, epoch=epoch, ids=batch["id"].tolist(), rank=rank, attempt=attempt)
+            _maybe_kill(config, epoch, step, "step")
+        with tempfile.TemporaryDirectory() as d:
+            with open(os.path.join(d, "epoch.json"), "w") as f:
+                json.dump({"epoch": epoch}, f)
+            ray.train.report({"epoch": epoch}, checkpoint=Checkpoint.from_directory(d))
