@@ -314,6 +314,14 @@ def _ray_train_calls_elastic() -> Iterator[None]:
 class PerWorker:
     """The `train_fn` an elastic run ships to its workers: the user's loop in the re-entry loop."""
 
+    # what ElasticTrainer's checks before anything starts read: the user's loop (as a functools.partial's `func`),
+    # and the names to use in their errors
+    names_in_errors = ("train_loop_per_worker", "TorchTrainer")
+
+    @property
+    def func(self) -> Callable[..., Any]:
+        return self.loop
+
     def __init__(
         self,
         loop: Callable[..., Any],

@@ -19,7 +19,6 @@ from ray.train import Checkpoint, RunConfig, ScalingConfig
 import ray_elastic as elastic
 from ray_elastic.train.config import REFUSED_TRAINER_ARGS, trainer_options
 from ray_elastic.train.session import PerWorker, read_directory, write_files
-from ray_elastic.trainer.preflight import check_dataset_names
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -85,7 +84,6 @@ class TorchTrainer:
             raise ValueError("train_loop_per_worker takes no argument or one (train_loop_config)")
         if train_loop_config is not None and not isinstance(train_loop_config, dict):
             raise ValueError(f"train_loop_config must be a dict, got {type(train_loop_config).__name__}")
-        check_dataset_names(train_loop_per_worker, datasets or {}, ("train_loop_per_worker", "TorchTrainer"))
         options, self.run_config = trainer_options(scaling_config, run_config, torch_config)
         initial = None
         if resume_from_checkpoint is not None:

@@ -53,19 +53,19 @@ def check_verbose(verbose: Any) -> None:
         raise ValueError(f"verbose must be 0 (no progress bar, no event lines) or 1 (both), got {verbose!r}")
 
 
-def check_dataset_names(
-    train_fn: Callable[..., Any], datasets: Mapping[str, Any], who: tuple[str, str] = ("train_fn", "ElasticTrainer")
-) -> None:
+def check_dataset_names(train_fn: Callable[..., Any], datasets: Mapping[str, Any]) -> None:
     """Every name `train_fn` passes to `get_dataset_shard` as a literal is one of `datasets`.
 
-    `who` names the function and the trainer in the error, as the user wrote them (Ray Train's names for
-    `ray_elastic.train`, whose own wrapper around the loop hides the loop's code from this check).
+    A wrapper around the user's loop (`ray_elastic.train`'s) is seen through as a `functools.partial` is (its
+    `func`), and names the loop and the trainer in the error as the user wrote them (its `names_in_errors`).
     """
     asked = dataset_names_asked(train_fn)
     if asked - set(datasets):
+        fn_name, trainer_name = getattr(train_fn, "names_in_errors", ("train_fn", "ElasticTrainer"))
         given = f"datasets {sorted(datasets)}" if datasets else "no datasets="
         raise ValueError(
-            f"{who[0]} asks get_dataset_shard for {sorted(asked - set(datasets))}, but {who[1]} was given {given}"
+            f"{fn_name} asks get_dataset_shard for {sorted(asked - set(datasets))}, but {trainer_name} was given "
+            f"{given}"
         )
 
 

@@ -100,17 +100,20 @@ def _loop_reading_shards():
 
 
 def test_a_shard_name_the_datasets_lack_is_refused_through_ray_trains_calls(monkeypatch):
-    """The loop asks for "valid" by Ray Train's fully qualified call; only "train" was given: refused, nothing built."""
-    import ray_elastic
+    """The loop asks for "valid" by Ray Train's fully qualified call; only "train" was given: refused at once."""
+    import ray.data
+
+    from ray_elastic import ElasticTrainer
 
     def spawned(*a, **k):
-        raise AssertionError("nothing may be built before the refusal")
+        raise AssertionError("nothing may start before the refusal")
 
-    monkeypatch.setattr(ray_elastic, "ElasticTrainer", spawned)
+    monkeypatch.setattr(ElasticTrainer, "fit", spawned)
+    dataset = ray.data.Dataset.__new__(ray.data.Dataset)  # a Dataset to the type check, without Ray
     with pytest.raises(
         ValueError, match=r"train_loop_per_worker asks get_dataset_shard for \['valid'\], but TorchTrainer"
     ):
-        TorchTrainer(_loop_reading_shards, datasets={"train": object()})
+        TorchTrainer(_loop_reading_shards, datasets={"train": dataset})
 
 
 def test_an_unknown_keyword_is_a_type_error_as_in_ray():
