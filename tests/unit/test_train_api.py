@@ -109,11 +109,20 @@ def test_a_shard_name_the_datasets_lack_is_refused_through_ray_trains_calls(monk
         raise AssertionError("nothing may start before the refusal")
 
     monkeypatch.setattr(ElasticTrainer, "fit", spawned)
-    dataset = ray.data.Dataset.__new__(ray.data.Dataset)  # a Dataset to the type check, without Ray
+
+    class Shardless(ray.data.Dataset):
+        """A Dataset to the type check, made without Ray."""
+
+        def __init__(self) -> None:
+            pass
+
+        def __del__(self) -> None:
+            pass
+
     with pytest.raises(
         ValueError, match=r"train_loop_per_worker asks get_dataset_shard for \['valid'\], but TorchTrainer"
     ):
-        TorchTrainer(_loop_reading_shards, datasets={"train": dataset})
+        TorchTrainer(_loop_reading_shards, datasets={"train": Shardless()})
 
 
 def test_an_unknown_keyword_is_a_type_error_as_in_ray():
