@@ -40,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import re
 import time
@@ -60,7 +61,7 @@ FORMAT = 2
 OLD_FILE = "ray_elastic_checkpoint.pkl"  # format 1: one pickle of the handlers' snapshots, no longer read
 # earlier releases numbered the directories (checkpoint_000042); they are still read, ordered by their manifest
 _NAME = re.compile(r"^checkpoint_(?:\d+|r(\d+)-g(\d+)-c(\d+)-[0-9a-f]+)$")
-_PIN = re.compile(r"^\.pin-(\d+)-[0-9a-f]+-(checkpoint_[0-9a-z-]+)$")
+_PIN = re.compile(r"^\.pin-(\d+)s-[0-9a-f]+-(checkpoint_[0-9a-z-]+)$")  # how long it lasts, not until when
 
 Key = tuple[int, int, int]  # (run, generation, commit): the order of checkpoints, newest last
 
@@ -112,13 +113,18 @@ class _Found:
 
 
 class CheckpointStore:
-    """The checkpoints in `url` (a local directory or an fsspec URL); writes keep the newest `keep`."""
+    """The checkpoints in `url` (a local directory or an fsspec URL); writes keep the newest `keep`.
 
-    def __init__(self, url: str, keep: int = 2) -> None:
+    `clock`: this process's monotonic clock, on which a pin's time is counted (`pinned`).
+    """
+
+    def __init__(self, url: str, keep: int = 2, clock: Callable[[], float] = time.monotonic) -> None:
         import fsspec
 
         self.url = url
         self.keep = keep
+        self._clock = clock
+        self._pins_seen: dict[str, float] = {}  # pin file -> when this store first saw it, on `clock`
         try:
             self.fs, root = fsspec.core.url_to_fs(url)
         except (ImportError, ValueError) as e:
@@ -320,18 +326,30 @@ class CheckpointStore:
 
     # ---- pins -----------------------------------------------------------------
     def _pinned(self, names: list[str]) -> set[str]:
-        now = time.time()
-        return {m.group(2) for m in map(_PIN.match, names) if m is not None and int(m.group(1)) > now}
+        """The checkpoints pinned now: a pin lasts its seconds from when this store first saw it, on its own clock."""
+        now = self._clock()
+        seen, pinned = {}, set()
+        for m in map(_PIN.match, names):
+            if m is not None:
+                first = seen[m.group(0)] = self._pins_seen.get(m.group(0), now)
+                if now - first < int(m.group(1)):
+                    pinned.add(m.group(2))
+        self._pins_seen = seen  # pins removed by their owners are forgotten
+        return pinned
 
     @contextlib.contextmanager
     def pinned(self, path: str, seconds: float) -> Iterator[None]:
         """Keep the checkpoint at `path` from being pruned, by any writer, for the block (at most `seconds`).
 
-        The pin is a file beside the checkpoints naming it and when it
-        lapses, so a process killed inside the block pins nothing for long.
+        The pin is a file beside the checkpoints naming it and how long it
+        lasts, not until when: a writer counts that time on its own
+        monotonic clock from when it first sees the pin, so no two
+        machines' clocks are compared (a skewed one neither lapses a pin
+        early nor keeps it forever), and a process killed inside the block
+        pins nothing for longer than `seconds` after a writer sees its pin.
         """
         name = path.rstrip("/").rsplit("/", 1)[-1]
-        pin = f"{self.root}/.pin-{int(time.time() + seconds) + 1}-{uuid.uuid4().hex[:8]}-{name}"
+        pin = f"{self.root}/.pin-{math.ceil(seconds)}s-{uuid.uuid4().hex[:8]}-{name}"
         with self.fs.open(pin, "wb") as f:
             f.write(b"")
         try:
