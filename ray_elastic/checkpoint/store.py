@@ -28,7 +28,11 @@ run may land a write after its successor's. Runs are counted because a new
 Each write removes all but the newest `keep` complete checkpoints and the
 torn ones older than the newest complete one; a torn one newer than that is
 another writer's write in progress and stays, and so does a checkpoint
-pinned while it is being copied (Tune's hand-over, `pinned`).
+pinned while it is being copied (Tune's hand-over, `pinned`). Only a missing
+manifest proves a checkpoint torn: one that exists but cannot be read (a
+storage timeout, a refused permission, bytes this library did not write) is
+never removed, and while its name claims it may be the newest, nothing is
+read in its place (`CheckpointError` naming it: state never goes backwards).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import re
 import time
@@ -56,7 +61,7 @@ FORMAT = 2
 OLD_FILE = "ray_elastic_checkpoint.pkl"  # format 1: one pickle of the handlers' snapshots, no longer read
 # earlier releases numbered the directories (checkpoint_000042); they are still read, ordered by their manifest
 _NAME = re.compile(r"^checkpoint_(?:\d+|r(\d+)-g(\d+)-c(\d+)-[0-9a-f]+)$")
-_PIN = re.compile(r"^\.pin-(\d+)-[0-9a-f]+-(checkpoint_[0-9a-z-]+)$")
+_PIN = re.compile(r"^\.pin-(\d+)s-[0-9a-f]+-(checkpoint_[0-9a-z-]+)$")  # how long it lasts, not until when
 
 Key = tuple[int, int, int]  # (run, generation, commit): the order of checkpoints, newest last
 
@@ -93,6 +98,7 @@ class _Found:
     path: str
     name: str
     meta: dict[str, Any] | None
+    unreadable: str | None = None  # why its manifest exists but could not be read: not torn, just unknown
 
     @property
     def key(self) -> tuple[Key, float, str]:
@@ -107,13 +113,18 @@ class _Found:
 
 
 class CheckpointStore:
-    """The checkpoints in `url` (a local directory or an fsspec URL); writes keep the newest `keep`."""
+    """The checkpoints in `url` (a local directory or an fsspec URL); writes keep the newest `keep`.
 
-    def __init__(self, url: str, keep: int = 2) -> None:
+    `clock`: this process's monotonic clock, on which a pin's time is counted (`pinned`).
+    """
+
+    def __init__(self, url: str, keep: int = 2, clock: Callable[[], float] = time.monotonic) -> None:
         import fsspec
 
         self.url = url
         self.keep = keep
+        self._clock = clock
+        self._pins_seen: dict[str, float] = {}  # pin file -> when this store first saw it, on `clock`
         try:
             self.fs, root = fsspec.core.url_to_fs(url)
         except (ImportError, ValueError) as e:
@@ -150,26 +161,34 @@ class CheckpointStore:
     def _found(self, names: list[str] | None = None) -> list[_Found]:
         """Every checkpoint directory, torn ones included (`meta` None)."""
         names = self._names() if names is None else names
-        return [_Found(f"{self.root}/{n}", n, self._manifest(f"{self.root}/{n}")) for n in names if _NAME.match(n)]
+        return [_Found(f"{self.root}/{n}", n, *self._manifest(f"{self.root}/{n}")) for n in names if _NAME.match(n)]
 
-    def _manifest(self, path: str) -> dict[str, Any] | None:
-        """The manifest of the checkpoint at `path`, or None while it has none (torn, or being written)."""
+    def _manifest(self, path: str) -> tuple[dict[str, Any] | None, str | None]:
+        """`(manifest, None)`; `(None, None)` while it has none (torn, or being written); `(None, why)` if unreadable.
+
+        Only a missing manifest is torn by the write protocol (it is put
+        whole, last): any other error (a storage timeout, a permission, a
+        manifest this library did not write) says nothing of the checkpoint.
+        """
         try:
             with self.fs.open(f"{path}/{META_FILE}", "rb") as f:
                 meta = json.loads(f.read())
+            if not isinstance(meta, dict):
+                raise ValueError(f"a JSON {type(meta).__name__}, not an object")
             order_key(meta)
         except FileNotFoundError:
-            return None
-        except Exception as e:  # noqa: BLE001 - not a manifest this library wrote: never the latest
-            logger.warning("ignoring the checkpoint %s: its %s cannot be read (%s: %s)", path, META_FILE,
-                           type(e).__name__, e)
-            return None
-        return meta if isinstance(meta, dict) else None
+            return None, None
+        except Exception as e:  # noqa: BLE001 - any other error: the checkpoint may be whole, so it is kept
+            why = f"its {META_FILE} cannot be read ({type(e).__name__}: {e})"
+            logger.warning("the checkpoint %s is neither read nor removed: %s", path, why)
+            return None, why
+        return meta, None
 
     def _complete(self, found: list[_Found] | None = None) -> list[_Found]:
         """The complete checkpoints, oldest first by their manifests' (run, generation, commit)."""
-        return sorted((f for f in (self._found() if found is None else found) if f.meta is not None),
-                      key=lambda f: f.key)
+        return sorted(
+            (f for f in (self._found() if found is None else found) if f.meta is not None), key=lambda f: f.key
+        )
 
     def checkpoints(self) -> list[str]:
         """The complete checkpoints' paths, oldest first."""
@@ -180,20 +199,40 @@ class CheckpointStore:
         return [(f.path, f.meta or {}) for f in self._complete()]
 
     def latest(self) -> str | None:
-        """The newest complete checkpoint's path (in the store's filesystem), or None."""
-        complete = self._complete()
+        """The newest complete checkpoint's path (in the store's filesystem), or None.
+
+        A `CheckpointError` if a checkpoint whose manifest cannot be read may
+        be newer: an older one in its place would take the run backwards.
+        """
+        found = self._found()
+        complete = self._complete(found)
+        newest = order_key(complete[-1].meta or {}) if complete else None
+        for f in found:
+            if f.unreadable is not None and (newest is None or f.name_key is None or f.name_key > newest):
+                raise CheckpointError(
+                    f"cannot tell which checkpoint in {self.url!r} is the newest: {f.path} may be, and {f.unreadable}; "
+                    "nothing older is read in its place (a resume would go back in training). If the storage "
+                    "error passes, it is read; if that checkpoint is damaged, move it out of the directory"
+                )
         return complete[-1].path if complete else None
 
     def exists(self) -> bool:
         return self.latest() is not None
 
     # ---- writing --------------------------------------------------------------
-    def _run_seq(self, complete: list[_Found], run: Any) -> int:
+    def _run_seq(self, found: list[_Found], run: Any) -> int:
         """The number of the run `run` among the runs that wrote here: its own if it wrote before, else the next."""
-        for f in reversed(complete):
+        for f in reversed(self._complete(found)):
             if f.meta is not None and f.meta.get("run") == run:
                 return int(f.meta.get("run_seq", 0))
-        return max((int(f.meta.get("run_seq", 0)) for f in complete if f.meta is not None), default=-1) + 1
+        return self._next_run_seq(found)
+
+    @staticmethod
+    def _next_run_seq(found: list[_Found]) -> int:
+        """A run number after every run's here: an unreadable manifest's run counts by its directory's name."""
+        seqs = [order_key(f.meta)[0] for f in found if f.meta is not None]
+        seqs += [f.name_key[0] for f in found if f.unreadable is not None and f.name_key is not None]
+        return max(seqs, default=-1) + 1
 
     def _new_path(self, key: Key) -> str:
         run_seq, generation, commit = key
@@ -212,7 +251,7 @@ class CheckpointStore:
         `meta["run"]` (the run's id) places it among other runs' checkpoints.
         """
         self.fs.makedirs(self.root, exist_ok=True)
-        run_seq = self._run_seq(self._complete(), meta.get("run"))
+        run_seq = self._run_seq(self._found(), meta.get("run"))
         record = {"format": FORMAT, **meta, "run_seq": run_seq}
         path = self._new_path(order_key(record))
         try:
@@ -238,9 +277,8 @@ class CheckpointStore:
             raise CheckpointError(f"{local_dir!r} is not a ray-elastic checkpoint (no {META_FILE})")
         record = self._checked(local_dir, json.loads((source / META_FILE).read_bytes()))
         self.fs.makedirs(self.root, exist_ok=True)
-        complete = self._complete()
         # newer than any checkpoint here, whichever run wrote it: the run resumes from this one
-        record["run_seq"] = max((order_key(f.meta)[0] for f in complete if f.meta is not None), default=-1) + 1
+        record["run_seq"] = self._next_run_seq(self._found())
         record["run"] = f"adopted-{uuid.uuid4().hex[:8]}"
         path = self._new_path(order_key(record))
         self.fs.makedirs(path, exist_ok=True)
@@ -268,7 +306,9 @@ class CheckpointStore:
 
         A torn directory whose name claims a newer (run, generation,
         commit) than the newest complete one is another writer's write in
-        progress: it stays. A pinned checkpoint stays while its pin lasts.
+        progress: it stays. One whose manifest exists but could not be read
+        is not known to be torn: it stays. A pinned checkpoint stays while
+        its pin lasts.
         """
         names = self._names()
         found = self._found(names)
@@ -278,25 +318,38 @@ class CheckpointStore:
         pinned = self._pinned(names)
         newest = order_key(complete[-1].meta or {})
         doomed = complete[: max(len(complete) - self.keep, 0)]
-        doomed += [f for f in found if f.meta is None and (f.name_key is None or f.name_key < newest)]
+        torn = [f for f in found if f.meta is None and f.unreadable is None]
+        doomed += [f for f in torn if f.name_key is None or f.name_key < newest]
         for f in doomed:
             if f.name not in pinned:
                 self._remove(f.path)
 
     # ---- pins -----------------------------------------------------------------
     def _pinned(self, names: list[str]) -> set[str]:
-        now = time.time()
-        return {m.group(2) for m in map(_PIN.match, names) if m is not None and int(m.group(1)) > now}
+        """The checkpoints pinned now: a pin lasts its seconds from when this store first saw it, on its own clock."""
+        now = self._clock()
+        seen, pinned = {}, set()
+        for m in map(_PIN.match, names):
+            if m is not None:
+                first = seen[m.group(0)] = self._pins_seen.get(m.group(0), now)
+                if now - first < int(m.group(1)):
+                    pinned.add(m.group(2))
+        self._pins_seen = seen  # pins removed by their owners are forgotten
+        return pinned
 
     @contextlib.contextmanager
     def pinned(self, path: str, seconds: float) -> Iterator[None]:
         """Keep the checkpoint at `path` from being pruned, by any writer, for the block (at most `seconds`).
 
-        The pin is a file beside the checkpoints naming it and when it
-        lapses, so a process killed inside the block pins nothing for long.
+        The pin is a file beside the checkpoints naming it and how long it
+        lasts, not until when: a writer counts that time on its own
+        monotonic clock from when it first sees the pin, so no two
+        machines' clocks are compared (a skewed one neither lapses a pin
+        early nor keeps it forever), and a process killed inside the block
+        pins nothing for longer than `seconds` after a writer sees its pin.
         """
         name = path.rstrip("/").rsplit("/", 1)[-1]
-        pin = f"{self.root}/.pin-{int(time.time() + seconds) + 1}-{uuid.uuid4().hex[:8]}-{name}"
+        pin = f"{self.root}/.pin-{math.ceil(seconds)}s-{uuid.uuid4().hex[:8]}-{name}"
         with self.fs.open(pin, "wb") as f:
             f.write(b"")
         try:
@@ -305,7 +358,7 @@ class CheckpointStore:
             self._remove(pin)
 
     def is_complete(self, path: str) -> bool:
-        return self._manifest(path) is not None
+        return self._manifest(path)[0] is not None
 
     # ---- reading --------------------------------------------------------------
     def read(self, path: str | None = None, allow_pickle: bool = False) -> tuple[dict[str, Any], dict[str, Any]] | None:

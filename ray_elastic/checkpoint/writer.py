@@ -5,9 +5,10 @@ still in flight when the next one is due makes that one wait, and the last
 write is flushed before a worker returns. A failed write is retried with
 back-off and then skipped with a warning: a storage blip never fails
 training, and the end of the run says whether its last checkpoint is durable.
-The fence (is the writer's generation still current?) is asked before every
-attempt and again just before the manifest that makes a checkpoint count,
-so a rank 0 superseded while it backed off or wrote its files writes none.
+The fence (is the writer still rank 0 of the current generation?) is asked
+before every attempt and again just before the manifest that makes a
+checkpoint count, so a rank 0 replaced while it backed off or wrote its
+files writes none.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ class CheckpointWriter:
         backoff_s: float = 1.0,
         fence: Callable[[dict[str, Any]], str | None] | None = None,
     ) -> None:
-        """`fence(meta)`: why this snapshot must not be written (a stale generation), or None; asked before each try."""
+        """`fence(meta)`: why this snapshot must not be written (a stale writer), or None; asked before each try."""
         self.store = store
         self.fence = fence
         self.attempts = attempts

@@ -56,21 +56,30 @@ class CheckpointCadence:
         self._resume_checked = False
 
     def _stale(self, meta: dict[str, Any]) -> str | None:
-        """Why a checkpoint of `meta`'s generation must not be written (a newer generation exists), or None.
+        """Why a checkpoint of `meta`'s generation must not be written (this worker is no longer rank 0), or None.
 
         A rank 0 cut off from the run (a partition) is replaced while it is
         away; when the network heals it must not write its stale state over
-        the new rank 0's checkpoints. The KV actor knows the newest
-        generation; a worker that cannot reach it writes nothing either.
+        the new rank 0's checkpoints. A newer generation alone proves
+        nothing: one that admitted a newcomer keeps rank 0 where it was, so
+        the KV actor's newest plan is asked whether this worker is still its
+        rank 0. A worker that cannot reach the KV actor writes nothing.
         """
         if self._kv is None:
             return None
+        generation = meta["generation"]
         try:
-            newest = self._kv.current_generation(timeout=10.0)
+            if self._kv.current_generation(timeout=10.0) <= generation:
+                return None
+            # returns at once (a newer generation exists) with that generation's slot of this worker, if any
+            newest, mine = self._kv.wait_generation(generation, 10.0, self.worker_id)
         except Exception as e:  # noqa: BLE001 - unreachable or gone: this worker cannot vouch for its generation
-            return f"the run's KV actor could not confirm generation {meta['generation']} is current ({e})"
-        if newest > meta["generation"]:
-            return f"generation {meta['generation']} was superseded by {newest}: this worker is no longer a member"
+            return f"the run's KV actor could not confirm generation {generation} is current ({e})"
+        slot = mine.get(self.worker_id)
+        if slot is None:
+            return f"{self.worker_id} is not a member of generation {newest}, which superseded {generation}"
+        if slot.rank != 0:
+            return f"{self.worker_id} is rank {slot.rank} of generation {newest}, not rank 0: checkpoints are rank 0's"
         return None
 
     def after_commit(self, state: Any, slot: WorkerSlot | None, generation: int, commits: int) -> None:

@@ -41,7 +41,7 @@ from ray_elastic.tune.placement import NOMINAL, TrialSlots, remove_growth
 logger = logging.getLogger(__name__)
 
 _CHECKPOINT_LOOK_S = 1.0  # at most this often a report looks for a new durable checkpoint
-_PIN_MARGIN_S = 60.0  # a pin outlives the hand-over's bound by this much (clocks of other nodes, a slow unpin)
+_PIN_MARGIN_S = 60.0  # a pin outlives the hand-over's bound by this much (a slow unpin, a writer seeing it late)
 _RELEASE_S = 40.0  # the longest a stopped trial's stop() waits for its run's clean-up (fit()'s is at most 35 s)
 _released = threading.Event()  # set while no trial's run is being trained or cleaned up in this process
 _released.set()

@@ -10,6 +10,9 @@
 - Two writers never share a directory, even on storage where creating a
   directory is no claim on it (object stores); a writer never removes a
   checkpoint another writer is still writing, when that one is newer.
+- A manifest that exists but fails to read (a storage timeout, a refused
+  permission) is not a torn checkpoint: pruning keeps it, and while it may
+  be the newest no older checkpoint is read in its place.
 
 Each runs on local disk and on fsspec's `memory://`, and on a filesystem
 whose directories exist only through their files, as on S3.
@@ -24,7 +27,7 @@ import pytest
 from fsspec.implementations.memory import MemoryFileSystem
 from test_checkpoint import FlakyStore
 
-from ray_elastic.checkpoint import CheckpointStore, CheckpointWriter
+from ray_elastic.checkpoint import META_FILE, CheckpointError, CheckpointStore, CheckpointWriter
 
 
 class ObjectStoreLike(MemoryFileSystem):
@@ -176,3 +179,59 @@ def test_a_writer_superseded_while_writing_its_files_writes_no_manifest(root):
     assert CheckpointStore(root).latest() is None and writer.written == 0
     fs = store.fs
     assert not fs.exists(store.root) or not [p for p in fs.ls(store.root, detail=False) if "checkpoint_" in p]
+
+
+def unreadable_manifest(monkeypatch, store: CheckpointStore, path: str, error: Exception) -> None:
+    """Reading the manifest of the checkpoint at `path` fails with `error`, as storage that times out would."""
+    opened = store.fs.open
+    manifest = f"{path}/{META_FILE}"
+
+    def open_(name, *args, **kwargs):
+        if name.rstrip("/").endswith(manifest.lstrip("/")) and "r" in (args[0] if args else kwargs.get("mode", "rb")):
+            raise error
+        return opened(name, *args, **kwargs)
+
+    monkeypatch.setattr(store.fs, "open", open_)
+
+
+@pytest.mark.parametrize("error", [TimeoutError("read timed out"), PermissionError(13, "Permission denied")])
+def test_pruning_keeps_a_checkpoint_whose_manifest_fails_to_read(root, monkeypatch, error):
+    store = CheckpointStore(root, keep=2)
+    store.write({"step": 10}, {"generation": 1, "commit": 10})
+    intact = store.write({"step": 20}, {"generation": 1, "commit": 20})
+    unreadable_manifest(monkeypatch, store, intact, error)
+    store.write({"step": 30}, {"generation": 1, "commit": 30})  # prunes while commit 20's manifest cannot be read
+    monkeypatch.undo()
+    assert [store.read(p)[0]["step"] for p in store.checkpoints()] == [10, 20, 30], "commit 20 was never torn"
+    store.write({"step": 40}, {"generation": 1, "commit": 40})  # readable again: the newest 2 are kept
+    assert [store.read(p)[0]["step"] for p in store.checkpoints()] == [30, 40]
+
+
+def test_a_resume_never_reads_an_older_checkpoint_while_the_newest_manifest_fails_to_read(root, monkeypatch):
+    store = CheckpointStore(root, keep=2)
+    store.write({"step": 10}, {"generation": 1, "commit": 10})
+    newest = store.write({"step": 20}, {"generation": 1, "commit": 20})
+    unreadable_manifest(monkeypatch, store, newest, TimeoutError("read timed out"))
+    with pytest.raises(CheckpointError, match=r"may be, and its ray_elastic.json cannot be read \(TimeoutError"):
+        store.read()
+    with pytest.raises(CheckpointError, match=newest.rsplit("/", 1)[-1]):
+        store.exists()  # the driver's look asks again, then reports a storage error, never "no checkpoint"
+    monkeypatch.undo()
+    assert store.read()[0] == {"step": 20}
+
+
+def test_an_older_checkpoint_whose_manifest_fails_to_read_does_not_stop_a_resume(root, monkeypatch):
+    store = CheckpointStore(root, keep=2)
+    older = store.write({"step": 10}, {"generation": 1, "commit": 10})
+    store.write({"step": 20}, {"generation": 1, "commit": 20})
+    unreadable_manifest(monkeypatch, store, older, PermissionError(13, "Permission denied"))
+    assert store.read()[0] == {"step": 20}
+
+
+def test_a_missing_manifest_is_still_torn_and_removed(root):
+    store = CheckpointStore(root, keep=2)
+    first = store.write({"step": 10}, {"generation": 1, "commit": 10})
+    store.fs.rm(f"{first}/{META_FILE}")  # what a write cut short before its manifest leaves
+    store.write({"step": 20}, {"generation": 1, "commit": 20})
+    names = [p.rstrip("/").rsplit("/", 1)[-1] for p in store.fs.ls(store.root, detail=False)]
+    assert first.rsplit("/", 1)[-1] not in names
