@@ -85,3 +85,30 @@ def test_a_checkpoint_of_a_cuda_state_takes_host_copies_and_no_device_memory():
     ]
     assert {t.device.type for t in tensors} == {"cpu"}
     assert torch.equal(entries["model"]["0.weight"], model[0].weight.detach().cpu())
+
+
+def test_a_commit_and_rollback_with_a_grad_scaler_never_make_the_host_wait_for_the_gpu():
+    """`set_sync_debug_mode("error")` raises at any operation that waits for the GPU (a scaler's `.item()` did)."""
+    model, opt = adamw_on_cuda()
+    scaler = torch.amp.GradScaler("cuda")
+
+    def step() -> None:
+        opt.zero_grad()
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = model(torch.randn(32, 256, device="cuda")).float().pow(2).mean()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+
+    step()
+    state = TorchState(model=model, optimizer=opt, scaler=scaler)
+    step()
+    committed = scaler.get_scale()  # read here, outside the checked part
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        state.save()
+        scaler.update(new_scale=1.0)
+        state.restore()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert scaler.get_scale() == committed
