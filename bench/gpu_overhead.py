@@ -166,15 +166,39 @@ def timed(fn: Callable[[], None], cuda: bool) -> float:
     return time.perf_counter() - start
 
 
-def main() -> None:
-    cuda = torch.cuda.is_available()
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def arguments(cuda: bool, description: str) -> argparse.ArgumentParser:
+    """The run's shape and length: the GPU's defaults, or small ones on the CPU."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=50 if cuda else 20)
     parser.add_argument("--width", type=int, default=4096 if cuda else 256)
     parser.add_argument("--depth", type=int, default=8 if cuda else 4)
     parser.add_argument("--batch", type=int, default=256 if cuda else 32)
-    args = parser.parse_args()
+    return parser
+
+
+def per_step_times(arms: list[Arm], rounds: int, steps: int, cuda: bool) -> dict[str, list[float]]:
+    """Each arm's seconds per step in `rounds` blocks of `steps`, after a warm-up, the arms' order alternating."""
+    for arm in arms:  # warm up: allocations, DDP's buckets, autocast caches, the first commit
+        for _ in range(12):
+            arm.step()
+    sync(cuda)
+    per_step: dict[str, list[float]] = {arm.name: [] for arm in arms}
+    for r in range(rounds):
+        order = arms if r % 2 == 0 else arms[::-1]  # alternate, so a drift in clocks favours no arm
+        for arm in order:
+
+            def block(arm: Arm = arm) -> None:
+                for _ in range(steps):
+                    arm.step()
+
+            per_step[arm.name].append(timed(block, cuda) / steps)
+    return per_step
+
+
+def main() -> None:
+    cuda = torch.cuda.is_available()
+    args = arguments(cuda, __doc__.splitlines()[0]).parse_args()
     if not cuda:
         torch.set_num_threads(1)
     ctx = make_runtime(cuda)
@@ -188,20 +212,7 @@ def main() -> None:
         f"batch {args.batch}, {args.rounds} rounds of {args.steps} steps per arm",
         flush=True,
     )
-    for arm in arms:  # warm up: allocations, DDP's buckets, autocast caches, the first commit
-        for _ in range(12):
-            arm.step()
-    sync(cuda)
-    per_step: dict[str, list[float]] = {arm.name: [] for arm in arms}
-    for r in range(args.rounds):
-        order = arms if r % 2 == 0 else arms[::-1]  # alternate, so a drift in clocks favours no arm
-        for arm in order:
-
-            def block(arm: Arm = arm) -> None:
-                for _ in range(args.steps):
-                    arm.step()
-
-            per_step[arm.name].append(timed(block, cuda) / args.steps)
+    per_step = per_step_times(arms, args.rounds, args.steps, cuda)
     medians = {name: statistics.median(v) for name, v in per_step.items()}
 
     elastic_opt = arms[3]

@@ -1,8 +1,9 @@
 """Where the elastic optimizer arm's time per step goes: `gpu_overhead.py`'s arms, split by what each one adds.
 
-Same model, batch, AMP and process as `gpu_overhead.py` (a world of one,
-NCCL on a GPU; small and Gloo on the CPU), five arms against the plain
-optimizer, in alternating blocks of 50 steps, 7 rounds, medians:
+Same model, batch, AMP, process and blocks as `gpu_overhead.py` (a world
+of one, NCCL on a GPU; small and Gloo on the CPU; its options), five arms
+against the plain optimizer, 7 alternating rounds of 50 steps by default,
+medians:
 
 - plain optimizer: AdamW, a GradScaler, StepLR;
 - elastic optimizer: `DistributedOptimizer` + `TorchState`, a commit every 10 steps, checks between;
@@ -12,7 +13,7 @@ optimizer, in alternating blocks of 50 steps, 7 rounds, medians:
 
 Prints one line per arm (ms per step, ratio to the plain optimizer).
 
-    python bench/gpu_overhead_parts.py
+    python bench/gpu_overhead_parts.py [--rounds 7] [--steps 50] [--width 4096] [--depth 8] [--batch 256]
 """
 
 from __future__ import annotations
@@ -39,28 +40,22 @@ class ChecksOnly(bench.Arm):
 
 def main() -> None:
     cuda = torch.cuda.is_available()
-    shape = {"width": 4096, "depth": 8, "batch": 256} if cuda else {"width": 256, "depth": 4, "batch": 32}
-    args = type("Args", (), shape)()
+    parser = bench.arguments(cuda, __doc__.splitlines()[0])
+    parser.set_defaults(rounds=7, steps=50)
+    args = parser.parse_args()
     ctx = bench.make_runtime(cuda)
     device = ctx.group.device if cuda else torch.device("cpu")
-    arms = {
-        "plain optimizer": bench.Arm("plain optimizer", "plain_opt", args, device),
-        "elastic optimizer": bench.Arm("elastic optimizer", "elastic_opt", args, device),
-        "wrapper only": bench.Arm("wrapper only", "elastic_opt", args, device),
-        "plain optimizer + state": bench.Arm("plain optimizer + state", "plain_opt", args, device),
-        "state, no commits": ChecksOnly("state, no commits", "elastic_opt", args, device),
-    }
-    arms["wrapper only"].state = None
-    plain = arms["plain optimizer + state"]
+    arms = [
+        bench.Arm("plain optimizer", "plain_opt", args, device),
+        bench.Arm("elastic optimizer", "elastic_opt", args, device),
+        bench.Arm("wrapper only", "elastic_opt", args, device),
+        bench.Arm("plain optimizer + state", "plain_opt", args, device),
+        ChecksOnly("state, no commits", "elastic_opt", args, device),
+    ]
+    arms[2].state = None
+    plain = arms[3]
     plain.state = TorchState(model=plain.model, optimizer=plain.opt, scheduler=plain.sched, scaler=plain.scaler, step=0)
-    for arm in arms.values():
-        for _ in range(12):
-            arm.step()
-    bench.sync(cuda)
-    per_step: dict[str, list[float]] = {name: [] for name in arms}
-    for r in range(7):
-        for name, arm in list(arms.items())[:: 1 if r % 2 == 0 else -1]:
-            per_step[name].append(bench.timed(lambda arm=arm: [arm.step() for _ in range(50)], cuda) / 50)
+    per_step = bench.per_step_times(arms, args.rounds, args.steps, cuda)
     base = statistics.median(per_step["plain optimizer"])
     for name, times in per_step.items():
         print(f"{name:<26}{statistics.median(times) * 1e3:8.3f} ms  {statistics.median(times) / base:6.3f}x")
