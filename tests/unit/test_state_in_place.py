@@ -13,6 +13,7 @@ import random
 import numpy as np
 import pytest
 import torch
+from test_optimizer_work import Ops
 
 from ray_elastic.torch import RngState
 from ray_elastic.torch.state import TorchState
@@ -149,18 +150,6 @@ def test_a_rollback_between_a_grad_scalers_step_and_its_update_lets_the_redone_s
     scaler.update()
 
 
-class _Reads(torch.utils._python_dispatch.TorchDispatchMode):
-    """Counts `.item()`-style reads (`_local_scalar_dense`): on a GPU each one waits for every queued kernel."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.reads = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's signature
-        self.reads += func.overloadpacket is torch.ops.aten._local_scalar_dense
-        return func(*args, **(kwargs or {}))
-
-
 def test_a_grad_scalers_commit_and_rollback_read_no_tensor_and_the_users_scaler_rolls_back():
     """A GradScaler's state_dict() reads its scale with .item(): a commit must not (a device wait per commit)."""
     model, opt = _model_opt()
@@ -170,12 +159,13 @@ def test_a_grad_scalers_commit_and_rollback_read_no_tensor_and_the_users_scaler_
     scaler.update()  # a finite step with growth_interval=1: the scale doubles
     state = TorchState(model=model, optimizer=opt, scaler=scaler)
     scale, tracker = scaler._scale, scaler._growth_tracker
-    with _Reads() as mode:
+    with Ops() as ops:  # a read (`.item()`) is `_local_scalar_dense`: on a GPU it waits for every queued kernel
         state.save()
         scaler.update(new_scale=1.0)
         scaler.set_growth_factor(3.0)
         state.restore()
-    assert mode.reads == 0, f"{mode.reads} tensor reads (device waits) in a commit and rollback"
+    reads = ops.calls["aten._local_scalar_dense"]
+    assert reads == 0, f"{reads} tensor reads (device waits) in a commit and rollback"
     assert scaler._scale is scale and scaler._growth_tracker is tracker, "the scaler's tensors were replaced"
     assert scaler.get_scale() == 2.0**9 and scaler.get_growth_factor() == 2.0
     # the durable checkpoint is the state dict of host numbers, as torch writes it
