@@ -16,6 +16,7 @@ import logging
 import os
 import re
 import sys
+import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -72,6 +73,42 @@ def _environment_left_as_found(request):
             else:
                 del os.environ[k]
         pytest.fail(f"the test left environment variables changed: {changed} (use monkeypatch.setenv)")
+
+
+def _no_auto_init() -> None:
+    """No call in this process starts a Ray of its own: only the `cluster` fixture's `ray.init` connects it.
+
+    Ray's auto-init (`ray.get`, `ray.put`, `.remote` before any `ray.init`)
+    starts a whole local cluster. A unit test's background thread once did
+    so after the test ended (a metrics shipper whose patched `ray.get` had
+    been put back): that `ray.init` set `RAY_AUTH_MODE=token` in this
+    process mid-way through a later unit test, and the session cluster
+    started after it died of Ray's `InvalidAuthToken`. With auto-init off,
+    such a call raises "Ray has not been started yet" in the thread that
+    made it. (A private switch of Ray's, read once at its import.)
+    """
+    import ray._private.auto_init_hook as auto_init_hook
+
+    auto_init_hook.enable_auto_connect = False
+
+
+_no_auto_init()
+
+# a unit test's thread that talks to Ray (the metrics shipper's) must end with its test: it outlives
+# the test's patches of `ray`, and its next call reaches the real one
+_RAY_TALKING_THREADS = re.compile(r"ray-elastic-metrics")
+
+
+@pytest.fixture(autouse=True)
+def _no_ray_thread_left(request):
+    """A unit test ends every thread it started that calls Ray (`WorkerContext.shutdown()` ends the shipper's)."""
+    before = {t.ident for t in threading.enumerate()}
+    yield
+    if _INTEGRATION in request.node.path.parents:
+        return
+    left = [t.name for t in threading.enumerate() if t.ident not in before and _RAY_TALKING_THREADS.match(t.name)]
+    if left:
+        pytest.fail(f"the test left threads that call Ray running: {left} (shut its WorkerContext down)")
 
 
 def wait_until(predicate: Callable[[], object], timeout: float, what: str, interval: float = 0.05) -> object:

@@ -42,6 +42,9 @@ class Mirror:
         sent = self.peer(value)
         return CollectiveWork("allreduce", then=lambda: value.add_(sent))
 
+    def close(self) -> None:
+        """Nothing to let go: the peer is a function."""
+
 
 def _world(size: int) -> Iterator[Mirror]:
     """This process as rank 0 of a joined world of `size` (1 or 2), its ring the mirror."""
@@ -54,6 +57,7 @@ def _world(size: int) -> Iterator[Mirror]:
         yield ring
     finally:
         set_current(None)
+        ctx.shutdown()
 
 
 @pytest.fixture
