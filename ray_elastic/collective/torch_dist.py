@@ -115,6 +115,10 @@ class TorchDistGroup(CollectiveGroup):
         """`value` as a tensor on this group's device, and how to copy a result back (None: shared)."""
         return as_tensor(value), None
 
+    def _stage_reduced(self, value: Any) -> tuple[torch.Tensor, Callable[[], None] | None]:
+        """`_stage` for an allreduce or a broadcast, which a backend may take on the device as it is."""
+        return self._stage(value)
+
     _call = staticmethod(guarded_call)
 
     def _create(self, create: Callable[[], None]) -> None:
@@ -229,7 +233,7 @@ class TorchDistGroup(CollectiveGroup):
         self.wait_work(what, self.start(what, start))
 
     def allreduce_(self, value: T, op: ReduceOp = ReduceOp.AVERAGE) -> T:
-        t, write_back = self._stage(value)
+        t, write_back = self._stage_reduced(value)
         if t.numel() == 0 or self.size == 1:
             return value
         self._run("allreduce", lambda: dist.all_reduce(t, op=_TORCH_OPS[op], async_op=True))
@@ -238,7 +242,7 @@ class TorchDistGroup(CollectiveGroup):
 
     def allreduce_async(self, value: T, op: ReduceOp = ReduceOp.AVERAGE) -> CollectiveWork:
         """torch's asynchronous allreduce: the ring works while the caller goes on (backward, for buckets)."""
-        t, write_back = self._stage(value)
+        t, write_back = self._stage_reduced(value)
         if t.numel() == 0 or self.size == 1:
             return CollectiveWork()
         work = self.start("allreduce", lambda: dist.all_reduce(t, op=_TORCH_OPS[op], async_op=True))
@@ -257,7 +261,7 @@ class TorchDistGroup(CollectiveGroup):
             write_back()
 
     def broadcast_(self, value: T, root_rank: int = 0) -> T:
-        t, write_back = self._stage(value)
+        t, write_back = self._stage_reduced(value)
         if t.numel() == 0 or self.size == 1:
             return value
         self._run("broadcast", lambda: dist.broadcast(t, src=root_rank, async_op=True))

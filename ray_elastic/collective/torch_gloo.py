@@ -2,12 +2,22 @@
 
 A `TorchDistGroup` running Gloo: values stay where they are (numpy arrays
 and CPU tensors are reduced in place, without a copy). A tensor on any other
-device (a GPU) goes through host memory: copied into a host buffer (pinned
-where the device allows, so the copies run at full speed), sent, received or
-reduced there, and copied back into the caller's tensor. Gloo's send and
-receive take host memory only (a CUDA pointer fails with "writev ... Bad
-address"), and reducing host copies is what Gloo does on CPU, so results
-are bitwise those of a CPU run. Gloo reduces with a
+device (a GPU) goes through host memory, and reducing host copies is what
+Gloo does on CPU, so results are bitwise those of a CPU run:
+
+- an allreduce or a broadcast of a CUDA tensor is handed to torch's Gloo as
+  it is: torch copies it into pinned host memory on a stream of its own,
+  ordered after the caller's current stream, and back once the ring is done
+  (`Work.wait()` makes the caller's stream wait for that copy). Nothing
+  waits for the GPU on the host: the gradient buckets' allreduces start
+  from the backward hooks while the GPU is still computing the earlier
+  layers' gradients. This is the path torch's DDP takes on a Gloo ring;
+- a send or a receive (a newcomer's state), and any other device's tensor,
+  go through a host buffer of ours (pinned where the device allows, so the
+  copies run at full speed): Gloo's send and receive take host memory only
+  (a CUDA pointer fails with "writev ... Bad address").
+
+Gloo reduces with a
 bitwise or, so `bitwise_or_` is one allreduce instead of a gather.
 `shared_ring()` is the generation's shared-memory allreduce when all its
 ranks run on one machine (`ray_elastic.collective.shm`), built on first use.
@@ -49,6 +59,11 @@ def host_buffer(like: torch.Tensor) -> torch.Tensor:
     return torch.empty(like.shape, dtype=like.dtype)
 
 
+def torch_stages(t: torch.Tensor) -> bool:
+    """Whether torch's Gloo allreduce and broadcast take `t` as it is, staging it without a host wait (CUDA)."""
+    return t.is_cuda
+
+
 def stage_on_host(t: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None] | None]:
     """`t` as a host tensor Gloo can use, and how to copy a result back into `t` (None: `t` is on the host)."""
     if on_host(t):
@@ -68,6 +83,12 @@ class TorchGlooGroup(TorchDistGroup):
 
     def _stage(self, value: object) -> tuple[torch.Tensor, Callable[[], None] | None]:
         return stage_on_host(as_tensor(value))
+
+    def _stage_reduced(self, value: object) -> tuple[torch.Tensor, Callable[[], None] | None]:
+        t = as_tensor(value)
+        if torch_stages(t):
+            return t, None
+        return stage_on_host(t)
 
     def _create(self, create: Callable[[], None]) -> None:
         """Create the process group and note its connections, which `abandon()` cuts (see `ring_sockets`)."""

@@ -1,8 +1,12 @@
 """A rank of integration/test_gloo_staging.py: a `TorchGlooGroup` over a file store (no Ray), its values staged or not.
 
-`staged=True` makes the group treat CPU tensors as device tensors (`torch_gloo.on_host` answers False), so
-every value goes through a host buffer and back, as a CUDA tensor's does; the results must be bitwise those of
-the unstaged run.
+`mode` is what the group takes the CPU tensors for:
+- "host": host tensors, used in place;
+- "device": tensors on a device torch's Gloo does not stage (`torch_gloo.on_host` answers False), so every
+  value goes through a host buffer of ours and back;
+- "cuda": CUDA tensors (`torch_gloo.torch_stages` answers True as well), so allreduce and broadcast are
+  handed to torch's Gloo as they are, and only the other operations go through our host buffers.
+The results must be bitwise those of the "host" run; `found["staged"]` counts our host buffers per operation.
 """
 
 from __future__ import annotations
@@ -25,10 +29,10 @@ def values(rank: int) -> dict[str, torch.Tensor]:
     }
 
 
-def run(rank: int, world: int, control: str, staged: bool, out) -> None:
+def run(rank: int, world: int, control: str, mode: str, out) -> None:
     torch.set_num_threads(1)
     buffers: list[torch.Tensor] = []
-    if staged:
+    if mode != "host":
         torch_gloo.on_host = lambda t: False
         make = torch_gloo.host_buffer
 
@@ -37,28 +41,36 @@ def run(rank: int, world: int, control: str, staged: bool, out) -> None:
             return buffers[-1]
 
         torch_gloo.host_buffer = counted
+    if mode == "cuda":
+        torch_gloo.torch_stages = lambda t: True
     group = torch_gloo.TorchGlooGroup(dist.FileStore(os.path.join(control, "store"), world), rank, world, 30.0)
     found: dict = {"rank": rank}
+    staged: dict[str, int] = {}
+
+    def counting(op: str, result: torch.Tensor) -> bytes:
+        staged[op] = staged.get(op, 0) + len(buffers)
+        buffers.clear()
+        return result.contiguous().numpy().tobytes()
+
     for name, t in values(rank).items():
         v = t.clone()
         group.allreduce_(v, Average if v.is_floating_point() else Sum)
-        found[f"allreduce {name}"] = v.contiguous().numpy().tobytes()
+        found[f"allreduce {name}"] = counting("allreduce", v)
         v = t.clone()
         work = group.allreduce_async(v, Max)
         work.wait()
-        found[f"allreduce_async {name}"] = v.contiguous().numpy().tobytes()
+        found[f"allreduce_async {name}"] = counting("allreduce_async", v)
         v = t.clone()
         group.broadcast_(v, world - 1)
-        found[f"broadcast {name}"] = v.contiguous().numpy().tobytes()
+        found[f"broadcast {name}"] = counting("broadcast", v)
         v = t.clone()
         if rank == 0:
             group.send_async(v, 1).wait()
         elif rank == 1:
             group.recv_async(v, 0).wait()
-        found[f"send/recv {name}"] = v.contiguous().numpy().tobytes()
-        found[f"allgather {name}"] = group.allgather(t.clone()).contiguous().numpy().tobytes()
-    found["staged buffers"] = len(buffers)
-    found["buffers on host"] = all(b.device.type == "cpu" for b in buffers)
+        found[f"send/recv {name}"] = counting("send/recv", v)
+        found[f"allgather {name}"] = counting("allgather", group.allgather(t.clone()))
+    found["staged"] = staged
     out.put(found)
     group.barrier()
     group.close()
