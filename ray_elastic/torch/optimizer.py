@@ -20,13 +20,19 @@ and nothing is copied; gradients set to None are copied into their bucket
 in one fused call per bucket, and autograd's tensors freed at once, so the
 gradients never exist twice. The host work of a step is per bucket (a
 copy, a scale, an allreduce, a wait); what stays per parameter is
-autograd's hook call, a counter. In a world of one nothing is reduced: no
-hook is registered (autograd calls no Python of ours in backward), no
-bucket is even allocated, and `step()` steps on autograd's own gradients:
-on an H200 the wrapper alone costs a world of one 1.008x a plain AdamW per
-step (bench/RESULTS.md). The hooks are put in and taken out by
-`synchronize()`, outside backward, when a reset changes the world size; the
-first step of a world that grew from one reduces in `step()`, unoverlapped.
+autograd's hook call, a counter. In a world of one nothing is reduced: the
+hooks return at once, no bucket is even allocated, and `step()` steps on
+autograd's own gradients.
+
+The hooks stay in at world one (on an H200 taking them out changed
+nothing measurable: the elastic arm of bench/gpu_overhead.py was 1.053x a
+plain AdamW with them, 1.057x without), because every rank must issue its
+allreduces in the same order: with several optimizers, a hooked rank
+launches their buckets in autograd's order, and a rank without hooks would
+reduce them optimizer by optimizer in `synchronize()`. Equal-sized buckets
+would then be summed with the wrong peers, silently (a newcomer made its
+optimizers before it joined, unhooked, while the survivors were hooked: the
+ranks diverged).
 
 Every allreduce goes through the current generation's ring, so the
 optimizer keeps working after each reset; buckets launched in an older
@@ -187,7 +193,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._params: list[torch.Tensor] = []
         self._bucket_index: list[int] = []  # by parameter number: its bucket's number
         self._passes: list[int] = []  # by parameter number: backward passes since the last reduction
-        self._hooks: list[Any] = []  # by parameter number: its gradient hook's handle, while the world is > 1
+        self._hooks: list[Any] = []
         self._buckets: list[_Bucket] = []
         self._generation = -1
         self._size = 1
@@ -198,9 +204,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._reduced = False  # the gradients of this step are reduced: step() steps on them
         self._synchronized = False  # synchronize() was called since the last step (Horovod's skip_synchronize)
         self._add_params(params)
-        if ctx is not None and ctx.group is not None:  # made after joining: hooked for the first backward already
-            self._follow(ctx)
-            self._fit_hooks()
 
     def _as_torch_optimizer(self) -> None:
         """What `torch.optim.Optimizer.__init__` sets, less the parameters, which stay the wrapped optimizer's."""
@@ -226,26 +229,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for p in params:
             self._params.append(p)
             self._passes.append(0)
+            hook = functools.partial(self._on_grad_ready, len(self._params) - 1)
+            self._hooks.append(p.register_post_accumulate_grad_hook(hook))
         self._bucket_index = [where[id(p)] for p in self._params]
-        if self._hooks:
-            self._hook(range(len(self._hooks), len(self._params)))
-
-    def _hook(self, indices: Iterable[int]) -> None:
-        for index in indices:
-            hook = functools.partial(self._on_grad_ready, index)
-            self._hooks.append(self._params[index].register_post_accumulate_grad_hook(hook))
-
-    def _fit_hooks(self) -> None:
-        """Gradient hooks while there is something to reduce (a world of more than one), none otherwise.
-
-        Called outside backward only: a hook is not taken out while autograd may be calling it.
-        """
-        if self._size > 1 and not self._hooks:
-            self._hook(range(len(self._params)))
-        elif self._size == 1 and self._hooks:
-            for handle in self._hooks:
-                handle.remove()
-            self._hooks = []
 
     # the wrapped optimizer's own objects: its load_state_dict() replaces them, so they are read through each time
     param_groups = property(
@@ -433,7 +419,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
         finally:
             self._error = None
             self._queued = False
-            self._fit_hooks()
         self._synchronized = True
 
     def step(self, closure: Any = None) -> Any:
