@@ -70,6 +70,7 @@ class MetricsShipper:
         self._buffer: deque[tuple[float, dict[str, Any]]] = deque()
         self._paces: deque[PaceSummary] = deque()
         self._sent = 0  # batches sent: each carries its number, so a driver restarted in between takes it once
+        self._delivered = 0  # the number of the last batch the driver answered
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._flusher = threading.Thread(target=self._flush_loop, name="ray-elastic-metrics", daemon=True)
@@ -100,6 +101,13 @@ class MetricsShipper:
         # paces only when there are some: a batch of reports alone is the call it always was
         extra = {"paces": paces} if paces else {}
         ray.get(self.driver.add_metrics.remote(self.worker_id, batch, seq, **extra), timeout=timeout)
+        with self._lock:
+            self._delivered = max(self._delivered, seq)
+
+    def delivered(self) -> bool:
+        """Whether everything buffered so far has reached the driver (a SIGKILL loses what has not)."""
+        with self._lock:
+            return not self._buffer and not self._paces and self._delivered == self._sent
 
     def _flush_loop(self) -> None:
         while not self._stop.wait(_FLUSH_INTERVAL_S):

@@ -15,7 +15,9 @@ processes are SIGKILLed), in `phase`:
 or, firing the first time the phase is reached once the state's step is at
 least `step`: "commit" (inside `save()`), "sync" (inside the sync
 broadcast), "newcomer_sync" (a newcomer's first sync), "reset_callback",
-"rendezvous" (forming the ring of a new generation).
+"rendezvous" (forming the ring of a new generation). With `"shipped": True`
+the fault waits until the rank's reports so far have reached the driver
+(a SIGKILL loses the reports of a rank's last quarter second).
 """
 
 from __future__ import annotations
@@ -49,6 +51,12 @@ def _fire_faults(config: dict, step: int, phase: str = "step", newcomer: bool = 
                 continue
         elif ctx.slot is None or ctx.slot.rank != fault["rank"]:
             continue
+        if fault.get("shipped"):  # first every report made so far reaches the driver (a SIGKILL loses the rest)
+            deadline = time.monotonic() + 30
+            while not ctx.metrics.delivered():
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{ctx.worker_id}'s reports did not reach the driver within 30 s")
+                time.sleep(0.01)
         if not fault.get("repeat"):  # a repeating fault fires every time its rank reaches its step
             marker = Path(fault["marker"])
             try:

@@ -247,8 +247,9 @@ def test_rank_0s_reports_reach_the_driver_in_the_background_and_others_are_not_k
     world_of_one.report({"loss": 0.25})
     deadline = time.monotonic() + 5
     shipped = world_of_one.metrics.driver.calls
-    while not shipped and time.monotonic() < deadline:
+    while not world_of_one.metrics.delivered() and time.monotonic() < deadline:
         time.sleep(0.05)
+    # delivered() (what a test waits on before killing rank 0) says the driver has them
     # numbered batches: a driver restarted between a send and its answer takes a batch sent again once
     assert [(name, wid, [m for _, m in batch], seq) for name, (wid, batch, seq) in shipped] == [
         ("add_metrics", "w0", [{"loss": 0.5}, {"loss": 0.25}], 1)
