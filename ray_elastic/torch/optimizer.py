@@ -193,7 +193,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._params: list[torch.Tensor] = []
         self._bucket_index: list[int] = []  # by parameter number: its bucket's number
         self._passes: list[int] = []  # by parameter number: backward passes since the last reduction
-        self._hooks: list[Any] = []
         self._buckets: list[_Bucket] = []
         self._generation = -1
         self._size = 1
@@ -229,8 +228,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for p in params:
             self._params.append(p)
             self._passes.append(0)
-            hook = functools.partial(self._on_grad_ready, len(self._params) - 1)
-            self._hooks.append(p.register_post_accumulate_grad_hook(hook))
+            p.register_post_accumulate_grad_hook(functools.partial(self._on_grad_ready, len(self._params) - 1))
         self._bucket_index = [where[id(p)] for p in self._params]
 
     # the wrapped optimizer's own objects: its load_state_dict() replaces them, so they are read through each time
