@@ -39,6 +39,16 @@ from ray_elastic.runtime import current
 DIM = 8
 
 
+def _wait_shipped() -> None:
+    """Until this rank's reports so far have reached the driver: a SIGKILL, or its node's loss, loses the rest."""
+    ctx = current()
+    deadline = time.monotonic() + 30
+    while not ctx.metrics.delivered():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{ctx.worker_id}'s reports did not reach the driver within 30 s")
+        time.sleep(0.01)
+
+
 def _fire_faults(config: dict, step: int, phase: str = "step", newcomer: bool = False) -> None:
     for fault in config.get("faults", []):
         if fault.get("phase", "step") != phase:
@@ -51,12 +61,8 @@ def _fire_faults(config: dict, step: int, phase: str = "step", newcomer: bool = 
                 continue
         elif ctx.slot is None or ctx.slot.rank != fault["rank"]:
             continue
-        if fault.get("shipped"):  # first every report made so far reaches the driver (a SIGKILL loses the rest)
-            deadline = time.monotonic() + 30
-            while not ctx.metrics.delivered():
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"{ctx.worker_id}'s reports did not reach the driver within 30 s")
-                time.sleep(0.01)
+        if fault.get("shipped"):
+            _wait_shipped()
         if not fault.get("repeat"):  # a repeating fault fires every time its rank reaches its step
             marker = Path(fault["marker"])
             try:
@@ -134,7 +140,8 @@ def counting_train_fn(config: dict) -> dict:
     at which the world has `until_world` workers.
 
     `signal_file`/`signal_step`: rank 0 creates the file when it reaches that
-    step (the test waits on it, then changes the cluster), or with
+    step and its reports so far have reached the driver (the test waits on
+    it, then changes the cluster), or with
     `signal_world_size` at the first step from there with that many workers; `world_signal_file`
     likewise once the world has `world_signal` workers. `payload`: the
     float32 elements of one more allreduce per step (throughput benchmarks). `deadline_s` bounds
@@ -182,7 +189,10 @@ def counting_train_fn(config: dict) -> dict:
             state.step += 1
             elastic.report({"step": state.step, "world_size": elastic.size(), "rank0": current().worker_id})
             if config.get("signal_file") and elastic.rank() == 0 and _signal_due(config, state.step):
-                Path(config["signal_file"]).touch()
+                signal_file = Path(config["signal_file"])
+                if not signal_file.exists():  # the test changes the cluster next, perhaps rank 0's own node
+                    _wait_shipped()
+                    signal_file.touch()
             if config.get("world_signal_file") and elastic.size() == config["world_signal"] and elastic.rank() == 0:
                 Path(config["world_signal_file"]).touch()  # the world came to that size (e.g. after a loss)
             _fire_faults(config, state.step)
