@@ -180,15 +180,16 @@ def test_node_lost_its_workers_leave_and_training_goes_on(cluster, no_leaks, tmp
             tmp_path,
             min_workers=2,
             max_workers=3,
-            # the node goes once rank 0 trained at 3: its worker may boot after the first generation formed
-            config={"until_world": 2, "min_steps": 21, "extra_steps": 30, "signal_world_size": 3},
+            config={"until_world": 2, "min_steps": 21, "extra_steps": 30},
             discovery=FileDiscovery(str(hosts_file)),
             cooldown_range=(60, 60),  # the lost node stays listed: no replacement is tried there
         )
     finally:
         cluster.remove_node(node)
     result = fut.result(timeout=120)
-    assert sizes(result) in ([3, 2], [2, 3, 2]), f"trained at 3, then at 2 once the node was lost: {result.events}"
+    # rank 0 may be the lost node's worker (hosts seen at once are taken in node-id order): its reports at 3
+    # reached the driver before the signal (a node's loss loses a rank's last quarter second of reports)
+    assert sizes(result) == [3, 2], result.events
     failed = [e for e in result.events if e.kind == "worker_failed"]
     assert failed and all("its node is gone" in e.detail for e in failed), result.events
     assert result.return_value["world_size"] == 2
