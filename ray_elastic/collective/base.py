@@ -63,6 +63,15 @@ class CollectiveGroup(ABC):
         if self.abandoned is None:
             self.abandoned = reason
 
+    def raised(self, error: BaseException) -> bool:
+        """Whether `error` was raised by this ring's own transport, reached through a library's collectives.
+
+        Torch's backends say yes to torch.distributed's errors, which a
+        library calling the default process group itself (FSDP2's all-gather
+        and reduce-scatter) raises as they are; others know no such errors.
+        """
+        return False
+
     def check_abandoned(self, what: str) -> None:
         if self.abandoned is not None:
             raise HorovodInternalError(f"{what} not started: {self.abandoned}")

@@ -76,6 +76,33 @@ def as_tensor(value: Any) -> torch.Tensor:
     raise TypeError(f"collectives take torch tensors or numpy arrays, got {type(value).__name__}")
 
 
+# what Gloo's transport says when a peer's process or connection is gone (pair.cc, in a RuntimeError)
+_LOST_PEER = ("connection reset by peer", "connection closed by peer", "broken pipe", "connection refused")
+
+
+def is_torch_ring_error(error: BaseException) -> bool:
+    """Whether `error` (or an error it was raised from) came from torch.distributed's transport failing.
+
+    A `DistError` (torch's own type for backend and store failures), or a
+    `RuntimeError` that names Gloo (its messages carry its source files'
+    paths) or says a peer's connection is gone. FSDP2 raises these from its
+    all-gather in forward and its reduce-scatter in backward, where autograd
+    may wrap them; the chain of causes is followed.
+    """
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, dist.DistError):
+            return True
+        if isinstance(current, RuntimeError):
+            text = str(current).lower()
+            if "gloo" in text or any(lost in text for lost in _LOST_PEER):
+                return True
+        current = current.__cause__ or current.__context__
+    return False
+
+
 class TorchDistGroup(CollectiveGroup):
     """One generation's torch.distributed default process group."""
 
@@ -124,6 +151,10 @@ class TorchDistGroup(CollectiveGroup):
     def _create(self, create: Callable[[], None]) -> None:
         """Create the process group; a backend whose connections can be cut notes them here."""
         create()
+
+    def raised(self, error: BaseException) -> bool:
+        """torch.distributed's errors are this ring's: it is the default process group every torch library uses."""
+        return is_torch_ring_error(error)
 
     # ---- waiting, abandonably -------------------------------------------------------
     def abandon(self, reason: str) -> None:

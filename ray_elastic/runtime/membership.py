@@ -241,10 +241,20 @@ class Membership:
             self._ring_error_checks.append(check)
 
     def ring_failure(self, error: BaseException) -> str | None:
-        """Why `error` means the current ring is broken (the driver abandoned it, or a check knows it), or None."""
+        """Why `error` means the current ring is broken, or None.
+
+        Broken: the driver abandoned the ring; or the ring's backend raised
+        `error` (torch.distributed's errors from the default process group,
+        which FSDP2 and other libraries call without any helper of ours:
+        before the driver's abandon arrives, a survivor must not take a
+        dead peer's reset connection for an error of `train_fn`); or a
+        registered check knows it.
+        """
         group = self.group
         if group is not None and group.abandoned is not None:
             return group.abandoned
+        if group is not None and group.raised(error):
+            return f"{type(error).__name__}: {error}"
         if any(check(error) for check in self._ring_error_checks):
             return f"{type(error).__name__}: {error}"
         return None

@@ -31,23 +31,39 @@ def report(
 ) -> None:
     """Report `metrics` (rank 0's are kept); with a checkpoint on any rank, commit the run there.
 
-    Call it on every rank at the same step, as Ray Train requires. The
-    checkpoint's files are copied into memory at the call (the directory may
-    be deleted right after); `delete_local_checkpoint_after_upload=True`
-    deletes it here. `checkpoint_dir_name` and `checkpoint_upload_mode` change
-    nothing (the copy is in memory and synchronous); `checkpoint_upload_fn`
-    and `validation` are refused.
+    Call it on every rank at the same step, as Ray Train requires. Every
+    rank's checkpoint files are copied into memory at the call (the
+    directories may be deleted right after) and combine into one checkpoint,
+    as Ray Train's one storage directory does (a path passed by several ranks
+    is kept once, from the lowest rank; differing contents are warned about):
+    a checkpoint passed by one rank is held by every rank, files passed by
+    several ranks (FSDP2's `dcp.save`) by their rank and one replica holder.
+    It is also written, synchronously, to `Result.path/checkpoint_dir_name`
+    (default `checkpoint_<index>`), a directory that appears only once every
+    rank's files are in it. `delete_local_checkpoint_after_upload=True`
+    deletes the local directory here; `checkpoint_upload_mode` changes
+    nothing; `checkpoint_upload_fn` and `validation` are refused.
     """
-    del checkpoint_dir_name, checkpoint_upload_mode
+    del checkpoint_upload_mode
     if checkpoint_upload_fn is not None:
         raise ValueError("report(checkpoint_upload_fn=...) is not supported by ray_elastic.train")
     if validation:
         raise ValueError("report(validation=...) is not supported by ray_elastic.train: validate in the loop")
-    current_session("report").report(metrics, checkpoint, bool(delete_local_checkpoint_after_upload))
+    if checkpoint_dir_name is not None and (
+        not isinstance(checkpoint_dir_name, str) or checkpoint_dir_name in ("", ".", "..") or "/" in checkpoint_dir_name
+    ):
+        raise ValueError(f"report(checkpoint_dir_name={checkpoint_dir_name!r}): one directory name under Result.path")
+    current_session("report").report(
+        metrics, checkpoint, bool(delete_local_checkpoint_after_upload), checkpoint_dir_name
+    )
 
 
 def get_checkpoint() -> Checkpoint | None:
-    """The last reported checkpoint (None before the first), as a local directory; the same after a re-entry."""
+    """The last reported checkpoint (None before the first), as a local directory; the same after a re-entry.
+
+    After a re-entry it holds every rank's files of that report, gathered
+    from the workers that hold them, so `dcp.load` reshards it to the new world.
+    """
     return current_session("get_checkpoint").get_checkpoint()
 
 

@@ -8,16 +8,20 @@ prepared loaders and dataset shards.
 
 - `report(metrics, checkpoint=c)` is the commit point. Every rank calls it at
   the same step (as Ray Train requires); one tiny allreduce tells whether any
-  rank passed a checkpoint. If one did, the lowest such rank's files are read
-  into memory and broadcast, so every rank's commit holds them (they survive
-  rank 0's death), the data positions are taken, and the state is committed,
-  which is where membership changes are agreed. A report without a
-  checkpoint on every rank commits nothing.
+  rank passed a checkpoint. If one did, every rank's files are combined into
+  one checkpoint (`report_files.py`: one rank's, as DDP scripts pass, is kept
+  whole by every rank; several ranks' files, as FSDP2's `dcp.save` writes,
+  are kept by each owner and one replica holder on another node), written
+  durably under `Result.path` (`report_store.py`), the data positions are
+  taken, and the state is committed, which is where membership changes are
+  agreed. A report without a checkpoint on every rank commits nothing.
 - A failure (a dead peer) or a membership change unwinds the loop; the state
   rolls back to the last report with a checkpoint (or keeps it, on a graceful
   change), the ring is rebuilt, and `train_loop_per_worker` is called again
-  in the same process, where `get_checkpoint()` returns that checkpoint.
-  Newcomers get the same state by the sync. Before each call the previous
+  in the same process. At that entry every rank gathers all of the last
+  report's files from their live holders (owner or replica), so
+  `get_checkpoint()` returns every rank's files and `dcp.load` reshards them
+  to the new world. Newcomers get the same state by the sync and the gather. Before each call the previous
   call's leftovers (its frames, loader iterators, cached GPU memory) are freed.
 - The interrupts cross the user's code as `LoopInterrupt`, a `BaseException`,
   so an `except Exception` in the loop cannot swallow them.
@@ -45,13 +49,14 @@ from ray.train import Checkpoint
 import ray_elastic as elastic
 import ray_elastic.torch as elastic_torch
 from ray_elastic.runtime import current, maybe_current
+from ray_elastic.train.report_store import ReportStore, write_files
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
 
-logger = logging.getLogger(__name__)
+    from ray_elastic.train.report_files import Files, Layout
 
-Files = dict[str, bytes]  # a checkpoint's files by path relative to its directory
+logger = logging.getLogger(__name__)
 
 
 class LoopInterrupt(BaseException):  # noqa: N818 - named for what it does to the loop, as Horovod's interrupts are
@@ -89,12 +94,31 @@ class TrainContext:
 
 
 class Session:
-    """One worker's Ray Train loop: the committed state, and what the current call prepared."""
+    """One worker's Ray Train loop: the committed state, and what the current call prepared.
 
-    def __init__(self, experiment_name: str, initial: tuple[int, Files] | None) -> None:
+    Args:
+        experiment_name: `RunConfig.name`, for `get_context()`.
+        initial: `resume_from_checkpoint`'s files, or None.
+        run_path: `Result.path`, where each report's checkpoint is written
+            durably (None: nowhere).
+        num_to_keep: how many durable checkpoints stay (`CheckpointConfig`;
+            None: all).
+    """
+
+    def __init__(
+        self,
+        experiment_name: str,
+        initial: Files | None,
+        run_path: str | None = None,
+        num_to_keep: int | None = None,
+    ) -> None:
         self.context = TrainContext(experiment_name)
-        # checkpoint: (how many checkpoints were reported, files) or None; loaders: sampler states by call order
-        self.state: Any = elastic.ObjectState(checkpoint=initial, loaders=[], shards={})
+        self.store = ReportStore(run_path)
+        self.num_to_keep = num_to_keep
+        layout = None if initial is None else self.store.hold_whole(0, initial)
+        # checkpoint: the last report's `Layout` (its files are in `store`), or None; durable: [directory name,
+        # rank's metrics] of the durable checkpoints kept; loaders: sampler states by call order
+        self.state: Any = elastic.ObjectState(checkpoint=layout, durable=[], loaders=[], shards={})
         self.loaders: list[Any] = []  # this call's prepared loaders, in the order it prepared them
         self.shard_names: set[str] = set()
         self._materialized: tuple[int, str] | None = None  # the checkpoint written out for get_checkpoint()
@@ -111,13 +135,25 @@ class Session:
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.empty_cache()
 
+    def settle(self) -> None:
+        """At an entry into the loop (every rank): gather the committed report's files where any rank lacks them."""
+        layout = self.state.checkpoint
+        if layout is None:  # every rank synced the same state, so every rank skips the collective alike
+            self.store.keep_only(None)
+            return
+        everything = self.store.settle(current().joined_ring(), layout, current().joined_slot().host)
+        if everything is not None:
+            self._materialize(layout["index"], everything)
+
     def close(self) -> None:
         if self._materialized is not None:
             shutil.rmtree(self._materialized[1], ignore_errors=True)
             self._materialized = None
 
     # ---- report and get_checkpoint -------------------------------------------------------
-    def report(self, metrics: dict[str, Any], checkpoint: Checkpoint | None, delete_local: bool) -> None:
+    def report(
+        self, metrics: dict[str, Any], checkpoint: Checkpoint | None, delete_local: bool, directory: str | None = None
+    ) -> None:
         with _interrupts_unwind():
             _check_ring()
             elastic.report(metrics)
@@ -125,27 +161,47 @@ class Session:
             holder = int(elastic.allreduce(np.array([me if checkpoint is not None else size]), op=elastic.Min)[0])
             if holder == size:
                 return  # no rank passed a checkpoint: no commit, no membership change
-            files = elastic.broadcast_object(_read_files(checkpoint) if me == holder else None, root_rank=holder)
+            files = _read_files(checkpoint) if checkpoint is not None else None
             if delete_local and checkpoint is not None:
                 shutil.rmtree(checkpoint.path, ignore_errors=True)
-            held = self.state.checkpoint
-            self.state.checkpoint = (1 if held is None else held[0] + 1, files)
+            held: Layout | None = self.state.checkpoint
+            index = 1 if held is None else held["index"] + 1
+            name = directory or f"checkpoint_{index:06d}"
+            ctx = current()
+            layout = self.store.report(ctx.joined_ring(), files, index, ctx.joined_slot().host, name, ctx.generation)
+            durable = [entry for entry in self.state.durable if entry[0] != name]
+            if layout["directory"] is not None:
+                durable.append([name, dict(metrics)])
+            keep = len(durable) if self.num_to_keep is None else self.num_to_keep
+            dropped = [entry[0] for entry in durable[: len(durable) - keep]]
+            self.state.checkpoint, self.state.durable = layout, durable[len(durable) - keep :]
             for loader in self.loaders:
                 loader.sampler.record_pending()  # the batch trained before this report counts
             self.state.loaders = [loader.sampler.state_dict() for loader in self.loaders]
             self.state.commit()
+            self.store.committed(current().joined_ring(), index, dropped)
 
     def get_checkpoint(self) -> Checkpoint | None:
-        held = self.state.checkpoint
-        if held is None:
+        layout: Layout | None = self.state.checkpoint
+        if layout is None:
             return None
-        index, files = held
+        index = layout["index"]
         if self._materialized is None or self._materialized[0] != index:
-            self.close()
-            directory = tempfile.mkdtemp(prefix=f"ray_elastic_checkpoint_{index:06d}_")
-            write_files(files, directory)
-            self._materialized = (index, directory)
+            files = self.store.local_files(layout)
+            if files is None:  # a report of several parts, asked for before any reset: its durable copy is whole
+                run_path, name = self.store.run_path, layout["directory"]
+                if run_path is None or name is None:
+                    raise elastic.CheckpointError(f"checkpoint {index}'s files are spread over the ranks, none durable")
+                return Checkpoint.from_directory(os.path.join(run_path, name))
+            self._materialize(index, files)
+        assert self._materialized is not None
         return Checkpoint.from_directory(self._materialized[1])
+
+    def _materialize(self, index: int, files: Files) -> None:
+        self.close()
+        directory = tempfile.mkdtemp(prefix=f"ray_elastic_checkpoint_{index:06d}_")
+        write_files(files, directory)
+        self._materialized = (index, directory)
 
     # ---- data --------------------------------------------------------------------------
     def prepare_data_loader(self, data_loader: Any, move_to_device: bool) -> Any:
@@ -272,15 +328,6 @@ def _read_files(checkpoint: Checkpoint) -> Files:
     return files
 
 
-def write_files(files: Files, directory: str) -> None:
-    """Write a checkpoint's files under `directory` (made if missing)."""
-    for relative, data in files.items():
-        path = os.path.join(directory, relative)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "wb") as f:
-            f.write(data)
-
-
 def read_directory(checkpoint: Checkpoint) -> Files:
     """A checkpoint's files, in memory (`TorchTrainer(resume_from_checkpoint=...)`)."""
     return _read_files(checkpoint)
@@ -327,21 +374,26 @@ class PerWorker:
         loop: Callable[..., Any],
         config: dict[str, Any] | None,
         experiment_name: str,
-        initial: tuple[int, Files] | None,
+        initial: Files | None,
+        run_path: str | None = None,
+        num_to_keep: int | None = None,
     ) -> None:
         self.loop = loop
         self.takes_config = len(inspect.signature(loop).parameters) > 0
         self.config = config
         self.experiment_name = experiment_name
         self.initial = initial
+        self.run_path = run_path
+        self.num_to_keep = num_to_keep
 
     def __call__(self, _config: dict[str, Any]) -> Any:
         global _SESSION
-        this = Session(self.experiment_name, self.initial)
+        this = Session(self.experiment_name, self.initial, self.run_path, self.num_to_keep)
 
         @elastic.run
         def call(state: Any) -> Any:
             this.begin_call()
+            this.settle()  # the last report's files, from their live holders, before the loop asks for them
             try:
                 with _ray_train_calls_elastic():
                     value = (
@@ -349,7 +401,7 @@ class PerWorker:
                     )
             except LoopInterrupt as interrupt:
                 raise interrupt.cause from None  # the run loop rolls back (or keeps) and calls again
-            return value, state.checkpoint
+            return value, state.durable  # rank 0's: the durable checkpoints kept, with their metrics
 
         _SESSION = this
         try:

@@ -18,7 +18,7 @@ from ray.train import Checkpoint, RunConfig, ScalingConfig
 
 import ray_elastic as elastic
 from ray_elastic.train.config import REFUSED_TRAINER_ARGS, trainer_options
-from ray_elastic.train.session import PerWorker, read_directory, write_files
+from ray_elastic.train.session import PerWorker, read_directory
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -31,9 +31,11 @@ class Result:
     """What `TorchTrainer.fit()` returns: Ray Train's `Result` fields, and the elastic run's own.
 
     - `metrics`: rank 0's last report; `metrics_dataframe`: all of them (pandas).
-    - `checkpoint`: the last reported checkpoint (a `ray.train.Checkpoint` in
-      `path`), or None; `best_checkpoints`: `[(checkpoint, metrics)]` of it
-      (the last one is the one kept: no ranking).
+    - `checkpoint`: the last reported checkpoint (a `ray.train.Checkpoint` of
+      a plain directory under `path` holding every rank's files), or None;
+      `best_checkpoints`: `[(checkpoint, metrics)]` of every durable one kept
+      (`CheckpointConfig(num_to_keep=...)`), oldest first, with rank 0's
+      metrics of its report (no ranking).
     - `path`: `storage_path/name`; `error`: None (a failed run raises from `fit()`).
     - `return_value`: what rank 0's `train_loop_per_worker` returned.
     - `elastic`: the `ray_elastic.Result` (membership events, resets, every report).
@@ -87,9 +89,10 @@ class TorchTrainer:
         options, self.run_config = trainer_options(scaling_config, run_config, torch_config)
         initial = None
         if resume_from_checkpoint is not None:
-            initial = (0, read_directory(resume_from_checkpoint))
+            initial = read_directory(resume_from_checkpoint)
         datasets = {k: v() if callable(v) else v for k, v in (datasets or {}).items()}
-        loop = PerWorker(train_loop_per_worker, train_loop_config, self.run_config.name, initial)
+        keep = self.run_config.checkpoint_config.num_to_keep if self.run_config.checkpoint_config else None
+        loop = PerWorker(train_loop_per_worker, train_loop_config, self.run_config.name, initial, self.path, keep)
         self.trainer = elastic.ElasticTrainer(loop, datasets=datasets or None, **options)
 
     @property
@@ -99,18 +102,13 @@ class TorchTrainer:
     def fit(self) -> Result:
         """Train until rank 0's loop returns; raises `ray_elastic.TrainingFailedError` otherwise."""
         outcome = self.trainer.fit()
-        value, held = outcome.return_value
-        checkpoint = None
-        if held is not None:
-            index, files = held
-            directory = os.path.join(self.path, f"checkpoint_{index:06d}")
-            write_files(files, directory)
-            checkpoint = Checkpoint.from_directory(directory)
+        value, durable = outcome.return_value
+        best = [(Checkpoint.from_directory(os.path.join(self.path, name)), metrics) for name, metrics in durable]
         return Result(
             metrics=outcome.metrics,
-            checkpoint=checkpoint,
+            checkpoint=best[-1][0] if best else None,
             path=self.path,
-            best_checkpoints=[] if checkpoint is None else [(checkpoint, outcome.metrics)],
+            best_checkpoints=best,
             return_value=value,
             elastic=outcome,
         )
