@@ -107,14 +107,26 @@ def keepers(layout: Layout, hosts: Sequence[str]) -> list[set[int]]:
     """After a re-entry, which ranks of the new world keep each part (in `layout["parts"]` order).
 
     A whole-kept report stays with every rank. Otherwise part i goes to rank
-    i mod size and to that rank's replica holder: one part and one replica
-    per rank when the world did not shrink.
+    i mod size, and its replica to the rank on another host (any other rank
+    on one host) that keeps the fewest bytes so far, the nearest round the
+    ring first: the bytes each rank keeps stay near two parts' worth.
     """
     size = len(hosts)
     if kept_whole(layout):
         return [set(range(size)) for _ in layout["parts"]]
-    replicas = replica_ranks(hosts)
-    return [{i % size, replicas[i % size]} for i in range(len(layout["parts"]))]
+    load = [0] * size
+    out = []
+    for i, part in enumerate(layout["parts"]):
+        keeper = i % size
+        load[keeper] += part_size(part)
+        others = [r for r in range(size) if hosts[r] != hosts[keeper]] or [r for r in range(size) if r != keeper]
+        if not others:
+            out.append({keeper})
+            continue
+        replica = min(others, key=lambda r: (load[r], (r - keeper) % size))
+        load[replica] += part_size(part)
+        out.append({keeper, replica})
+    return out
 
 
 def sources(layout: Layout, held: Sequence[Sequence[int]]) -> list[int | None]:
