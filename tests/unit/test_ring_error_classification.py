@@ -11,13 +11,14 @@ when its peer process dies (two processes, Gloo, no Ray).
 
 from __future__ import annotations
 
-import multiprocessing
-import os
+import json
 import socket
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-import torch
 import torch.distributed as dist
 
 from ray_elastic.collective.torch_dist import TorchDistGroup, is_torch_ring_error
@@ -91,48 +92,22 @@ def test_a_ring_that_knows_no_such_errors_leaves_them_to_the_checks():
 
 
 # ---- the real thing: FSDP2 at world 2, one process dies ----------------------------------------
-def _fsdp_rank(rank: int, port: int, out) -> None:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    from ray_elastic.collective.torch_dist import is_torch_ring_error
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=__import__("datetime").timedelta(seconds=20))
-    mesh = init_device_mesh("cpu", (2,))
-    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 1))
-    for layer in model:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    opt = torch.optim.AdamW(model.parameters())
-    try:
-        for step in range(50):
-            if rank == 1 and step == 3:
-                os._exit(0)  # as a SIGKILL: no goodbye to the peer, the kernel closes the sockets
-            model(torch.randn(4, 16)).sum().backward()
-            opt.step()
-            opt.zero_grad()
-        out.put(("finished", "", False))
-    except Exception as e:  # noqa: BLE001 - reported to the test
-        out.put((type(e).__name__, str(e)[:300], is_torch_ring_error(e)))
-    os._exit(0)  # the broken process group's destructor may wait; this process is done
-
-
 def test_fsdp2s_error_when_its_peer_dies_is_classified_as_the_rings():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    ctx = multiprocessing.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_fsdp_rank, args=(r, port, out), daemon=True) for r in range(2)]
-    for p in procs:
-        p.start()
+    script = Path(__file__).parents[1] / "support" / "fsdp_peer_death.py"
+    ranks = [
+        subprocess.Popen([sys.executable, str(script), str(r), str(port)], stdout=subprocess.PIPE, text=True)
+        for r in range(2)
+    ]
     try:
-        kind, message, ring = out.get(timeout=60)
+        out, _ = ranks[0].communicate(timeout=120)
     finally:
-        for p in procs:
-            p.join(10)
-            if p.is_alive():
+        for p in ranks:
+            if p.poll() is None:
                 p.kill()
-    assert kind != "finished", "the survivor never saw its peer die"
-    assert ring, f"the survivor's {kind} was not taken for the ring's: {message}"
+            p.wait(10)
+    outcome = json.loads(out.strip().splitlines()[-1])
+    assert outcome["kind"] != "finished", "the survivor never saw its peer die"
+    assert outcome["ring"], f"the survivor's {outcome['kind']} was not taken for the ring's: {outcome['message']}"
