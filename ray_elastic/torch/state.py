@@ -77,6 +77,8 @@ from ray_elastic.torch.optimizer_handler import OptimizerHandler
 from ray_elastic.torch.rng import RngState
 from ray_elastic.torch.sampler import ElasticSampler
 from ray_elastic.torch.sampler_handler import SamplerHandler
+from ray_elastic.torch.sharded import fsdp2
+from ray_elastic.torch.sharded.handler import OwnedOptimizer, ShardedHandler
 from ray_elastic.torch.state_dict_handler import StateDictHandler, saves_itself
 
 if TYPE_CHECKING:
@@ -114,6 +116,36 @@ def _handler_for(value: Any) -> StateHandler:
     return ObjectHandler(value)
 
 
+def _handlers_for(values: dict[str, Any]) -> dict[str, StateHandler]:
+    """A handler per attribute; a sharded model's handler also takes the optimizers that step it."""
+    handlers: dict[str, StateHandler] = {}
+    for name, model in values.items():
+        if not fsdp2.is_sharded(model):
+            continue
+        ctx = maybe_current()
+        ring = None if ctx is None else ctx.group
+        world = ring.size if ring is not None else fsdp2.mesh_size(model)
+        refused = fsdp2.refusal(model, world)
+        if refused is not None:
+            raise fsdp2.ShardingRefused(f"TorchState({name}=...): {refused}")
+        params = {id(p) for p in model.parameters()}
+        stepping = [
+            (n, v)
+            for n, v in values.items()
+            if isinstance(v, torch.optim.Optimizer)
+            and any(id(p) in params for g in v.param_groups for p in g["params"])
+        ]
+        for n, opt in stepping:
+            if isinstance(opt, DistributedOptimizer):
+                raise fsdp2.ShardingRefused(
+                    f"TorchState({n}=...): a DistributedOptimizer averages whole gradients, but {name!r} is sharded "
+                    "(fully_shard reduces its gradients itself): pass the plain optimizer"
+                )
+            handlers[n] = OwnedOptimizer(opt)
+        handlers[name] = ShardedHandler(model, [opt for _, opt in stepping])
+    return {k: handlers.get(k) or _handler_for(v) for k, v in values.items()}
+
+
 class TorchState(State):
     """State of a PyTorch training loop: `TorchState(model=m, optimizer=o, sampler=s, scheduler=sc, epoch=0)`.
 
@@ -134,7 +166,7 @@ class TorchState(State):
             values["model"] = model
         if optimizer is not None:
             values["optimizer"] = optimizer
-        object.__setattr__(self, "_handlers", {k: _handler_for(v) for k, v in values.items()})
+        object.__setattr__(self, "_handlers", _handlers_for(values))
         object.__setattr__(self, "_hooked", {})  # id(optimizer) -> (optimizer, its step pre-hook's handle)
         # where rank 0 publishes its optimizers' layout for newcomers: states are built in the same order everywhere
         object.__setattr__(self, "_layout_key", f"torch_state_layout/{next(_state_numbers)}")
@@ -202,7 +234,14 @@ class TorchState(State):
             else:
                 handler.save()
         self.commit_id = after
+        for handler in self._sharded():
+            handler.committed(after.fingerprint())
+            if collectives:
+                handler.replicate(current_ring())
         self._publish_layout()
+
+    def _sharded(self) -> list[ShardedHandler]:
+        return [h for h in self._handlers.values() if isinstance(h, ShardedHandler)]
 
     def _publish_layout(self) -> None:
         """On rank 0: put its optimizers' state layout in the run's KV when it changed (a few KB, not awaited)."""
@@ -269,6 +308,8 @@ class TorchState(State):
     def _sync(self) -> None:
         started = time.perf_counter()
         ring = current_ring()
+        for sharded in self._sharded():  # every rank takes part: each holds a part of the state
+            sharded.reshard(ring, self.commit_id.fingerprint())
         plan = agree(ring, self.commit_id)
         agreed = time.perf_counter() - started
         received = 0
@@ -282,7 +323,11 @@ class TorchState(State):
         self.last_sync = SyncReport(plan.holders, plan.receivers, received, time.perf_counter() - started, agreed)
 
     def _transfer(self, ring: CollectiveGroup, plan: SyncPlan) -> int:
-        moving = {name: h for name, h in self._handlers.items() if _moves_only_what_is_needed(h)}
+        moving = {
+            name: h
+            for name, h in self._handlers.items()
+            if _moves_only_what_is_needed(h) and not isinstance(h, (ShardedHandler, OwnedOptimizer))
+        }
         described = None
         if ring.rank == 0:
             described = (self.commit_id, {name: h.describe() for name, h in moving.items()})
@@ -294,7 +339,8 @@ class TorchState(State):
                 handler.receive(descriptions[name])
         received = send_tensors_(ring, plan, [t for h in moving.values() for t in h.tensors()])
         for name, handler in self._handlers.items():
-            if name not in moving:  # a user handler with only sync(): its own broadcast, on every rank
+            if name not in moving and not isinstance(handler, (ShardedHandler, OwnedOptimizer)):
+                # a user handler with only sync(): its own broadcast, on every rank
                 handler.sync()
                 handler.save()
         if plan.receives:

@@ -1,0 +1,384 @@
+"""`ShardedHandler`: an FSDP2 model and its optimizers in a `TorchState`, committed shard by shard.
+
+A sharded model has no rank that holds all of it, so the commit, the
+rollback and the sync of `module_handler.py` (rank 0's copy to the others)
+do not apply. Here:
+
+- A commit copies this rank's rows of every sharded tensor (the parameters
+  and the optimizers' `DTensor` moments) into one flat host buffer, with the
+  optimizers' plain values (AdamW's `step`) and hyper-parameters; then every
+  rank sends its buffer to its replica holder (`replica_holder`: the next
+  rank on another host) and keeps its ward's, so one host's loss loses no
+  committed row. Host memory: its own shard and one replica.
+- A rollback copies the buffer back into the live tensors; the optimizers
+  keep their objects and the parameters their identity.
+- A sync after a reset (`reshard`, every rank at once): the ranks say which
+  committed shards they hold; `plan_reshard` gives every run of rows of the
+  new layout one live source (the rank itself, else the owner, else the
+  replica); only those rows move, point to point; then every sharded module
+  is moved onto the new world's mesh (`fsdp2.rebind`), the optimizers'
+  moments become `DTensor`s of that mesh, and the new layout is committed
+  with replicas. Newcomers, whose `train_fn` built and sharded the model on
+  the new world, receive exactly their rows.
+
+A commit cut short by a failure (a rank died between its copy and the
+replica exchange) can leave a row with no holder of the commit rank 0
+holds: `reshard` then raises `ShardLostError`, naming the rows.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.distributed.tensor import DTensor, Shard
+
+from ray_elastic.runtime.process import maybe_current
+from ray_elastic.state.reshard_plan import ReshardPlan, plan_reshard, replica_holder, rows_of, wards_of
+from ray_elastic.torch.handler import StateHandler
+from ray_elastic.torch.sharded import fsdp2
+
+if TYPE_CHECKING:
+    from ray_elastic.collective.base import CollectiveGroup
+
+logger = logging.getLogger(__name__)
+
+Key = tuple[int, str | None]  # (parameter number, optimizer state key or None for the parameter itself)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The sharded tensors of the state, in one order on every rank: their keys, global shapes and dtypes."""
+
+    keys: tuple[Key, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[torch.dtype, ...]
+
+    @property
+    def itemsizes(self) -> list[int]:
+        return [torch.empty(0, dtype=d).element_size() for d in self.dtypes]
+
+    def offsets(self, world: int, rank: int) -> list[tuple[int, int]]:
+        """(byte offset, bytes) of each tensor's rows in the flat buffer of `rank` of `world`."""
+        spans, at = [], 0
+        for shape, size in zip(self.shapes, self.itemsizes, strict=True):
+            start, stop = rows_of(shape[0], world, rank)
+            nbytes = (stop - start) * size * _row_numel(shape)
+            spans.append((at, nbytes))
+            at += nbytes
+        return spans
+
+
+@dataclass
+class Shard_:
+    """A committed shard: the flat rows of old rank `rank` of `world`, as of commit `stamp`."""
+
+    world: int
+    rank: int
+    stamp: int
+    flat: torch.Tensor  # uint8, on the host
+
+
+def _row_numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape[1:]:
+        n *= d
+    return n
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().reshape(-1).view(torch.uint8)
+
+
+def _held(shard: Shard_ | None) -> tuple[int, int, int] | None:
+    """(world, rank, commit) of a shard whose copy is whole, for the other ranks' plans."""
+    return None if shard is None or not shard.stamp else (shard.world, shard.rank, shard.stamp)
+
+
+def _host() -> str:
+    ctx = maybe_current()
+    slot = None if ctx is None else ctx.slot
+    return "local" if slot is None else slot.host
+
+
+class ShardedHandler(StateHandler):
+    """An FSDP2-sharded model with the optimizers that step it: committed, rolled back and resharded by shards."""
+
+    def __init__(self, model: torch.nn.Module, optimizers: list[Any]) -> None:
+        super().__init__(model)
+        self.optimizers = optimizers
+        self.initial = True  # no sync yet: every rank's own shard is the state the run starts from
+        self._own: Shard_ | None = None
+        self._replicas: list[Shard_] = []
+        self._plain: dict[Key, Any] = {}
+        self._hyper: list[list[dict[str, Any]]] = []
+        self.last_plan: ReshardPlan | None = None
+        self.last_reshard_s = 0.0
+
+    # ---- the live tensors ---------------------------------------------------------------
+    def _params(self) -> list[Any]:
+        return [fp.sharded_param for fp in fsdp2.fsdp_params(self.value)]
+
+    def _optimizer_of(self, param: Any) -> Any:
+        for opt in self.optimizers:
+            if any(p is param for g in opt.param_groups for p in g["params"]):
+                return opt
+        return None
+
+    def layout(self) -> Layout:
+        keys: list[Key] = []
+        shapes: list[tuple[int, ...]] = []
+        dtypes: list[torch.dtype] = []
+        for i, param in enumerate(self._params()):
+            keys.append((i, None))
+            shapes.append(tuple(param.shape))
+            dtypes.append(param.dtype)
+            opt = self._optimizer_of(param)
+            state = {} if opt is None else opt.state.get(param, {})
+            for key in sorted(state):
+                if isinstance(state[key], DTensor):
+                    keys.append((i, key))
+                    shapes.append(tuple(state[key].shape))
+                    dtypes.append(state[key].dtype)
+        return Layout(tuple(keys), tuple(shapes), tuple(dtypes))
+
+    def _live(self, layout: Layout) -> list[torch.Tensor]:
+        params = self._params()
+        out = []
+        for i, key in layout.keys:
+            param = params[i]
+            t = param if key is None else self._optimizer_of(param).state[param][key]
+            out.append(t._local_tensor)
+        return out
+
+    def _plain_values(self) -> dict[Key, Any]:
+        values: dict[Key, Any] = {}
+        for i, param in enumerate(self._params()):
+            opt = self._optimizer_of(param)
+            for key, value in ({} if opt is None else opt.state.get(param, {})).items():
+                if not isinstance(value, DTensor):
+                    values[(i, key)] = value.detach().clone() if isinstance(value, torch.Tensor) else value
+        return values
+
+    def _hyper_values(self) -> list[list[dict[str, Any]]]:
+        return [
+            [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"} for g in o.param_groups]
+            for o in self.optimizers
+        ]
+
+    # ---- commit and rollback ----------------------------------------------------------------
+    def save(self) -> None:
+        layout = self.layout()
+        live = self._live(layout)
+        world, rank = self._world_rank()
+        total = sum(t.numel() * t.element_size() for t in live)
+        own = self._own
+        if own is None or own.flat.numel() != total or (own.world, own.rank) != (world, rank):
+            own = Shard_(world, rank, 0, torch.empty(total, dtype=torch.uint8))
+        own.stamp = 0  # torn until the copy is whole
+        for (at, nbytes), t in zip(layout.offsets(world, rank), live, strict=True):
+            own.flat[at : at + nbytes].copy_(_bytes(t))
+        self._own = own
+        self._layout = layout
+        self._plain = self._plain_values()
+        self._hyper = self._hyper_values()
+
+    def committed(self, stamp: int) -> None:
+        """TorchState's commit `stamp` is whole on this rank."""
+        if self._own is not None:
+            self._own.stamp = stamp
+
+    def _world_rank(self) -> tuple[int, int]:
+        fps = fsdp2.fsdp_params(self.value)
+        if not fps:
+            return 1, 0
+        mesh = fps[0].mesh_info.mesh
+        return mesh.size(), mesh.get_local_rank()
+
+    def restore(self) -> None:
+        own = self._own
+        if own is None:
+            return
+        layout = self.layout()
+        if layout.keys != self._layout.keys or self._world_rank() != (own.world, own.rank):
+            return  # the live tensors are another world's (a reshard was cut short): the next reshard sets them
+        for (at, nbytes), t in zip(layout.offsets(own.world, own.rank), self._live(layout), strict=True):
+            _bytes(t).copy_(own.flat[at : at + nbytes])
+        params = self._params()
+        for (i, key), value in self._plain.items():
+            state = self._optimizer_of(params[i]).state[params[i]]
+            if isinstance(value, torch.Tensor):
+                state[key].copy_(value)
+            else:
+                state[key] = value
+        self._apply_hyper(self._hyper)
+        for p in params:
+            p.grad = None
+
+    def _apply_hyper(self, hyper: list[list[dict[str, Any]]]) -> None:
+        for opt, groups in zip(self.optimizers, hyper, strict=True):
+            for group, values in zip(opt.param_groups, groups, strict=True):
+                group.update(copy.deepcopy(values))
+
+    # ---- replicas -----------------------------------------------------------------------------
+    def replicate(self, ring: CollectiveGroup) -> None:
+        """Send this rank's committed shard to its replica holder; keep its wards' (every rank calls it)."""
+        own = self._own
+        if own is None or ring.size < 2:
+            self._replicas = []
+            return
+        hosts = ring.allgather_object(_host())
+        holder = replica_holder(ring.rank, hosts)
+        kept = {(r.world, r.rank): r for r in self._replicas}
+        replicas = []
+        for ward in wards_of(ring.rank, hosts):
+            nbytes = sum(n for _, n in self._layout.offsets(ring.size, ward))
+            replica = kept.get((ring.size, ward))
+            if replica is None or replica.flat.numel() != nbytes:
+                replica = Shard_(ring.size, ward, 0, torch.empty(nbytes, dtype=torch.uint8))
+            replica.stamp = 0  # torn until received
+            replicas.append(replica)
+        self._replicas = replicas
+        assert holder is not None
+        works = [ring.send_async(own.flat, holder)] + [ring.recv_async(r.flat, r.rank) for r in replicas]
+        for w in works:
+            w.wait()
+        for replica in replicas:
+            replica.stamp = own.stamp
+
+    # ---- the sync: reshard to the new world ---------------------------------------------------
+    def describe(self) -> Any:
+        return self._layout, self._plain, self._hyper
+
+    def reshard(self, ring: CollectiveGroup, commit: int) -> None:
+        """Give every rank of the ring its rows of rank 0's commit, and move the model onto the ring's mesh.
+
+        `commit`: the fingerprint of the commit this rank's `TorchState`
+        holds (rank 0's is the one every rank resumes from).
+        """
+        started = time.perf_counter()
+        mine = {
+            "initial": self.initial,
+            "commit": commit,
+            "own": _held(self._own),
+            "replicas": [_held(r) for r in self._replicas],
+        }
+        holdings = ring.allgather_object(mine)
+        layout, plain, hyper = ring.broadcast_object(self.describe() if ring.rank == 0 else None, root_rank=0)
+        root = holdings[0]
+        if root["initial"]:
+            # the run's first sync: every rank's own shard, cut by fully_shard on this world, is the state
+            held = {r: {h["own"][1]} for r, h in enumerate(holdings) if h["initial"] and h["own"]}
+            old_world = ring.size
+        else:
+            old_world, stamp = root["own"][0], root["own"][2]
+            held = {}
+            for r, h in enumerate(holdings):
+                held[r] = {s[1] for s in (h["own"], *h["replicas"]) if s is not None and s[2] == stamp}
+        owned = {
+            r: h["own"][1] for r, h in enumerate(holdings) if h["own"] is not None and h["own"][1] in held.get(r, ())
+        }
+        plan = plan_reshard(layout.shapes, layout.itemsizes, old_world, ring.size, held, owned)
+        fresh = self._move(ring, layout, plan, old_world)
+        self._rebind(ring, layout, fresh, plain)
+        self._apply_hyper(hyper)
+        self.initial = False
+        self.save()
+        self.committed(root["commit"])
+        self.replicate(ring)
+        self.last_plan = plan
+        self.last_reshard_s = time.perf_counter() - started
+        logger.info(
+            "resharded %d -> %d ranks: %.1f MB moved (the minimum), %.3f s",
+            old_world,
+            ring.size,
+            plan.bytes_moved / 1e6,
+            self.last_reshard_s,
+        )
+
+    def _source(self, owner: int) -> tuple[torch.Tensor, int]:
+        for shard in (self._own, *self._replicas):
+            if shard is not None and shard.rank == owner:
+                return shard.flat, shard.world
+        raise RuntimeError(f"this rank holds no shard of old rank {owner}")
+
+    def _move(self, ring: CollectiveGroup, layout: Layout, plan: ReshardPlan, old_world: int) -> list[torch.Tensor]:
+        """This rank's new rows of every tensor, on the host: copied, sent and received as `plan` says."""
+        me = ring.rank
+        fresh = []
+        for shape, dtype in zip(layout.shapes, layout.dtypes, strict=True):
+            start, stop = rows_of(shape[0], ring.size, me)
+            fresh.append(torch.empty((stop - start, *shape[1:]), dtype=dtype))
+        works = []
+        for piece in plan.pieces:
+            if piece.src != me and piece.dst != me:
+                continue
+            shape = layout.shapes[piece.tensor]
+            row = layout.itemsizes[piece.tensor] * _row_numel(shape)
+            if piece.src == me:
+                flat, world = self._source(piece.owner)
+                at, _ = layout.offsets(world, piece.owner)[piece.tensor]
+                first = rows_of(shape[0], world, piece.owner)[0]
+                data = flat[at + (piece.start - first) * row : at + (piece.stop - first) * row]
+            if piece.dst == me:
+                mine = rows_of(shape[0], ring.size, me)[0]
+                into = _bytes(fresh[piece.tensor])[(piece.start - mine) * row : (piece.stop - mine) * row]
+                if piece.local:
+                    into.copy_(data)
+                else:
+                    works.append(ring.recv_async(into, piece.src))
+            elif piece.src == me:
+                works.append(ring.send_async(data, piece.dst))
+        for w in works:
+            w.wait()
+        return fresh
+
+    def _rebind(self, ring: CollectiveGroup, layout: Layout, fresh: list[torch.Tensor], plain: dict[Key, Any]) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        fps = fsdp2.fsdp_params(self.value)
+        device = fps[0].sharded_param._local_tensor.device
+        mesh = init_device_mesh(device.type, (ring.size,))
+        fsdp2.rebind_groups(self.value, mesh)
+        params = [fp.sharded_param for fp in fps]
+        for (i, key), shape, local in zip(layout.keys, layout.shapes, fresh, strict=True):
+            if key is None:
+                fsdp2.rebind(fps[i], mesh, local.to(device))
+                continue
+            param = params[i]
+            state = self._optimizer_of(param).state.setdefault(param, {})
+            on = state[key]._local_tensor.device if key in state else device
+            state[key] = DTensor.from_local(
+                local.to(on), mesh, [Shard(0)], run_check=False, shape=torch.Size(shape), stride=param.stride()
+            )
+        for (i, key), value in plain.items():
+            param = params[i]
+            state = self._optimizer_of(param).state.setdefault(param, {})
+            held = state.get(key)
+            if isinstance(value, torch.Tensor) and isinstance(held, torch.Tensor) and held.shape == value.shape:
+                held.copy_(value)  # AdamW's `step` stays the tensor, on the device, the optimizer made
+            else:
+                state[key] = value.clone() if isinstance(value, torch.Tensor) else value
+
+
+class OwnedOptimizer(StateHandler):
+    """An optimizer that steps a sharded model: its `ShardedHandler` commits, rolls back and reshards it."""
+
+    def save(self) -> None:
+        pass
+
+    def restore(self) -> None:
+        pass
+
+    def sync(self) -> None:
+        pass
+
+    def snapshot(self) -> None:
+        return None
+
+    def load_snapshot(self, snapshot: Any) -> None:
+        pass

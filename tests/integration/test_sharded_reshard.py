@@ -1,0 +1,92 @@
+"""An FSDP2 model in a `TorchState` resharded in place, on real Gloo rings of processes (no Ray).
+
+Six processes run `tests/support/reshard_ranks.py`'s schedule: 4 ranks on two
+hosts, then 4 -> 3 (a rank lost), 3 -> 4 (a newcomer with other weights),
+4 -> 2 (a whole host lost with its two ranks), 2 -> 1, 1 -> 2 (a newcomer).
+Every generation's state, gathered whole right after the reshard, must be
+bitwise the previous generation's commit (parameters, AdamW's moments and
+steps, the scheduler's learning rate), every rollback bitwise the commit,
+and the bytes moved the planner's minimum.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import reshard_ranks
+
+SUPPORT = Path(__file__).resolve().parents[1] / "support" / "reshard_ranks.py"
+DEADLINE_S = 240
+
+
+def free_port_block(n: int) -> int:
+    """A base port whose next `n` ports are free now."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + n < 65000 and all(_free(base + i) for i in range(1, n + 1)):
+            return base
+    raise RuntimeError("no block of free ports")
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def test_fsdp2_state_reshards_in_place_through_losses_and_newcomers(tmp_path) -> None:
+    processes = sorted({p for world in reshard_ranks.WORLDS for p in world})
+    base = free_port_block(len(reshard_ranks.WORLDS) + 1)
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    procs = {
+        p: subprocess.Popen(
+            [sys.executable, str(SUPPORT), str(p), str(base), str(tmp_path)],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=open(tmp_path / f"{p}.err", "w"),  # noqa: SIM115 - closed with the process
+        )
+        for p in processes
+    }
+    deadline = time.monotonic() + DEADLINE_S
+    try:
+        for proc in procs.values():
+            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        for proc in procs.values():
+            proc.kill()
+    records = [json.loads(line) for p in processes for line in (tmp_path / f"{p}.jsonl").read_text().splitlines()]
+    errors = {p: (tmp_path / f"{p}.err").read_text()[-2000:] for p in processes}
+    synced = {(r["generation"], r["process"]): r for r in records if "after_sync" in r}
+    restored = {(r["generation"], r["process"]): r["restored"] for r in records if "restored" in r}
+    for generation, members in enumerate(reshard_ranks.WORLDS, start=1):
+        for p in members:
+            assert (generation, p) in synced, f"process {p} did not finish generation {generation}: {errors[p]}"
+    for generation, members in enumerate(reshard_ranks.WORLDS, start=1):
+        rows = [synced[(generation, p)] for p in members]
+        assert len({r["committed"] for r in rows}) == 1, f"generation {generation}: ranks committed different states"
+        assert all(restored[(generation, p)] == rows[0]["committed"] for p in members), (
+            f"generation {generation}: a rollback did not bring the user's model and optimizer back to the commit"
+        )
+        assert all(r["same_objects"] for r in rows)
+        if generation == 1:
+            continue
+        before = synced[(generation - 1, reshard_ranks.WORLDS[generation - 2][0])]
+        for r in rows:
+            assert r["after_sync"] == before["committed"], (
+                f"generation {generation}, rank {r['rank']}: the state after the reshard is not the last commit"
+            )
+            assert r["moved"] == r["minimum"], f"generation {generation}: moved {r['moved']} > minimum {r['minimum']}"
+            assert r["step"] == before["step"] + 2, "the plain state (step) did not roll back to the commit"
+    newcomer = synced[(3, 4)]
+    assert 0 < newcomer["received"] < newcomer["moved"], "a newcomer receives its own rows, not the whole model"
