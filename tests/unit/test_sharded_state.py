@@ -1,0 +1,140 @@
+"""An FSDP2 model in a `TorchState` at world 1 (one Gloo process group in this process, no Ray).
+
+The rollback puts the user's own parameters and AdamW's moments back bitwise,
+keeping their objects; sharded models this library cannot reshard are refused
+by name when the state is built, before any training; every private name of
+torch the reshard relies on exists in the installed torch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+
+from ray_elastic.collective.torch_gloo import TorchGlooGroup
+from ray_elastic.runtime.process import set_current
+from ray_elastic.torch.optimizer import DistributedOptimizer
+from ray_elastic.torch.sharded import fsdp2
+from ray_elastic.torch.state import TorchState
+
+
+class Runtime:
+    backend = "gloo"
+
+    def __init__(self, ring) -> None:
+        self.group = ring
+        self.slot = None
+
+    def add_join_preparation(self, prepare) -> None:
+        pass
+
+    def post_lasting(self, key, value) -> None:
+        pass
+
+    def get_lasting(self, key):
+        return None
+
+    def joined_ring(self):
+        return self.group
+
+
+@pytest.fixture
+def world_of_one():
+    ring = TorchGlooGroup(dist.HashStore(), 0, 1, 30.0)
+    set_current(Runtime(ring))
+    try:
+        yield ring
+    finally:
+        set_current(None)
+        ring.close()
+
+
+def sharded_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 2))
+    for block in model:
+        fully_shard(block)
+    fully_shard(model)
+    return model
+
+
+def digest(model, opt) -> str:
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(p._local_tensor.detach().numpy().tobytes())
+        for key, value in sorted(opt.state[p].items()):
+            h.update(key.encode() + getattr(value, "_local_tensor", value).detach().reshape(-1).numpy().tobytes())
+    h.update(repr([g["lr"] for g in opt.param_groups]).encode())
+    return h.hexdigest()
+
+
+def test_a_rollback_brings_the_users_sharded_model_and_optimizer_back(world_of_one) -> None:
+    model = sharded_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    state = TorchState(model=model, optimizer=opt, scheduler=sched)
+    state.sync()
+
+    def train() -> None:
+        opt.zero_grad()
+        model(torch.randn(3, 6)).square().mean().backward()
+        opt.step()
+        sched.step()
+
+    train()
+    state.save()
+    committed, params, moments = (
+        digest(model, opt),
+        list(model.parameters()),
+        [opt.state[p]["exp_avg"] for p in model.parameters()],
+    )
+    train()
+    assert digest(model, opt) != committed
+    state.restore()
+    assert digest(model, opt) == committed
+    assert list(model.parameters()) == params and all(a is b for a, b in zip(model.parameters(), params, strict=True))
+    assert all(opt.state[p]["exp_avg"] is m for p, m in zip(model.parameters(), moments, strict=True))
+    state.sync()
+    assert digest(model, opt) == committed
+    train()  # trains on after the sync moved it onto the ring's mesh
+
+
+def test_sharded_models_that_cannot_be_resharded_are_refused_by_name(world_of_one) -> None:
+    model = sharded_model()
+    wrapped = DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters()
+    )
+    with pytest.raises(fsdp2.ShardingRefused, match="DistributedOptimizer.*pass the plain optimizer"):
+        TorchState(model=model, optimizer=wrapped)
+
+
+def test_a_mesh_not_over_the_current_world_is_refused(world_of_one) -> None:
+    model = sharded_model()
+    assert fsdp2.refusal(model, 1) is None
+    assert "mesh of 1 ranks, but the world has 2" in fsdp2.refusal(model, 2)
+
+
+def test_fsdp1_is_refused_with_the_fsdp2_way_named(world_of_one) -> None:
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    model = FullyShardedDataParallel(torch.nn.Linear(4, 4), device_id=torch.device("cpu"))
+    with pytest.raises(fsdp2.ShardingRefused, match="FSDP1.*fully_shard"):
+        TorchState(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+@pytest.mark.parametrize(("owner", "name"), fsdp2.PRIVATE_NAMES)
+def test_the_private_names_the_reshard_uses_exist_in_this_torch(world_of_one, owner, name) -> None:
+    model = sharded_model()
+    torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.randn(2, 6)).sum().backward()  # lazy init done: every attribute is set
+    objects = {
+        "FSDPModule": model,
+        "FSDPParam": fsdp2.fsdp_params(model)[0],
+        "FSDPParamGroup": fsdp2._param_groups(model[0])[0],
+        "DTensor": next(model.parameters()),
+    }
+    assert hasattr(objects[owner], name), f"torch {torch.__version__}: {owner}.{name} is gone"
