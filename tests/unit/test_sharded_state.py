@@ -13,6 +13,7 @@ import hashlib
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from ray_elastic.collective.torch_gloo import TorchGlooGroup
@@ -56,9 +57,10 @@ def world_of_one():
 def sharded_model() -> torch.nn.Module:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 2))
+    mesh = init_device_mesh("cpu", (1,))  # on the CPU also where a GPU is present
     for block in model:
-        fully_shard(block)
-    fully_shard(model)
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     return model
 
 

@@ -29,13 +29,12 @@ from torch.distributed.tensor import DTensor, Shard
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-# (owner, attribute) of every private name below, for the test that keeps them honest
+# (owner, attribute) of every private name below, for the test that keeps them honest; `_shard_mesh` and
+# `_spmd_mesh`, which torch 2.13 caches and 2.11 does not have, are set only where they exist
 PRIVATE_NAMES = (
     ("FSDPModule", "_get_fsdp_state"),
     ("FSDPParam", "mesh_info"),
     ("FSDPParam", "post_forward_mesh_info"),
-    ("FSDPParam", "_shard_mesh"),
-    ("FSDPParam", "_spmd_mesh"),
     ("FSDPParam", "_sharding_spec"),
     ("FSDPParam", "sharded_size"),
     ("FSDPParam", "contiguous_sharded_stride"),
@@ -165,8 +164,9 @@ def rebind(fsdp_param: Any, mesh: DeviceMesh, local: torch.Tensor) -> None:
     mesh_info = FSDPMeshInfo(mesh, shard_mesh_dim=0)
     fsdp_param.mesh_info = mesh_info
     fsdp_param.post_forward_mesh_info = mesh_info if had_post_forward else None
-    fsdp_param._shard_mesh = mesh
-    fsdp_param._spmd_mesh = mesh
+    for cached in ("_shard_mesh", "_spmd_mesh"):
+        if hasattr(fsdp_param, cached):
+            setattr(fsdp_param, cached, mesh)
     spec = DTensorSpec(mesh, (Shard(0),), tensor_meta=old_spec.tensor_meta)
     fsdp_param._sharding_spec = spec
     sharded_size = torch.Size((rows, *global_size[1:]))
