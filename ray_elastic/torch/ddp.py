@@ -76,6 +76,7 @@ from ray_elastic.runtime.pace import PACE
 from ray_elastic.runtime.process import current, maybe_current
 from ray_elastic.torch.device import get_device
 from ray_elastic.torch.notice import NoticeCopy
+from ray_elastic.torch.sharded import wrap
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -498,8 +499,21 @@ def _as_ring_error(e: BaseException, ctx: WorkerContext, what: str) -> BaseExcep
     return HorovodInternalError(f"{what} failed: {e}")
 
 
-def prepare_model(model: torch.nn.Module, *, move_to_device: bool = True, **ddp_kwargs: Any) -> ElasticDDP:
+def prepare_model(
+    model: torch.nn.Module,
+    *,
+    move_to_device: bool = True,
+    parallel_strategy: str = "ddp",
+    parallel_strategy_kwargs: dict[str, Any] | None = None,
+    **ddp_kwargs: Any,
+) -> torch.nn.Module:
     """Move `model` to this worker's device and wrap it in DistributedDataParallel over the elastic ring.
+
+    `parallel_strategy="fsdp"` shards it with FSDP2 instead (`fully_shard` on
+    each block, then on the root, over the ring's one-dimensional mesh; see
+    `ray_elastic.torch.sharded.wrap` for the policy and docs/sharded-models.md):
+    `parallel_strategy_kwargs` takes `mp_policy`, `reshard_after_forward` and
+    `offload_policy`, and the model returned is the same module, sharded.
 
     Call it in `train_fn`, where Ray Train users call
     `ray.train.torch.prepare_model`. As there, the model is first moved to
@@ -520,6 +534,12 @@ def prepare_model(model: torch.nn.Module, *, move_to_device: bool = True, **ddp_
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"prepare_model wraps a torch.nn.Module, got {type(model).__name__}")
+    if parallel_strategy not in ("ddp", "fsdp"):
+        raise ValueError(f"prepare_model(parallel_strategy={parallel_strategy!r}): 'ddp' or 'fsdp'")
+    if parallel_strategy == "fsdp":
+        return wrap.prepare(model, move_to_device, parallel_strategy_kwargs or {}, ddp_kwargs)
+    if parallel_strategy_kwargs:
+        ddp_kwargs = {**parallel_strategy_kwargs, **ddp_kwargs}
     if isinstance(model, (ElasticDDP, DistributedDataParallel)):
         raise TypeError(f"prepare_model got a model already wrapped in {type(model).__name__}: pass the plain module")
     own = [k for k in _OWN_OPTIONS if k in ddp_kwargs]

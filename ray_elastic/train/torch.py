@@ -32,14 +32,16 @@ def prepare_model(
 ) -> torch.nn.Module:
     """The model on this worker's device, in DDP over the elastic ring, with rank 0's parameters and buffers.
 
-    `parallel_strategy="fsdp"` is refused: DDP only. `parallel_strategy=None`
-    moves the model and wraps nothing.
+    `parallel_strategy="fsdp"` shards it with FSDP2 (`fully_shard` per block,
+    then the root; `parallel_strategy_kwargs`: `mp_policy`,
+    `reshard_after_forward`, `offload_policy`), where Ray Train wraps it in
+    FSDP1. `parallel_strategy=None` moves the model and wraps nothing.
     """
     current_session("prepare_model")
-    if parallel_strategy not in ("ddp", None):
+    if parallel_strategy not in ("ddp", "fsdp", None):
         raise ValueError(
             f"prepare_model(parallel_strategy={parallel_strategy!r}) is not supported by ray_elastic.train: "
-            "DDP only (parallel_strategy='ddp')"
+            "'ddp', 'fsdp' or None"
         )
     if isinstance(move_to_device, torch.device):
         model.to(move_to_device)
@@ -49,7 +51,12 @@ def prepare_model(
     elastic_torch.broadcast_parameters(model.state_dict(), root_rank=0)
     if parallel_strategy is None:
         return model
-    return elastic_torch.prepare_model(model, move_to_device=False, **(parallel_strategy_kwargs or {}))
+    return elastic_torch.prepare_model(
+        model,
+        move_to_device=False,
+        parallel_strategy=parallel_strategy,
+        parallel_strategy_kwargs=parallel_strategy_kwargs,
+    )
 
 
 def prepare_data_loader(

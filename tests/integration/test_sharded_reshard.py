@@ -19,6 +19,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import reshard_ranks
 
 SUPPORT = Path(__file__).resolve().parents[1] / "support" / "reshard_ranks.py"
@@ -45,13 +46,15 @@ def _free(port: int) -> bool:
     return True
 
 
-def test_fsdp2_state_reshards_in_place_through_losses_and_newcomers(tmp_path) -> None:
+@pytest.mark.parametrize("variant", ["fully_shard", "prepared"])
+def test_fsdp2_state_reshards_in_place_through_losses_and_newcomers(tmp_path, variant) -> None:
+    """`prepared`: prepare_model's policy, bf16 mixed precision, no reshard after forward, clipping, a GradScaler."""
     processes = sorted({p for world in reshard_ranks.WORLDS for p in world})
     base = free_port_block(len(reshard_ranks.WORLDS) + 1)
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
     procs = {
         p: subprocess.Popen(
-            [sys.executable, str(SUPPORT), str(p), str(base), str(tmp_path)],
+            [sys.executable, str(SUPPORT), str(p), str(base), str(tmp_path), variant],
             env=env,
             stdout=subprocess.DEVNULL,
             stderr=open(tmp_path / f"{p}.err", "w"),  # noqa: SIM115 - closed with the process

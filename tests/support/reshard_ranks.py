@@ -1,6 +1,12 @@
 """One process of an FSDP2 run on real Gloo rings (no Ray) whose world changes: `TorchState` reshards it in place.
 
-Run as `python reshard_ranks.py PROCESS BASE_PORT OUT_DIR`. The schedule
+Run as `python reshard_ranks.py PROCESS BASE_PORT OUT_DIR [VARIANT]`. VARIANT
+"fully_shard" (the default) shards the model by hand with default options,
+the head left to the root (whose own parameters then come first in FSDP's
+order, not in the optimizer's);
+"prepared" through `prepare_model(parallel_strategy="fsdp")` with bf16 mixed
+precision, `reshard_after_forward=False`, and a loop that clips the DTensor
+gradients under a `GradScaler` (in the state, as users hold it). The schedule
 (`WORLDS`) lists each generation's processes in rank order, as the driver
 would assign them (survivors first, hosts contiguous); a process not in a
 generation has died (it leaves for good), one that first appears in a
@@ -52,6 +58,8 @@ class Slot:
 class Runtime:
     """What `TorchState` asks of a worker's runtime here: the ring, the host, the KV for newcomers."""
 
+    backend = "gloo"
+
     def __init__(self, host: str) -> None:
         self.group = None
         self.slot = Slot(host)
@@ -70,15 +78,24 @@ class Runtime:
         return self.group
 
 
-def build(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer, object]:
+def build(seed: int, variant: str) -> tuple[torch.nn.Module, torch.optim.Optimizer, object]:
     torch.manual_seed(seed)
     model = torch.nn.Sequential(
         torch.nn.Linear(13, 11), torch.nn.ReLU(), torch.nn.Linear(11, 7), torch.nn.ReLU(), torch.nn.Linear(7, 1)
     )
-    for layer in model:
-        if isinstance(layer, torch.nn.Linear):
-            fully_shard(layer)
-    fully_shard(model)
+    if variant == "prepared":
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        from ray_elastic.torch import prepare_model
+
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        options = {"mp_policy": policy, "reshard_after_forward": False}
+        model = prepare_model(model, parallel_strategy="fsdp", parallel_strategy_kwargs=options)
+    else:
+        for layer in list(model)[:-1]:  # the head stays with the root: a root that holds parameters of its own
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer)
+        fully_shard(model)
     opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
     return model, opt, sched
@@ -96,16 +113,24 @@ def digest(model, opt) -> str:
     return h.hexdigest()
 
 
-def train_step(model, opt, sched, generation: int, step: int) -> None:
+def train_step(model, opt, sched, scaler, generation: int, step: int) -> None:
     g = torch.Generator().manual_seed(1000 * generation + step)
     x = torch.randn(8, 13, generator=g)
     opt.zero_grad()
-    model(x).square().mean().backward()
-    opt.step()
+    loss = model(x).float().square().mean()
+    if scaler is None:
+        loss.backward()
+        opt.step()
+    else:
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+        scaler.step(opt)
+        scaler.update()
     sched.step()
 
 
-def main(process: int, base_port: int, out_dir: str) -> None:
+def main(process: int, base_port: int, out_dir: str, variant: str) -> None:
     from ray_elastic.collective.torch_gloo import TorchGlooGroup
     from ray_elastic.runtime.process import set_current
     from ray_elastic.torch.state import TorchState
@@ -125,8 +150,10 @@ def main(process: int, base_port: int, out_dir: str) -> None:
             store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=datetime.timedelta(seconds=60))
             runtime.group = TorchGlooGroup(store, rank, world, timeout=60)
             if state is None:  # a newcomer (or the first generation): its own model, sharded on this ring
-                model, opt, sched = build(seed=0 if generation == 1 else 50 + process)
-                state = TorchState(model=model, optimizer=opt, scheduler=sched, step=0)
+                model, opt, sched = build(0 if generation == 1 else 50 + process, variant)
+                scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8) if variant == "prepared" else None
+                extra = {} if scaler is None else {"scaler": scaler}
+                state = TorchState(model=model, optimizer=opt, scheduler=sched, step=0, **extra)
             state.sync()
             plan = state._handlers["model"].last_plan
             record = {
@@ -140,12 +167,12 @@ def main(process: int, base_port: int, out_dir: str) -> None:
                 "same_objects": state.model is model and state.optimizer is opt and state.scheduler is sched,
             }
             for step in range(2):
-                train_step(model, opt, sched, generation, step)
+                train_step(model, opt, sched, scaler, generation, step)
             state.step = state.step + 2
             state.save()
             record["committed"] = digest(model, opt)
             record["step"] = state.step
-            train_step(model, opt, sched, generation, 9)  # lost: the next generation rolls back
+            train_step(model, opt, sched, scaler, generation, 9)  # lost: the next generation rolls back
             state.step = state.step + 1
             out.write(json.dumps(record) + "\n")
             out.flush()
@@ -159,4 +186,4 @@ def main(process: int, base_port: int, out_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
+    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4] if len(sys.argv) > 4 else "fully_shard")

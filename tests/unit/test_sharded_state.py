@@ -140,3 +140,82 @@ def test_the_private_names_the_reshard_uses_exist_in_this_torch(world_of_one, ow
         "DTensor": next(model.parameters()),
     }
     assert hasattr(objects[owner], name), f"torch {torch.__version__}: {owner}.{name} is gone"
+
+
+class Blocks(torch.nn.Module):
+    """A transformer's shape: an embedding, a list of blocks, a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Linear(6, 8)
+        self.layers = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU()) for _ in range(3))
+        self.head = torch.nn.Linear(8, 2)
+
+    def forward(self, x):
+        x = self.embed(x)
+        for layer in self.layers:
+            x = x + layer(x)
+        return self.head(x)
+
+
+def test_prepare_model_fsdp_shards_each_block_then_the_root_and_trains_through_a_rollback(world_of_one) -> None:
+    """bf16 mixed precision, no reshard after forward, CPU offload, clipping, a GradScaler and a scheduler."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy
+
+    from ray_elastic.torch import prepare_model
+
+    torch.manual_seed(0)
+    model = prepare_model(
+        Blocks(),
+        parallel_strategy="fsdp",
+        parallel_strategy_kwargs={
+            "mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+            "reshard_after_forward": False,
+            "offload_policy": CPUOffloadPolicy(pin_memory=False),
+        },
+    )
+    assert [n for n, m in model.named_modules() if isinstance(m, FSDPModule)] == [
+        "",
+        "layers.0",
+        "layers.1",
+        "layers.2",
+    ]
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    state = TorchState(model=model, optimizer=opt, scheduler=sched, scaler=scaler)
+    state.sync()
+
+    def train() -> None:
+        opt.zero_grad()
+        scaler.scale(model(torch.randn(4, 6)).float().square().mean()).backward()
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)  # DTensor gradients
+        scaler.step(opt)
+        scaler.update()
+        sched.step()
+
+    train()
+    state.save()
+    committed, scale = digest(model, opt), scaler.get_scale()
+    train()
+    scaler.update(scale * 4)  # the scaler moves on too: the rollback must bring it back
+    state.restore()
+    assert digest(model, opt) == committed and scaler.get_scale() == scale
+    state.sync()
+    train()
+
+
+def test_prepare_model_fsdp_refuses_what_it_cannot_honour_before_sharding(world_of_one) -> None:
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    from ray_elastic.torch import prepare_model
+
+    model = Blocks()
+    with pytest.raises(ValueError, match="CPUOffloadPolicy\\(pin_memory=False\\)"):
+        prepare_model(model, parallel_strategy="fsdp", parallel_strategy_kwargs={"offload_policy": CPUOffloadPolicy()})
+    with pytest.raises(ValueError, match="only True or False"):
+        prepare_model(model, parallel_strategy="fsdp", parallel_strategy_kwargs={"reshard_after_forward": 2})
+    with pytest.raises(ValueError, match="mesh is the elastic ring's"):
+        prepare_model(model, parallel_strategy="fsdp", parallel_strategy_kwargs={"mesh": None})
+    assert not fsdp2.is_sharded(model), "a refused call sharded the model anyway"

@@ -130,10 +130,10 @@ def test_an_unknown_keyword_is_a_type_error_as_in_ray():
         TorchTrainer(_loop, nonsense=1)
 
 
-def test_fsdp_through_prepare_model_is_refused(monkeypatch):
+def test_an_unknown_parallel_strategy_is_refused(monkeypatch):
     monkeypatch.setattr(train_session, "_SESSION", object())
-    with pytest.raises(ValueError, match="parallel_strategy='fsdp'"):
-        ray_elastic_train_torch().prepare_model(torch.nn.Linear(2, 2), parallel_strategy="fsdp")
+    with pytest.raises(ValueError, match="parallel_strategy='deepspeed'"):
+        ray_elastic_train_torch().prepare_model(torch.nn.Linear(2, 2), parallel_strategy="deepspeed")
 
 
 def ray_elastic_train_torch():

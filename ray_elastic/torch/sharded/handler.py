@@ -252,7 +252,17 @@ class ShardedHandler(StateHandler):
 
     # ---- the sync: reshard to the new world ---------------------------------------------------
     def describe(self) -> Any:
-        return self._layout, self._plain, self._hyper
+        return self._layout, self._plain, self._hyper, self._state_order()
+
+    def _state_order(self) -> list[list[tuple[int, list[str]]]]:
+        """Each optimizer's state, as (parameter number, its keys) in the order the dicts hold them.
+
+        torch's state-dict helpers gather a sharded optimizer's moments in
+        that order: every rank must hold it alike, or their collectives pair
+        up wrongly (a newcomer's state is built here, a survivor's by its steps).
+        """
+        number = {id(p): i for i, p in enumerate(self._params())}
+        return [[(number[id(p)], list(state)) for p, state in opt.state.items()] for opt in self.optimizers]
 
     def reshard(self, ring: CollectiveGroup, commit: int) -> None:
         """Give every rank of the ring its rows of rank 0's commit, and move the model onto the ring's mesh.
@@ -268,7 +278,7 @@ class ShardedHandler(StateHandler):
             "replicas": [_held(r) for r in self._replicas],
         }
         holdings = ring.allgather_object(mine)
-        layout, plain, hyper = ring.broadcast_object(self.describe() if ring.rank == 0 else None, root_rank=0)
+        layout, plain, hyper, order = ring.broadcast_object(self.describe() if ring.rank == 0 else None, root_rank=0)
         root = holdings[0]
         if root["initial"]:
             # the run's first sync: every rank's own shard, cut by fully_shard on this world, is the state
@@ -285,6 +295,7 @@ class ShardedHandler(StateHandler):
         plan = plan_reshard(layout.shapes, layout.itemsizes, old_world, ring.size, held, owned)
         fresh = self._move(ring, layout, plan, old_world)
         self._rebind(ring, layout, fresh, plain)
+        self._reorder(order)
         self._apply_hyper(hyper)
         self.initial = False
         self.save()
@@ -363,6 +374,18 @@ class ShardedHandler(StateHandler):
                 held.copy_(value)  # AdamW's `step` stays the tensor, on the device, the optimizer made
             else:
                 state[key] = value.clone() if isinstance(value, torch.Tensor) else value
+
+
+    def _reorder(self, order: list[list[tuple[int, list[str]]]]) -> None:
+        """Hold every optimizer's state in rank 0's order (the same dicts and values, reinserted)."""
+        params = self._params()
+        for opt, entries in zip(self.optimizers, order, strict=True):
+            held = dict(opt.state)
+            opt.state.clear()
+            for i, keys in entries:
+                state = held.pop(params[i])
+                opt.state[params[i]] = {key: state[key] for key in keys}
+            opt.state.update(held)
 
 
 class OwnedOptimizer(StateHandler):
