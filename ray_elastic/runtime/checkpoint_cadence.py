@@ -1,7 +1,10 @@
 """Which commits become durable checkpoints, and resuming from one.
 
 Rank 0 hands every `checkpoint_every`-th commit, as plain entries (state
-dicts, values: `checkpoint/entries.py`), to a background `CheckpointWriter`
+dicts, values: `checkpoint/entries.py`), to a background `CheckpointWriter`;
+a sharded model's rows are written first by every rank, in DCP's format
+under `checkpoint_dir/sharded/commit-N` (synchronously: `dcp.save` is a
+collective), and rank 0's entries name that directory
 (the copy and the hand-over are set aside from its pace: `runtime/pace.py`)
 (writes are retried and bounded by `checkpoint_timeout`; the store keeps the
 newest `checkpoint_keep`),
@@ -14,6 +17,8 @@ Without `checkpoint_dir` every method does nothing.
 from __future__ import annotations
 
 import logging
+import os
+import shutil
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -88,9 +93,14 @@ class CheckpointCadence:
         The copy and any wait for the previous write are the framework's work on rank 0 alone: set aside from
         its pace, so the straggler watch never takes them for slowness.
         """
-        if self._writer is None or slot is None:
+        if self._writer is None or slot is None or commits % self.settings.checkpoint_every:
             return
-        if slot.rank != 0 or commits % self.settings.checkpoint_every:
+        sharded = getattr(state, "write_shards", None)
+        if sharded is not None:
+            with PACE.aside():  # every rank writes its own rows of a sharded model, at the same commit
+                if sharded(self._sharded_directory(commits)) and slot.rank == 0:
+                    self._prune_sharded(keep=self.settings.checkpoint_keep + 1)
+        if slot.rank != 0:
             return
         meta = {
             "commit": commits,
@@ -101,6 +111,15 @@ class CheckpointCadence:
         }
         with PACE.aside():
             self._writer.submit(state_entries(state), meta, timeout=self.settings.checkpoint_timeout)
+
+    def _sharded_directory(self, commits: int) -> str:
+        return os.path.join(str(self.settings.checkpoint_dir), "sharded", f"commit-{commits:08d}")
+
+    def _prune_sharded(self, keep: int) -> None:
+        """Remove all but the `keep` newest sharded directories (rank 0; the manifests name the newest)."""
+        root = os.path.join(str(self.settings.checkpoint_dir), "sharded")
+        for name in sorted(os.listdir(root))[:-keep]:
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
     def maybe_resume(self, state: Any, slot: WorkerSlot | None, ever_synced: bool) -> dict[str, Any] | None:
         """Before a sync: a rank 0 that never synced loads the durable checkpoint, if there is one; returns its meta.

@@ -353,6 +353,17 @@ class TorchState(State):
         self._guard()
         return received
 
+    def write_shards(self, directory: str) -> bool:
+        """Every rank, right after a commit: write its sharded model's rows under `directory` (DCP's format).
+
+        False (and nothing written) for a state without a sharded model,
+        whose durable checkpoint rank 0 writes alone.
+        """
+        sharded = self._sharded()
+        for index, handler in enumerate(sharded):
+            handler.write_durable(directory if len(sharded) == 1 else f"{directory}/{index}")
+        return bool(sharded)
+
     def checkpoint_payload(self) -> dict[str, Any]:
         return {name: handler.snapshot() for name, handler in self._handlers.items()}
 

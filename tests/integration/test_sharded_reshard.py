@@ -93,3 +93,54 @@ def test_fsdp2_state_reshards_in_place_through_losses_and_newcomers(tmp_path, va
             assert r["step"] == before["step"] + 2, "the plain state (step) did not roll back to the commit"
     newcomer = synced[(3, 4)]
     assert 0 < newcomer["received"] < newcomer["moved"], "a newcomer receives its own rows, not the whole model"
+
+
+def _run_ranks(phase: str, world: int, directory: Path) -> list[dict]:
+    script = SUPPORT.parent / "durable_shards.py"
+    port = free_port_block(1)
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), phase, str(r), str(world), str(port), str(directory)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(world)
+    ]
+    outs = []
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=120)
+            assert proc.returncode == 0, err[-3000:]
+            outs.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for proc in procs:
+            proc.kill()
+    return outs
+
+
+def test_a_durable_sharded_checkpoint_is_every_ranks_dcp_files_and_resumes_at_another_world(tmp_path) -> None:
+    """Written at 2 ranks in DCP's format; a new run of 3 resumes from it; dcp.load reads it whole in one process."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from durable_shards import full_digest
+
+    written = _run_ranks("write", 2, tmp_path)
+    files = sorted(p.name for p in (tmp_path / "sharded").iterdir())
+    assert files == [".metadata", "__0_0.distcp", "__1_0.distcp"], files
+    resumed = _run_ranks("resume", 3, tmp_path)
+    assert {r["digest"] for r in resumed} == {written[0]["digest"]}, "the resumed run does not hold the checkpoint"
+    assert {r["step"] for r in resumed} == {3}
+    model = reshard_ranks.build_plain()
+    state = {"model": model.state_dict()}
+    dcp.load(state, checkpoint_id=str(tmp_path / "sharded"))
+    assert full_digest(state["model"]) == written[0]["model"], "dcp.load at world 1 is not the model written"
+    assert all(isinstance(t, torch.Tensor) for t in state["model"].values())
+
+
+def test_ranks_that_shard_the_model_differently_are_refused_by_name_on_every_rank(tmp_path) -> None:
+    outs = _run_ranks("mismatch", 2, tmp_path)
+    for out in outs:
+        assert out["error"] is not None and out["error"].startswith("ShardingRefused: ranks [1] shard the model"), out

@@ -78,11 +78,16 @@ class Runtime:
         return self.group
 
 
-def build(seed: int, variant: str) -> tuple[torch.nn.Module, torch.optim.Optimizer, object]:
-    torch.manual_seed(seed)
-    model = torch.nn.Sequential(
+def build_plain() -> torch.nn.Module:
+    """The model, unsharded."""
+    return torch.nn.Sequential(
         torch.nn.Linear(13, 11), torch.nn.ReLU(), torch.nn.Linear(11, 7), torch.nn.ReLU(), torch.nn.Linear(7, 1)
     )
+
+
+def build(seed: int, variant: str) -> tuple[torch.nn.Module, torch.optim.Optimizer, object]:
+    torch.manual_seed(seed)
+    model = build_plain()
     if variant == "prepared":
         from torch.distributed.fsdp import MixedPrecisionPolicy
 

@@ -219,3 +219,47 @@ def test_prepare_model_fsdp_refuses_what_it_cannot_honour_before_sharding(world_
     with pytest.raises(ValueError, match="mesh is the elastic ring's"):
         prepare_model(model, parallel_strategy="fsdp", parallel_strategy_kwargs={"mesh": None})
     assert not fsdp2.is_sharded(model), "a refused call sharded the model anyway"
+
+
+def test_checkpoint_dir_keeps_the_sharded_commits_in_dcp_format_and_a_new_run_resumes_from_the_newest(
+    world_of_one, tmp_path
+) -> None:
+    from types import SimpleNamespace
+
+    from ray_elastic.runtime.checkpoint_cadence import CheckpointCadence
+
+    settings = SimpleNamespace(
+        checkpoint_dir=str(tmp_path), checkpoint_keep=1, checkpoint_timeout=30.0, checkpoint_every=1, run_id="r"
+    )
+    driver = SimpleNamespace(worker_resumed=SimpleNamespace(remote=lambda *args: None))
+    slot = SimpleNamespace(rank=0, size=1)
+    model = sharded_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    state = TorchState(model=model, optimizer=opt, step=0)
+    state.sync()
+    cadence = CheckpointCadence("w0", driver, settings)
+    for commit in (1, 2, 3):
+        model(torch.randn(3, 6)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        state.step = commit
+        state.save()
+        cadence.after_commit(state, slot, generation=1, commits=commit)
+    assert cadence.flush() is None
+    written = digest(model, opt)
+    kept = sorted(p.name for p in (tmp_path / "sharded").iterdir())
+    assert kept == ["commit-00000002", "commit-00000003"], "the newest (and the one before, for the manifest)"
+    assert (tmp_path / "sharded" / "commit-00000003" / ".metadata").exists()
+
+    torch.manual_seed(9)  # a new run: other weights, no optimizer state yet
+    fresh = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 2))
+    mesh = init_device_mesh("cpu", (1,))
+    for block in fresh:
+        fully_shard(block, mesh=mesh)
+    fully_shard(fresh, mesh=mesh)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.01)
+    resumed = TorchState(model=fresh, optimizer=fresh_opt, step=0)
+    meta = CheckpointCadence("w0", driver, settings).maybe_resume(resumed, slot, ever_synced=False)
+    assert meta is not None and meta["commit"] == 3
+    resumed.sync()
+    assert digest(fresh, fresh_opt) == written and resumed.step == 3

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 # `_spmd_mesh`, which torch 2.13 caches and 2.11 does not have, are set only where they exist
 PRIVATE_NAMES = (
     ("FSDPModule", "_get_fsdp_state"),
+    ("FSDPParam", "_module_info"),
     ("FSDPParam", "mesh_info"),
     ("FSDPParam", "post_forward_mesh_info"),
     ("FSDPParam", "_sharding_spec"),

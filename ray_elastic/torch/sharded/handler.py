@@ -117,6 +117,8 @@ class ShardedHandler(StateHandler):
         self._plain: dict[Key, Any] = {}
         self._hyper: list[list[dict[str, Any]]] = []
         self.last_plan: ReshardPlan | None = None
+        self._durable: str | None = None  # the DCP directory of the newest durable commit
+        self._resume: str | None = None  # on rank 0: a DCP directory the next reshard loads instead
         self.last_reshard_s = 0.0
 
     # ---- the live tensors ---------------------------------------------------------------
@@ -224,6 +226,49 @@ class ShardedHandler(StateHandler):
             for group, values in zip(opt.param_groups, groups, strict=True):
                 group.update(copy.deepcopy(values))
 
+    # ---- durable checkpoints: DCP's format, every rank its own files ----------------------------
+    def write_durable(self, directory: str) -> None:
+        """Write the commit (the live state: called right after it) with `dcp.save`: every rank calls it.
+
+        Every rank writes its own rows and rank 0 the metadata, in DCP's
+        format, so `dcp.load` reads it back at any world size.
+        """
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(self._state_dicts(), checkpoint_id=directory)
+        self._durable = directory
+
+    def _state_dicts(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+        out: dict[str, Any] = {"model": get_model_state_dict(self.value)}
+        for i, opt in enumerate(self.optimizers):
+            out[f"optimizer{i}"] = get_optimizer_state_dict(self.value, opt)
+        return out
+
+    def _load_durable(self, directory: str) -> None:
+        """Every rank: the state of the DCP checkpoint in `directory`, resharded to this world by `dcp.load`."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+        state_dicts = self._state_dicts()
+        dcp.load(state_dicts, checkpoint_id=directory)
+        set_model_state_dict(self.value, state_dicts["model"])
+        for i, opt in enumerate(self.optimizers):
+            set_optimizer_state_dict(self.value, opt, state_dicts[f"optimizer{i}"])
+
+    def snapshot(self) -> dict[str, Any]:
+        """For rank 0's checkpoint entries: where the shards of this commit were written (`write_durable`)."""
+        if self._durable is None:
+            raise RuntimeError("a sharded model's durable checkpoint is written by write_durable() on every rank first")
+        return {"dcp": self._durable}
+
+    def load_snapshot(self, snapshot: Any) -> None:
+        """On rank 0, resuming: the next reshard loads `snapshot`'s DCP files on every rank instead."""
+        if not isinstance(snapshot, dict) or "dcp" not in snapshot:
+            raise ValueError("the checkpoint holds no sharded model (it was written from an unsharded one)")
+        self._resume = snapshot["dcp"]
+
     # ---- replicas -----------------------------------------------------------------------------
     def replicate(self, ring: CollectiveGroup) -> None:
         """Send this rank's committed shard to its replica holder; keep its wards' (every rank calls it)."""
@@ -252,7 +297,18 @@ class ShardedHandler(StateHandler):
 
     # ---- the sync: reshard to the new world ---------------------------------------------------
     def describe(self) -> Any:
-        return self._layout, self._plain, self._hyper, self._state_order()
+        return self._layout, self._plain, self._hyper, self._state_order(), self._resume
+
+    def _sharding(self) -> list[tuple[str, tuple[int, ...], str]]:
+        """Each sharded parameter's module, global shape and dtype, in FSDP's order: alike on every rank."""
+        return [
+            (
+                type(fp._module_info.module).__name__ + "." + fp._module_info.param_name,
+                tuple(fp.sharded_param.shape),
+                str(fp.sharded_param.dtype),
+            )
+            for fp in fsdp2.fsdp_params(self.value)
+        ]
 
     def _state_order(self) -> list[list[tuple[int, list[str]]]]:
         """Each optimizer's state, as (parameter number, its keys) in the order the dicts hold them.
@@ -273,13 +329,26 @@ class ShardedHandler(StateHandler):
         started = time.perf_counter()
         mine = {
             "initial": self.initial,
+            "sharding": self._sharding(),
             "commit": commit,
             "own": _held(self._own),
             "replicas": [_held(r) for r in self._replicas],
         }
         holdings = ring.allgather_object(mine)
-        layout, plain, hyper, order = ring.broadcast_object(self.describe() if ring.rank == 0 else None, root_rank=0)
+        differ = [r for r, h in enumerate(holdings) if h["sharding"] != holdings[0]["sharding"]]
+        if differ:
+            raise fsdp2.ShardingRefused(
+                f"ranks {differ} shard the model differently from rank 0 (other modules wrapped by fully_shard, or "
+                f"other parameters): every rank must build and shard the same model; rank 0: "
+                f"{holdings[0]['sharding'][:4]}..., rank {differ[0]}: {holdings[differ[0]]['sharding'][:4]}..."
+            )
+        layout, plain, hyper, order, resume = ring.broadcast_object(
+            self.describe() if ring.rank == 0 else None, root_rank=0
+        )
         root = holdings[0]
+        if resume is not None:
+            self._resume_from(ring, resume, root["commit"], started)
+            return
         if root["initial"]:
             # the run's first sync: every rank's own shard, cut by fully_shard on this world, is the state
             held = {r: {h["own"][1]} for r, h in enumerate(holdings) if h["initial"] and h["own"]}
@@ -310,6 +379,18 @@ class ShardedHandler(StateHandler):
             plan.bytes_moved / 1e6,
             self.last_reshard_s,
         )
+
+    def _resume_from(self, ring: CollectiveGroup, directory: str, commit: int, started: float) -> None:
+        """Every rank loads the durable checkpoint rank 0 resumed from, resharded to this world by DCP."""
+        self._load_durable(directory)
+        self._resume = None
+        self.initial = False
+        self.last_plan = None
+        self.save()
+        self.committed(commit)
+        self.replicate(ring)
+        self.last_reshard_s = time.perf_counter() - started
+        logger.info("loaded the sharded checkpoint %s on %d ranks in %.3f s", directory, ring.size, self.last_reshard_s)
 
     def _source(self, owner: int) -> tuple[torch.Tensor, int]:
         for shard in (self._own, *self._replicas):
@@ -374,7 +455,6 @@ class ShardedHandler(StateHandler):
                 held.copy_(value)  # AdamW's `step` stays the tensor, on the device, the optimizer made
             else:
                 state[key] = value.clone() if isinstance(value, torch.Tensor) else value
-
 
     def _reorder(self, order: list[list[tuple[int, list[str]]]]) -> None:
         """Hold every optimizer's state in rank 0's order (the same dicts and values, reinserted)."""
