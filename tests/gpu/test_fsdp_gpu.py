@@ -40,6 +40,7 @@ def _devices(model, opt) -> set[tuple[str, str]]:
 
 def test_fsdp2_on_nccl_rolls_back_and_syncs_on_its_devices(monkeypatch) -> None:
     import torch.distributed as dist
+    from ring_runtime import RingRuntime
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from ray_elastic.collective.nccl import TorchNcclGroup
@@ -49,23 +50,7 @@ def test_fsdp2_on_nccl_rolls_back_and_syncs_on_its_devices(monkeypatch) -> None:
 
     ring = TorchNcclGroup(dist.HashStore(), 0, 1, 60.0, 0)
 
-    class Runtime:
-        group = ring
-        slot = None
-
-        def add_join_preparation(self, prepare) -> None:
-            pass
-
-        def post_lasting(self, key, value) -> None:
-            pass
-
-        def get_lasting(self, key):
-            return None
-
-        def joined_ring(self):
-            return ring
-
-    set_current(Runtime())
+    set_current(RingRuntime(ring, backend="nccl"))
     try:
         torch.manual_seed(0)
         model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(4)]).cuda()

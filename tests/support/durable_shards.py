@@ -22,7 +22,8 @@ import sys
 
 import torch
 import torch.distributed as dist
-from reshard_ranks import Runtime, build, build_plain, digest, train_step
+from reshard_ranks import build, build_plain, digest, train_step
+from ring_runtime import RingRuntime
 
 
 def model_digest(model: torch.nn.Module) -> str:
@@ -48,7 +49,7 @@ def main(phase: str, rank: int, world: int, port: int, directory: str) -> None:
     from ray_elastic.torch.state import TorchState
 
     torch.set_num_threads(1)
-    runtime = Runtime("local")
+    runtime = RingRuntime(host="local")
     set_current(runtime)
     store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=datetime.timedelta(seconds=60))
     runtime.group = TorchGlooGroup(store, rank, world, timeout=60)

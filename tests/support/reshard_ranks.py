@@ -34,6 +34,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+from ring_runtime import RingRuntime
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 from torch.distributed.fsdp import fully_shard
 
@@ -48,34 +49,6 @@ WORLDS = [
 ]
 HOSTS = {0: "A", 1: "A", 2: "B", 3: "B", 4: "B", 5: "B"}
 FULL = StateDictOptions(full_state_dict=True)
-
-
-class Slot:
-    def __init__(self, host: str) -> None:
-        self.host = host
-
-
-class Runtime:
-    """What `TorchState` asks of a worker's runtime here: the ring, the host, the KV for newcomers."""
-
-    backend = "gloo"
-
-    def __init__(self, host: str) -> None:
-        self.group = None
-        self.slot = Slot(host)
-        self.lasting: dict[str, bytes] = {}
-
-    def add_join_preparation(self, prepare) -> None:
-        pass
-
-    def post_lasting(self, key: str, value: bytes) -> None:
-        self.lasting[key] = value
-
-    def get_lasting(self, key: str) -> bytes | None:
-        return self.lasting.get(key)
-
-    def joined_ring(self):
-        return self.group
 
 
 def build_plain() -> torch.nn.Module:
@@ -141,7 +114,7 @@ def main(process: int, base_port: int, out_dir: str, variant: str) -> None:
     from ray_elastic.torch.state import TorchState
 
     torch.set_num_threads(1)
-    runtime = Runtime(HOSTS[process])
+    runtime = RingRuntime(host=HOSTS[process])
     set_current(runtime)
     state = None
     with open(os.path.join(out_dir, f"{process}.jsonl"), "w") as out:

@@ -13,6 +13,7 @@ import hashlib
 import pytest
 import torch
 import torch.distributed as dist
+from ring_runtime import RingRuntime
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
@@ -23,30 +24,10 @@ from ray_elastic.torch.sharded import fsdp2
 from ray_elastic.torch.state import TorchState
 
 
-class Runtime:
-    backend = "gloo"
-
-    def __init__(self, ring) -> None:
-        self.group = ring
-        self.slot = None
-
-    def add_join_preparation(self, prepare) -> None:
-        pass
-
-    def post_lasting(self, key, value) -> None:
-        pass
-
-    def get_lasting(self, key):
-        return None
-
-    def joined_ring(self):
-        return self.group
-
-
 @pytest.fixture
 def world_of_one():
     ring = TorchGlooGroup(dist.HashStore(), 0, 1, 30.0)
-    set_current(Runtime(ring))
+    set_current(RingRuntime(ring))
     try:
         yield ring
     finally:
