@@ -132,6 +132,21 @@ class CheckpointCadence:
         if slot.rank != 0:
             return None
         self._resume_checked = True
+        return self._load_newest(state, None)
+
+    def load_newest(self, state: Any, slot: WorkerSlot | None, reason: str) -> dict[str, Any] | None:
+        """Rank 0, within a run: load the newest durable checkpoint into `state` because of `reason`; its meta.
+
+        For a sharded model whose owner and replica of some rows were both
+        lost: the run goes back to the newest durable commit instead of failing.
+        """
+        if self._writer is None or slot is None or slot.rank != 0:
+            return None
+        self._writer.flush(self.settings.checkpoint_timeout)  # the newest checkpoint handed over, if it can be
+        return self._load_newest(state, reason)
+
+    def _load_newest(self, state: Any, reason: str | None) -> dict[str, Any] | None:
+        assert self._writer is not None
         store = self._writer.store
         found = bounded_call(
             self.settings.checkpoint_timeout,
@@ -146,7 +161,7 @@ class CheckpointCadence:
         logger.info(
             "worker %s resumed from the checkpoint in %s: %s", self.worker_id, self.settings.checkpoint_dir, meta
         )
-        self.driver.worker_resumed.remote(self.worker_id, meta)
+        self.driver.worker_resumed.remote(self.worker_id, meta if reason is None else {**meta, "reason": reason})
         return meta
 
     def flush(self) -> str | None:

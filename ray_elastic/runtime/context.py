@@ -215,6 +215,14 @@ class WorkerContext:
         if meta is not None:
             self.commits = int(meta.get("commit", 0))
 
+    def fall_back_to_durable(self, state: Any, reason: str) -> bool:
+        """Rank 0, within a run: load the newest durable checkpoint into `state` (an event says `reason`)."""
+        meta = self.checkpoints.load_newest(state, self.slot, reason)
+        if meta is None:
+            return False
+        self.commits = int(meta.get("commit", 0))
+        return True
+
     def adopt_commits(self, held: CommitId) -> None:
         """Before a sync: every rank takes rank 0's commit count, after checking it is not going back.
 

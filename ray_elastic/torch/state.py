@@ -63,6 +63,7 @@ import torch
 from ray_elastic.runtime.commits import fresh_commit_id
 from ray_elastic.runtime.process import maybe_current
 from ray_elastic.runtime.ring_ops import group as current_ring
+from ray_elastic.state.reshard_plan import ShardLostError
 from ray_elastic.state.state import State, SyncReport
 from ray_elastic.state.transfer import agree, share_object
 from ray_elastic.torch import copy_gate
@@ -309,7 +310,10 @@ class TorchState(State):
         started = time.perf_counter()
         ring = current_ring()
         for sharded in self._sharded():  # every rank takes part: each holds a part of the state
-            sharded.reshard(ring, self.commit_id.fingerprint())
+            try:
+                sharded.reshard(ring, self.commit_id.fingerprint())
+            except ShardLostError as lost:  # every rank raises it: the plan is the same everywhere
+                self._fall_back(ring, sharded, lost)
         plan = agree(ring, self.commit_id)
         agreed = time.perf_counter() - started
         received = 0
@@ -321,6 +325,19 @@ class TorchState(State):
         for handler in self._handlers.values():
             handler.after_sync()
         self.last_sync = SyncReport(plan.holders, plan.receivers, received, time.perf_counter() - started, agreed)
+
+    def _fall_back(self, ring: CollectiveGroup, sharded: ShardedHandler, lost: ShardLostError) -> None:
+        """Rows lost with their replica: every rank goes back to the newest durable checkpoint, if there is one."""
+        ctx = maybe_current()
+        found = False
+        if ring.rank == 0 and ctx is not None:
+            found = ctx.fall_back_to_durable(self, f"resharding lost rows ({lost})")
+        found, commits = ring.broadcast_object((found, None if ctx is None else ctx.commits), root_rank=0)
+        if not found:
+            raise lost
+        if ctx is not None:
+            ctx.commits = commits  # every rank counts from the checkpoint's commit: the next durable one is alike
+        sharded.reshard(ring, self.commit_id.fingerprint())  # rank 0 now describes the checkpoint to load
 
     def _transfer(self, ring: CollectiveGroup, plan: SyncPlan) -> int:
         moving = {

@@ -11,6 +11,11 @@ Run as `python durable_shards.py PHASE RANK WORLD PORT DIR`.
   of what it holds then.
 - `mismatch`: rank 1 shards the head on its own where rank 0 leaves it to the
   root; every rank prints the error its first sync raises.
+- `lost` (4 processes on hosts A A B B, `checkpoint_dir` DIR/run with a
+  durable checkpoint every second commit): three commits, then processes 1
+  and 3, which keep each other's replicas, are lost at once; 0 and 2 sync
+  as a world of 2. Each prints the digests of the commits and of what it
+  holds after the sync, and the reason rank 0 gave the driver.
 """
 
 from __future__ import annotations
@@ -40,6 +45,59 @@ def full_digest(state_dict: dict[str, torch.Tensor]) -> str:
     for name, t in sorted(state_dict.items()):
         h.update(name.encode() + t.detach().reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
+
+
+def lost(process: int, port: int, directory: str) -> None:
+    from types import SimpleNamespace
+
+    from ray_elastic.collective.torch_gloo import TorchGlooGroup
+    from ray_elastic.runtime.checkpoint_cadence import CheckpointCadence
+    from ray_elastic.runtime.process import set_current
+    from ray_elastic.torch.state import TorchState
+
+    told: list[dict] = []
+    driver = SimpleNamespace(worker_resumed=SimpleNamespace(remote=lambda worker, meta: told.append(meta)))
+    settings = SimpleNamespace(
+        checkpoint_dir=os.path.join(directory, "run"),
+        checkpoint_keep=2,
+        checkpoint_timeout=60.0,
+        checkpoint_every=2,
+        run_id="r",
+    )
+    cadence = CheckpointCadence(f"w{process}", driver, settings)
+    runtime = RingRuntime(host="AABB"[process], checkpoints=cadence)
+    runtime.slot.rank, runtime.slot.size = process, 4
+    set_current(runtime)
+    store = dist.TCPStore("127.0.0.1", port, 4, process == 0, timeout=datetime.timedelta(seconds=60))
+    runtime.group = TorchGlooGroup(store, process, 4, timeout=60)
+    model, opt, sched = build(0, "fully_shard")
+    state = TorchState(model=model, optimizer=opt, scheduler=sched, step=0)
+    state.sync()
+    out: dict = {"process": process, "commits": []}
+    for commit in (1, 2, 3):
+        train_step(model, opt, sched, None, 1, commit)
+        state.step = commit
+        state.save()
+        runtime.after_commit(state, 0.0)
+        out["commits"].append(digest(model, opt))
+    cadence.flush()
+    dist.barrier()
+    runtime.group.close()
+    if process in (1, 3):
+        os._exit(0)  # both lost at once: each held the other's replica
+    rank = (0, None, 1)[process]
+    store = dist.TCPStore("127.0.0.1", port + 1, 2, rank == 0, timeout=datetime.timedelta(seconds=60))
+    runtime.group = TorchGlooGroup(store, rank, 2, timeout=60)
+    runtime.slot.rank, runtime.slot.size = rank, 2
+    state.restore()
+    state.sync()
+    out.update(
+        after=digest(model, opt), step=state.step, commit_count=runtime.commits, told=[m.get("reason") for m in told]
+    )
+    print(json.dumps(out), flush=True)
+    dist.barrier()
+    runtime.group.close()
+    os._exit(0)
 
 
 def main(phase: str, rank: int, world: int, port: int, directory: str) -> None:
@@ -95,4 +153,6 @@ def main(phase: str, rank: int, world: int, port: int, directory: str) -> None:
 
 
 if __name__ == "__main__":
+    if sys.argv[1] == "lost":
+        lost(int(sys.argv[2]), int(sys.argv[4]), sys.argv[5])
     main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])

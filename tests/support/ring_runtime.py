@@ -3,6 +3,8 @@
 `RingRuntime(ring, host)`: the ring (`group`, `joined_ring()`), the
 backend's name, this worker's host (`slot.host`: where a sharded state's
 replicas go) and the run's lasting KV (a dict of this process's own).
+With `checkpoints` (a `CheckpointCadence`), rank 0 can fall back to the newest
+durable checkpoint within the run, as a worker's runtime does.
 """
 
 from __future__ import annotations
@@ -11,11 +13,24 @@ from types import SimpleNamespace
 
 
 class RingRuntime:
-    def __init__(self, ring=None, host: str | None = None, backend: str = "gloo") -> None:
+    def __init__(self, ring=None, host: str | None = None, backend: str = "gloo", checkpoints=None) -> None:
         self.group = ring
         self.backend = backend
-        self.slot = None if host is None else SimpleNamespace(host=host)
+        self.slot = None if host is None else SimpleNamespace(host=host, rank=0, size=1)
         self.lasting: dict[str, bytes] = {}
+        self.checkpoints = checkpoints
+        self.commits = 0  # the run's commit count, as a worker's runtime keeps it
+
+    def after_commit(self, state, save_seconds: float) -> None:
+        self.commits += 1
+        if self.checkpoints is not None:
+            self.checkpoints.after_commit(state, self.slot, generation=1, commits=self.commits)
+
+    def fall_back_to_durable(self, state, reason: str) -> bool:
+        meta = None if self.checkpoints is None else self.checkpoints.load_newest(state, self.slot, reason)
+        if meta is not None:
+            self.commits = meta["commit"]
+        return meta is not None
 
     def add_join_preparation(self, prepare) -> None:
         pass

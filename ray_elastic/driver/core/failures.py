@@ -209,7 +209,8 @@ class Failures:
         ev = self.generations.event(
             EventKind.RESUMED,
             f"worker {msg.worker_id} (rank 0) loaded the durable checkpoint of commit {meta.get('commit')} "
-            f"(written {age:.1f} s ago at world size {meta.get('world_size')})",
+            f"(written {age:.1f} s ago at world size {meta.get('world_size')})"
+            + (f": {meta['reason']}" if meta.get("reason") else ""),
             now,
         )
         ev.reset_duration = 0.0

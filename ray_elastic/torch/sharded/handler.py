@@ -99,6 +99,15 @@ def _held(shard: Shard_ | None) -> tuple[int, int, int] | None:
     return None if shard is None or not shard.stamp else (shard.world, shard.rank, shard.stamp)
 
 
+def _rows_of_layout(layout: Layout, world: int, rank: int) -> list[torch.Tensor]:
+    """Host tensors for `rank`'s rows of every tensor of `layout` at `world` ranks (uninitialized)."""
+    out = []
+    for shape, dtype in zip(layout.shapes, layout.dtypes, strict=True):
+        start, stop = rows_of(shape[0], world, rank)
+        out.append(torch.empty((stop - start, *shape[1:]), dtype=dtype))
+    return out
+
+
 def _host() -> str:
     ctx = maybe_current()
     slot = None if ctx is None else ctx.slot
@@ -347,6 +356,9 @@ class ShardedHandler(StateHandler):
         )
         root = holdings[0]
         if resume is not None:
+            # onto this ring's mesh first (a survivor's model is still on the old one), then DCP fills the rows
+            self._rebind(ring, layout, _rows_of_layout(layout, ring.size, ring.rank), plain)
+            self._reorder(order)
             self._resume_from(ring, resume, root["commit"], started)
             return
         if root["initial"]:
@@ -401,10 +413,7 @@ class ShardedHandler(StateHandler):
     def _move(self, ring: CollectiveGroup, layout: Layout, plan: ReshardPlan, old_world: int) -> list[torch.Tensor]:
         """This rank's new rows of every tensor, on the host: copied, sent and received as `plan` says."""
         me = ring.rank
-        fresh = []
-        for shape, dtype in zip(layout.shapes, layout.dtypes, strict=True):
-            start, stop = rows_of(shape[0], ring.size, me)
-            fresh.append(torch.empty((stop - start, *shape[1:]), dtype=dtype))
+        fresh = _rows_of_layout(layout, ring.size, me)
         works = []
         for piece in plan.pieces:
             if piece.src != me and piece.dst != me:
