@@ -94,10 +94,7 @@ def fsdp_train_fn(config: dict) -> dict:
     elastic.size()
     for block in model.blocks:
         fully_shard(block)
-    # the head in a unit of its own: with parameters held by the root unit itself, a newcomer's first full gather
-    # after a reshard to a larger world aborts on a Gloo size mismatch (the reshard's open bug)
-    fully_shard(model.head)
-    fully_shard(model)
+    fully_shard(model)  # the head's parameters are the root's own
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.get("lr", 3e-3), weight_decay=0.01)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=20, gamma=0.9)
     state = elastic.torch.TorchState(model=model, optimizer=optimizer, scheduler=scheduler, step=0, stop_at=-1)
