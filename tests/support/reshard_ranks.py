@@ -17,9 +17,9 @@ across hosts.
 Every generation, every member: syncs (the reshard), records a digest of the
 full state gathered right after it (`get_model_state_dict` / `get_optimizer_
 state_dict` with `full_state_dict`: all-gathers of the shards, so bytes,
-never arithmetic), trains two steps, commits, records the commit's digest,
-trains one more step (lost to the next reset), and rolls back, as a
-survivor of a failure does. A process writes its records as JSON lines into
+never arithmetic), trains two steps, commits (but in `UNCOMMITTED`
+generations), records the commit's digest, trains one more step (lost to the
+next reset), and rolls back, as a survivor of a failure does. A process writes its records as JSON lines into
 OUT_DIR/PROCESS.jsonl; the test compares each generation's digest after the
 sync with the previous generation's commit.
 """
@@ -42,11 +42,12 @@ from torch.distributed.fsdp import fully_shard
 WORLDS = [
     [0, 1, 2, 3],  # the first generation: 4 ranks on hosts A A B B
     [0, 1, 2],  # 4 -> 3: process 3 lost (its replica is on process 1, host A)
-    [0, 1, 2, 4],  # 3 -> 4: a newcomer, on host B
-    [0, 1],  # 4 -> 2: host B lost with both its processes (2 and 4)
+    [0, 1, 2, 4],  # 3 -> 4: a newcomer, on host B; this generation fails before it commits
+    [0, 1],  # 4 -> 2: host B lost with both its processes (2 and 4): from the buffers of generation 2's world
     [0],  # 2 -> 1
     [0, 5],  # 1 -> 2: a newcomer
 ]
+UNCOMMITTED = {3}  # generations that fail before their first commit
 HOSTS = {0: "A", 1: "A", 2: "B", 3: "B", 4: "B", 5: "B"}
 FULL = StateDictOptions(full_state_dict=True)
 
@@ -147,9 +148,10 @@ def main(process: int, base_port: int, out_dir: str, variant: str) -> None:
             for step in range(2):
                 train_step(model, opt, sched, scaler, generation, step)
             state.step = state.step + 2
-            state.save()
-            record["committed"] = digest(model, opt)
-            record["step"] = state.step
+            if generation not in UNCOMMITTED:
+                state.save()
+                record["committed"] = digest(model, opt)
+                record["step"] = state.step
             train_step(model, opt, sched, scaler, generation, 9)  # lost: the next generation rolls back
             state.step = state.step + 1
             out.write(json.dumps(record) + "\n")

@@ -11,15 +11,21 @@ do not apply. Here:
   rank on another host) and keeps its ward's, so one host's loss loses no
   committed row. Host memory: its own shard and one replica.
 - A rollback copies the buffer back into the live tensors; the optimizers
-  keep their objects and the parameters their identity.
+  keep their objects and the parameters their identity. Between a reshard
+  and the next commit the buffers are the old world's: a rollback then
+  leaves the live tensors to the sync that follows it, which reshards them
+  from those buffers again.
 - A sync after a reset (`reshard`, every rank at once): the ranks say which
   committed shards they hold; `plan_reshard` gives every run of rows of the
   new layout one live source (the rank itself, else the owner, else the
   replica); only those rows move, point to point; then every sharded module
   is moved onto the new world's mesh (`fsdp2.rebind`), the optimizers'
-  moments become `DTensor`s of that mesh, and the new layout is committed
-  with replicas. Newcomers, whose `train_fn` built and sharded the model on
-  the new world, receive exactly their rows.
+  moments become `DTensor`s of that mesh. The old world's buffers keep
+  holding the commit (a second failure before the next commit reshards from
+  them again); the next commit saves the new layout with its replicas, so
+  the recovery does not wait for that copy and exchange. Newcomers, whose
+  `train_fn` built and sharded the model on the new world, receive exactly
+  their rows.
 
 A commit cut short by a failure (a rank died between its copy and the
 replica exchange) can leave a row with no holder of the commit rank 0
@@ -378,10 +384,13 @@ class ShardedHandler(StateHandler):
         self._rebind(ring, layout, fresh, plain)
         self._reorder(order)
         self._apply_hyper(hyper)
+        if root["initial"]:  # the run's first commit with replicas
+            self.save()
+            self.committed(root["commit"])
+            self.replicate(ring)
+        # else the survivors' buffers (their shards and replicas of the old world) hold this very commit, stamped
+        # with it, until the next commit saves the new layout with its replicas: off the recovery's critical path
         self.initial = False
-        self.save()
-        self.committed(root["commit"])
-        self.replicate(ring)
         self.last_plan = plan
         self.last_reshard_s = time.perf_counter() - started
         logger.info(
