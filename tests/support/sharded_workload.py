@@ -111,7 +111,8 @@ def fsdp_train_fn(config: dict) -> dict:
             "pid": os.getpid(),
             "node": node,
             "received": sum(p.nbytes for p in plan.receives(elastic.rank())) if plan else 0,
-            "shard": sharded._own.flat.numel() if sharded._own is not None else 0,
+            # this rank's rows of every sharded tensor (parameters and AdamW's moments) in the new layout
+            "shard": sum(t.numel() * t.element_size() for t in sharded._live(sharded.layout())),
         }
         ranks = elastic.allgather_object(mine)
         entry = {
