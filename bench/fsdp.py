@@ -21,7 +21,7 @@ measures, in this order:
 - (iv) host memory per worker for commits: its own shard's and its replicas'
   buffers against (parameters + AdamW moments) / world.
 - (i) and (iii): `--kills` SIGKILLs of one worker (ranks 1, 2, 3 in turn,
-  each at a step 5 past a commit). Recovery: from the kill to rank 0's first
+  each at a step 5 past a commit made at world 4). Recovery: from the kill to rank 0's first
   step at world 3. The 4 -> 3 reshard's bytes moved against the planner's
   minimum and its time (`last_plan`, `last_reshard_s`). The killed slot
   cools down `--cooldown` s, then a newcomer joins (3 -> 4) before the next
@@ -188,6 +188,7 @@ def elastic_train_fn(config: dict) -> int:
                 if (
                     step % COMMIT_EVERY == 5
                     and elastic.size() == 4
+                    and step - entry_step > COMMIT_EVERY  # this world of 4 committed: the reshard moves its rows
                     and k == kills_at_entry < config["kills"]
                     and elastic.rank() == 1 + k % 3
                 ):
@@ -364,6 +365,10 @@ def run_raytrain(config: dict) -> dict:
 # ---- the table ------------------------------------------------------------------------------------------------
 
 
+def _over(moved: int, minimum: int) -> float:
+    return moved / minimum if minimum else (1.0 if moved == 0 else float("inf"))
+
+
 def summarize(ours: dict, rt: dict | None, config: dict) -> tuple[dict, list[tuple[str, str, str, str]]]:
     blocks = ours["blocks"]
     per_arm = {arm: [b["s"] / COMMIT_EVERY for b in blocks if b["arm"] == arm] for arm in ("commit", "plain")}
@@ -382,7 +387,9 @@ def summarize(ours: dict, rt: dict | None, config: dict) -> tuple[dict, list[tup
     commit_wall = [b["commit_s"] for b in blocks if b["arm"] == "commit"]
     rec = [k["recovery_s"] for k in ours["kills"]]
     resumed = [k["resumed_s"] for k in ours["kills"]]
-    moved = [k["reshard_4to3"]["moved"] / k["reshard_4to3"]["minimum"] for k in ours["kills"]]
+    # a kill before the rejoined world's first commit reshards from the buffers of the world of 3 it came from:
+    # every row is then where it is needed, and nothing moves (moved == minimum == 0: ratio 1)
+    moved = [_over(k["reshard_4to3"]["moved"], k["reshard_4to3"]["minimum"]) for k in ours["kills"]]
     reshard_s = [k["reshard_4to3"]["reshard_s"] for k in ours["kills"]]
     rejoins = [k["reshard_3to4"] for k in ours["kills"] if k["reshard_3to4"]]
     summary = {
