@@ -244,3 +244,13 @@ def test_checkpoint_dir_keeps_the_sharded_commits_in_dcp_format_and_a_new_run_re
     assert meta is not None and meta["commit"] == 3
     resumed.sync()
     assert digest(fresh, fresh_opt) == written and resumed.step == 3
+
+
+def test_a_two_dimensional_mesh_hsdp_is_refused_by_name(world_of_one) -> None:
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("replicate", "shard"))
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 2))
+    for block in model:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    with pytest.raises(fsdp2.ShardingRefused, match="2-D mesh \\(HSDP or tensor parallel\\)"):
+        TorchState(model=model, optimizer=torch.optim.AdamW(model.parameters()))
