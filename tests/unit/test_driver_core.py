@@ -1089,11 +1089,11 @@ def test_discovery_offering_the_same_hosts_again_changes_nothing_durable():
 
 
 def test_a_resume_within_the_run_says_why_the_disk_was_read():
-    """A sharded model's rows lost with their replica: rank 0 goes back to the durable checkpoint, the event says why."""
+    """A sharded model's rows lost with their replica: rank 0 reads the durable checkpoint, saying why."""
     s = Script(min_workers=1)
     gen = s.start({"A": 2, "B": 2})
     rank0 = next(w for w, slot in gen.plan.items() if slot.rank == 0)
-    why = "resharding lost rows (rows 2-4 of tensor 0 were old rank 1's of 4: neither its owner nor its replica is alive)"
+    why = "resharding lost rows (rows 2-4 of tensor 0 were old rank 1's of 4: neither its owner nor replica is alive)"
     s.send(m.WorkerResumed(rank0, {"commit": 20, "world_size": 4, "reason": why}))
     [resumed] = [e for e in s.core.events if e.kind is EventKind.RESUMED]
     assert "loaded the durable checkpoint of commit 20" in resumed.detail and resumed.detail.endswith(why)
