@@ -47,13 +47,13 @@ import argparse
 import json
 import logging
 import os
-import signal
 import statistics
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+import step_log
 import torch
 from own_dashboard import local_cluster
 from ray_train_recovery import wait_for_free_cpus
@@ -106,17 +106,6 @@ def train_step(model: Net, opt: torch.optim.Optimizer, step: int, rank: int, con
     loss.backward()
     opt.step()
     opt.zero_grad()
-
-
-def kill_self(marker: str, step: int) -> None:
-    """Record the time, then SIGKILL this process (once per marker)."""
-    try:
-        fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-    except FileExistsError:
-        return
-    with os.fdopen(fd, "w") as f:
-        f.write(json.dumps({"time": time.time(), "step": step}))
-    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def kills_done(workdir: str, prefix: str) -> int:
@@ -192,7 +181,7 @@ def elastic_train_fn(config: dict) -> int:
                     and k == kills_at_entry < config["kills"]
                     and elastic.rank() == 1 + k % 3
                 ):
-                    kill_self(os.path.join(workdir, f"kill-{k}"), state.step)
+                    step_log.kill_once(os.path.join(workdir, f"kill-{k}"), state.step)
             step_t0 = time.time()
             train_step(model, opt, step, elastic.rank(), config)
             state.step = step
@@ -308,7 +297,7 @@ def raytrain_fsdp_fn(config: dict) -> None:
     while step < config["rt_steps"]:
         k = kills_done(config["workdir"], "rt-kill-")
         if step == COMMIT_EVERY * (k + 1) + 5 and k < config["rt_kills"] and rank == 1 + k % 3:
-            kill_self(os.path.join(config["workdir"], f"rt-kill-{k}"), step)
+            step_log.kill_once(os.path.join(config["workdir"], f"rt-kill-{k}"), step)
         step += 1
         step_t0 = time.time()
         train_step(model, opt, step, rank, config)
