@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 from typing import TYPE_CHECKING
 
@@ -137,10 +138,24 @@ class ReportStore:
                 os.makedirs(staging, exist_ok=True)
                 shutil.rmtree(final, ignore_errors=True)  # a torn earlier try, or a name reported again
                 os.rename(staging, final)
+                self._drop_torn_staging(directory)
             layout["directory"] = directory
         else:
             ring.barrier()
         return layout
+
+    def _drop_torn_staging(self, directory: str) -> None:
+        """Remove the staging directories of `directory` that earlier generations' torn tries left.
+
+        A report cut by a failure leaves its staging directory; the rollback
+        reports the same name again (its index comes from the commit), so
+        the next rename of that name is where the torn ones are known dead.
+        """
+        assert self.run_path is not None
+        torn = re.compile(rf"\.{re.escape(directory)}\.g\d+\.partial")  # staging_name's, of any generation
+        for name in os.listdir(self.run_path):
+            if torn.fullmatch(name):
+                shutil.rmtree(os.path.join(self.run_path, name), ignore_errors=True)
 
     def _replicate(self, ring: CollectiveGroup, files: Files | None, layout: Layout, replicas: list[int]) -> None:
         """Each owner sends its part to its replica holder; every rank keeps its own part and those it received."""

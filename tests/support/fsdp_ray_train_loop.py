@@ -11,8 +11,11 @@ sharded model; at the end the full model, saved by rank 0 and reported with
 make it elastic.
 
 For the tests it logs (`config["log"]`, one JSON line per record) every
-entry into the loop with a checksum of the full state it resumed from, every
-step, and every report's checksum; `kill` makes one rank SIGKILL itself once.
+entry into the loop (with its node, and a checksum of the full state it
+resumed from), every step with its loss, every report's checksum, and each
+rank's checksum of the full state it ended with; `kill` makes one rank
+SIGKILL itself once; `until` (a path) runs the loop past `steps`, a report's
+worth at a time, until that file exists, so a test decides when it ends.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import time
 
 import ray.train
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
@@ -114,6 +118,21 @@ def _log(config: dict, **record) -> None:
         f.write(json.dumps({"pid": os.getpid(), "time": time.time(), **record}) + "\n")
 
 
+def _go_on(config: dict, step: int) -> bool:
+    """Whether the loop trains step `step` (0-based): `steps` of them, then, with `until`, more until its file exists.
+
+    Past `steps` the ranks decide together (one allreduce) at each report's
+    boundary, so they all stop after the same report.
+    """
+    if step < config["steps"]:
+        return True
+    if config.get("until") is None or step % config["report_every"]:
+        return config.get("until") is not None
+    seen = torch.tensor([float(os.path.exists(config["until"]))])
+    dist.all_reduce(seen, op=dist.ReduceOp.MAX)
+    return not seen.item()
+
+
 def _batch(step: int, rank: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 * step + rank)
     x = torch.randn(batch_size, DIM, generator=g)
@@ -135,13 +154,15 @@ def train_func(config: dict) -> None:
             dcp.load({"app": app}, checkpoint_id=directory)
             start = app.step
     resumed = checksum(*full_state(model, optimizer)) if checkpoint else None
+    node = ray.get_runtime_context().get_node_id()
     if rank == 0 or checkpoint is None:
-        _log(config, entry=True, rank=rank, size=world_size, at=start, checksum=resumed)
+        _log(config, entry=True, rank=rank, size=world_size, at=start, node=node, checksum=resumed)
     else:
-        _log(config, entry=True, rank=rank, size=world_size, at=start)
+        _log(config, entry=True, rank=rank, size=world_size, at=start, node=node)
 
     kill = config.get("kill")
-    for step in range(start, config["steps"]):
+    step = start
+    while _go_on(config, step):
         if kill and rank == kill["rank"] and step == kill["step"] and not os.path.exists(kill["marker"]):
             with open(kill["marker"], "w") as f:
                 f.write(str(time.time()))
@@ -151,9 +172,10 @@ def train_func(config: dict) -> None:
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-        _log(config, step=step + 1, rank=rank, size=world_size)
+        _log(config, step=step + 1, rank=rank, size=world_size, loss=loss.item())
         time.sleep(config.get("step_sleep", 0.0))
-        if (step + 1) % config["report_every"] == 0 or step + 1 == config["steps"]:
+        last = step + 1 == config["steps"] and config.get("until") is None
+        if (step + 1) % config["report_every"] == 0 or last:
             digest = checksum(*full_state(model, optimizer))
             with tempfile.TemporaryDirectory() as directory:
                 dcp.save({"app": AppState(model, optimizer, step + 1)}, checkpoint_id=directory)
@@ -161,14 +183,21 @@ def train_func(config: dict) -> None:
                 if rank == 0:
                     _log(config, report=step + 1, size=world_size, checksum=digest)
                 ray.train.report(metrics, checkpoint=Checkpoint.from_directory(directory))
+        step += 1
 
+    # every rank's own gather of the full state it ended with (not rank 0's alone, as `full_state` gives)
+    everywhere = StateDictOptions(full_state_dict=True)
+    mine = checksum(
+        get_model_state_dict(model, options=everywhere), get_optimizer_state_dict(model, optimizer, options=everywhere)
+    )
+    _log(config, end=True, rank=rank, size=world_size, at=step, checksum=mine)
     model_state, _ = full_state(model, optimizer)
     with tempfile.TemporaryDirectory() as directory:
         final = None
         if rank == 0:
             torch.save(model_state, os.path.join(directory, "full-model.pt"))
             final = Checkpoint.from_directory(directory)
-        ray.train.report({"step": config["steps"], "final": True}, checkpoint=final, checkpoint_dir_name="full_model")
+        ray.train.report({"step": step, "final": True}, checkpoint=final, checkpoint_dir_name="full_model")
 
 
 def fit(config: dict, num_workers, storage_path: str, name: str = "fsdp"):

@@ -208,17 +208,31 @@ def test_sharded_report_survives_a_nodes_loss_and_every_survivor_gets_every_file
     assert [len(s.parts) for s in survivors] == [2, 2, 4]
 
 
-def test_a_part_no_live_worker_holds_is_read_from_the_durable_copy(tmp_path):
+def test_a_part_no_live_worker_holds_is_read_from_the_durable_copy(tmp_path, caplog):
     hosts = ["a", "b"]
     stores = [ReportStore(str(tmp_path)) for _ in hosts]
     layouts, _ = _on_ranks(
         [lambda ring, r=r: stores[r].report(ring, _dcp_like(r), 4, hosts[r], "c4", 2) for r in (0, 1)]
     )
-    (files,), _ = _on_ranks([lambda ring: ReportStore(str(tmp_path)).settle(ring, layouts[0], "z")])
+    with caplog.at_level("WARNING", logger="ray_elastic.train.report_store"):
+        (files,), _ = _on_ranks([lambda ring: ReportStore(str(tmp_path)).settle(ring, layouts[0], "z")])
     assert files == {**_dcp_like(0), **_dcp_like(1)}
+    # the line a cluster test looks for in the workers' logs to tell that nothing was read from storage
+    assert sum(f"read from {tmp_path / 'c4'}" in m for m in caplog.messages) == 2, caplog.messages
     os.remove(tmp_path / "c4" / "__1_0.distcp")
     with pytest.raises(AssertionError, match="CheckpointError"):
         _on_ranks([lambda ring: ReportStore(str(tmp_path)).settle(ring, layouts[0], "z")])
+
+
+def test_a_torn_reports_staging_directory_goes_once_its_name_is_reported_again(tmp_path):
+    # generation 1's try of "c1" was cut by a failure after one owner staged its files
+    (tmp_path / ".c1.g1.partial").mkdir()
+    (tmp_path / ".c1.g1.partial" / "__1_0.distcp").write_bytes(b"torn")
+    (tmp_path / ".c10.g1.partial").mkdir()  # another name's: not this report's to remove
+    stores = [ReportStore(str(tmp_path)) for _ in range(2)]
+    _on_ranks([lambda ring, r=r: stores[r].report(ring, _dcp_like(r), 1, "ab"[r], "c1", 2) for r in (0, 1)])
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".c10.g1.partial", "c1"]
+    assert {p.name for p in (tmp_path / "c1").iterdir()} == {".metadata", "__0_0.distcp", "__1_0.distcp"}
 
 
 def test_a_report_from_rank_0_alone_is_kept_whole_and_survivors_move_nothing(tmp_path):
