@@ -26,6 +26,9 @@ class RingRuntime:
         if self.checkpoints is not None:
             self.checkpoints.after_commit(state, self.slot, generation=1, commits=self.commits)
 
+    def check_host_updates(self) -> None:
+        pass  # no driver: hosts never change here
+
     def fall_back_to_durable(self, state, reason: str) -> bool:
         meta = None if self.checkpoints is None else self.checkpoints.load_newest(state, self.slot, reason)
         if meta is not None:
