@@ -169,7 +169,8 @@ def test_ray_trains_fsdp2_loop_grows_onto_an_added_node_and_survives_that_nodes_
     for r in entries:
         if not sizes or sizes[-1] != r["size"]:
             sizes.append(r["size"])
-    assert sizes == [4, 6, 4], entries
+    # the two newcomers join together, or one generation after the other (a world of 5 between)
+    assert sizes in ([4, 6, 4], [4, 5, 6, 4]), entries
 
     first = {r["pid"]: r["node"] for r in entries if r["size"] == 4 and r["time"] < lost_at and r["at"] == 0}
     six = {r["pid"]: r["node"] for r in entries if r["size"] == 6}
@@ -184,11 +185,11 @@ def test_ray_trains_fsdp2_loop_grows_onto_an_added_node_and_survives_that_nodes_
     # the state every re-entry resumed from is bitwise the one reported at that step
     reported = {r["report"]: (r["checksum"], r["size"]) for r in records if "report" in r}
     resumed = [r for r in entries if r["rank"] == 0 and r.get("checksum") is not None]
-    assert [r["size"] for r in resumed] == [6, 4], resumed
+    assert [r["size"] for r in resumed] == sizes[1:], resumed
     for r in resumed:
         assert r["checksum"] == reported[r["at"]][0], f"resumed at step {r['at']} from another state than reported"
-    at_six, after_loss = resumed
-    assert reported[at_six["at"]][1] == 4, "the world of 6 resumed from the last report of the world of 4"
+    at_six, after_loss = resumed[-2:]
+    assert reported[at_six["at"]][1] in (4, 5), "the world of 6 resumed from the last report of the world before"
     assert after_loss["at"] >= grown and reported[after_loss["at"]][1] == 6, (
         "the world of 4 resumed from a report of the world of 6, resharded 6 -> 4"
     )
