@@ -127,13 +127,14 @@ def elastic_train_fn(config: dict) -> int:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
     state = elastic.torch.TorchState(model=model, optimizer=opt, step=0)
     sharded = state._handlers["model"]
+    # each commit's two parts, timed on this rank: the copy, and the replica exchange
     timings: dict[str, list[float]] = {"save": [], "replicate": []}
-    for name in timings:  # each commit's two parts, timed on this rank
+    for name in timings:
         part = getattr(sharded, name)
 
-        def timed(*args: Any, _part: Any = part, _name: str = name) -> None:
+        def timed(*args: Any, _part: Any = part, _name: str = name, **kwargs: Any) -> None:
             t0 = time.perf_counter()
-            _part(*args)
+            _part(*args, **kwargs)
             timings[_name].append(time.perf_counter() - t0)
 
         setattr(sharded, name, timed)
@@ -425,8 +426,8 @@ def summarize(ours: dict, rt: dict | None, config: dict) -> tuple[dict, list[tup
         ),
         (
             "(ii) one commit: wall / copy / replica",
-            f"{summary['commit_s']['wall_median']:.3f} / "
-            f"{summary['commit_s']['save_median']:.3f} / {summary['commit_s']['replicate_median']:.3f} s",
+            f"{summary['commit_s']['wall_median']:.3f} / {summary['commit_s']['save_median']:.3f} / "
+            f"{summary['commit_s']['replicate_median']:.3f} s",
             "",
             "",
         ),

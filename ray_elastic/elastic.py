@@ -50,9 +50,7 @@ def run(func: Callable[..., R]) -> Callable[..., R]:
                     ctx.adopt_commits(state.commit_id)  # before the sync overwrites anything
                     state.sync()
                     ctx.mark_synced()
-                value = func(state, *args, **kwargs)
-                state.settle()  # a commit's exchange in flight ends before the ring does
-                return value
+                return func(state, *args, **kwargs)
             except HorovodInternalError as e:
                 logger.info("rank %s: collective failed (%s); restoring the last commit", ctx.rank, e)
                 ctx.tell_failure(str(e))  # the driver plans the next generation while this rank restores

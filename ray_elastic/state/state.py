@@ -83,9 +83,6 @@ class State:
     def save(self) -> None:
         raise NotImplementedError
 
-    def settle(self) -> None:
-        """Finish what the last commit left in flight (a sharded model's replicas); `run` calls it at the end."""
-
     def keep_live(self) -> None:
         """Make the live state the commit, on a graceful reset (`save()` unless a subclass does it cheaper)."""
         self.save()

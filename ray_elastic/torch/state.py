@@ -237,18 +237,9 @@ class TorchState(State):
         self.commit_id = after
         for handler in self._sharded():
             handler.committed(after.fingerprint())
-            if collectives:  # overlapped with the next step; waited for before a graceful reset
-                handler.replicate(current_ring(), wait=later)
+            if collectives:
+                handler.replicate(current_ring())
         self._publish_layout()
-
-    def check_host_updates(self) -> None:
-        for handler in self._sharded():
-            handler.after_step()
-        super().check_host_updates()
-
-    def settle(self) -> None:
-        for handler in self._sharded():
-            handler.settle()
 
     def _sharded(self) -> list[ShardedHandler]:
         return [h for h in self._handlers.values() if isinstance(h, ShardedHandler)]

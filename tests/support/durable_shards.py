@@ -81,7 +81,6 @@ def lost(process: int, port: int, directory: str) -> None:
         runtime.after_commit(state, 0.0)
         out["commits"].append(digest(model, opt))
     cadence.flush()
-    state.settle()  # the last commit's replicas, as at the end of a run
     dist.barrier()
     runtime.group.close()
     if process in (1, 3):

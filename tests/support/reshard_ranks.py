@@ -149,11 +149,11 @@ def main(process: int, base_port: int, out_dir: str, variant: str) -> None:
                 train_step(model, opt, sched, scaler, generation, step)
             state.step = state.step + 2
             if generation not in UNCOMMITTED:
-                state.commit()  # its replicas are exchanged while the next step runs
+                state.commit()
                 record["committed"] = digest(model, opt)
                 record["step"] = state.step
             train_step(model, opt, sched, scaler, generation, 9)  # lost: the next generation rolls back
-            state.check_host_updates()  # the step's check: the commit's replica exchange is settled by now
+            state.check_host_updates()
             state.step = state.step + 1
             out.write(json.dumps(record) + "\n")
             out.flush()

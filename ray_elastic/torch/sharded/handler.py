@@ -9,10 +9,8 @@ do not apply. Here:
   optimizers' plain values (AdamW's `step`) and hyper-parameters; then every
   rank sends its buffer to its replica holder (`replica_holder`: the next
   rank on another host) and keeps its ward's, so one host's loss loses no
-  committed row. The exchange runs while the next step trains and is
-  settled at that step's `check_host_updates()` (or the next commit, or the
-  run's end); a replica counts only once settled. Host memory: its own
-  shard and one replica.
+  committed row, within the commit (see `replicate` for why not beside the
+  next step). Host memory: its own shard and one replica.
 - A rollback copies the buffer back into the live tensors; the optimizers
   keep their objects and the parameters their identity. Between a reshard
   and the next commit the buffers are the old world's: a rollback then
@@ -139,8 +137,6 @@ class ShardedHandler(StateHandler):
         self._resume: str | None = None  # on rank 0: a DCP directory the next reshard loads instead
         self.last_reshard_s = 0.0
         self._hosts: tuple[CollectiveGroup, list[str]] | None = None  # the ring's hosts, asked once per ring
-        # the replica exchange in flight: its works, the commit it carries, the checks it was left through
-        self._pending: tuple[list[Any], int, int] | None = None
 
     # ---- the live tensors ---------------------------------------------------------------
     def _params(self) -> list[Any]:
@@ -195,7 +191,6 @@ class ShardedHandler(StateHandler):
 
     # ---- commit and rollback ----------------------------------------------------------------
     def save(self) -> None:
-        self.settle()  # the exchange in flight reads the buffer this save overwrites
         layout = self.layout()
         live = self._live(layout)
         world, rank = self._world_rank()
@@ -292,15 +287,14 @@ class ShardedHandler(StateHandler):
         self._resume = snapshot["dcp"]
 
     # ---- replicas -----------------------------------------------------------------------------
-    def replicate(self, ring: CollectiveGroup, wait: bool = True) -> None:
+    def replicate(self, ring: CollectiveGroup) -> None:
         """Send this rank's committed shard to its replica holder; keep its wards' (every rank calls it).
 
-        `wait=False` leaves the exchange in flight, overlapped with the next
-        step: `settle()` finishes it (the next step's `check_host_updates()`,
-        the next commit, the end of the run), and a replica counts for a
-        reshard only once settled.
+        Synchronous, inside the commit: left in flight beside the next step,
+        a rank lost in that step would take its commit's rows with it (its
+        replica not yet whole, and the previous commit overwritten), unless
+        every buffer were kept twice.
         """
-        self.settle()
         own = self._own
         if own is None or ring.size < 2:
             self._replicas = []
@@ -322,30 +316,10 @@ class ShardedHandler(StateHandler):
         self._replicas = replicas
         assert holder is not None
         works = [ring.send_async(own.flat, holder)] + [ring.recv_async(r.flat, r.rank) for r in replicas]
-        self._pending = (works, own.stamp, 0)
-        if wait:
-            self.settle()
-
-    def settle(self) -> None:
-        """Finish the replica exchange a commit left in flight (a broken ring raises, as any collective does)."""
-        pending, self._pending = self._pending, None
-        if pending is None:
-            return
-        works, stamp, _ = pending
         for w in works:
             w.wait()
-        for replica in self._replicas:
-            replica.stamp = stamp
-
-    def after_step(self) -> None:
-        """At each `check_host_updates()`: an exchange in flight since before the last step is finished now."""
-        if self._pending is None:
-            return
-        works, stamp, checks = self._pending
-        if checks >= 1:
-            self.settle()
-        else:
-            self._pending = (works, stamp, checks + 1)
+        for replica in replicas:
+            replica.stamp = own.stamp
 
     # ---- the sync: reshard to the new world ---------------------------------------------------
     def describe(self) -> Any:
@@ -379,7 +353,6 @@ class ShardedHandler(StateHandler):
         holds (rank 0's is the one every rank resumes from).
         """
         started = time.perf_counter()
-        self._pending = None  # an exchange of the old ring never settled: its replicas stay torn (uncounted)
         mine = {
             "initial": self.initial,
             "sharding": self._sharding(),
