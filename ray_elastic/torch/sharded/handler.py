@@ -7,8 +7,8 @@ do not apply. Here:
 - A commit copies this rank's rows of every sharded tensor (the parameters
   and the optimizers' `DTensor` moments) into one flat host buffer, with the
   optimizers' plain values (AdamW's `step`) and hyper-parameters; then every
-  rank sends its buffer to its replica holder (`replica_holder`: the next
-  rank on another host) and keeps its ward's, so one host's loss loses no
+  rank sends its buffer to its replica holder (`replica_holder`: a rank on
+  another host) and keeps its ward's, so one host's loss loses no
   committed row, within the commit (see `replicate` for why not beside the
   next step). Host memory: its own shard and one replica.
 - A rollback copies the buffer back into the live tensors; the optimizers
@@ -29,8 +29,10 @@ do not apply. Here:
   their rows.
 
 A commit cut short by a failure (a rank died between its copy and the
-replica exchange) can leave a row with no holder of the commit rank 0
-holds: `reshard` then raises `ShardLostError`, naming the rows.
+replica exchange), or a shard lost with its replica, leaves rows with no
+holder of the commit rank 0 holds: `reshard` then raises `ShardLostError`,
+naming them, and `TorchState` goes back to the newest durable checkpoint
+(`write_durable`, DCP's format) where there is one.
 """
 
 from __future__ import annotations
