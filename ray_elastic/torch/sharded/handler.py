@@ -49,7 +49,7 @@ from torch.distributed.tensor import DTensor, Shard
 from ray_elastic.runtime.process import maybe_current
 from ray_elastic.state.reshard_plan import ReshardPlan, plan_reshard, replica_holder, rows_of, wards_of
 from ray_elastic.torch.handler import StateHandler
-from ray_elastic.torch.sharded import fsdp2
+from ray_elastic.torch.sharded import dcp_files, fsdp2
 
 if TYPE_CHECKING:
     from ray_elastic.collective.base import CollectiveGroup
@@ -247,34 +247,9 @@ class ShardedHandler(StateHandler):
 
     # ---- durable checkpoints: DCP's format, every rank its own files ----------------------------
     def write_durable(self, directory: str) -> None:
-        """Write the commit (the live state: called right after it) with `dcp.save`: every rank calls it.
-
-        Every rank writes its own rows and rank 0 the metadata, in DCP's
-        format, so `dcp.load` reads it back at any world size.
-        """
-        import torch.distributed.checkpoint as dcp
-
-        dcp.save(self._state_dicts(), checkpoint_id=directory)
+        """Write the commit (the live state: called right after it) in DCP's format: every rank calls it."""
+        dcp_files.save(self.value, self.optimizers, directory)
         self._durable = directory
-
-    def _state_dicts(self) -> dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-
-        out: dict[str, Any] = {"model": get_model_state_dict(self.value)}
-        for i, opt in enumerate(self.optimizers):
-            out[f"optimizer{i}"] = get_optimizer_state_dict(self.value, opt)
-        return out
-
-    def _load_durable(self, directory: str) -> None:
-        """Every rank: the state of the DCP checkpoint in `directory`, resharded to this world by `dcp.load`."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
-
-        state_dicts = self._state_dicts()
-        dcp.load(state_dicts, checkpoint_id=directory)
-        set_model_state_dict(self.value, state_dicts["model"])
-        for i, opt in enumerate(self.optimizers):
-            set_optimizer_state_dict(self.value, opt, state_dicts[f"optimizer{i}"])
 
     def snapshot(self) -> dict[str, Any]:
         """For rank 0's checkpoint entries: where the shards of this commit were written (`write_durable`)."""
@@ -416,7 +391,7 @@ class ShardedHandler(StateHandler):
 
     def _resume_from(self, ring: CollectiveGroup, directory: str, commit: int, started: float) -> None:
         """Every rank loads the durable checkpoint rank 0 resumed from, resharded to this world by DCP."""
-        self._load_durable(directory)
+        dcp_files.load(self.value, self.optimizers, directory)
         self._resume = None
         self.initial = False
         self.last_plan = None
