@@ -108,6 +108,17 @@ def train_step(model: Net, opt: torch.optim.Optimizer, step: int, rank: int, con
     opt.zero_grad()
 
 
+def _recovery(k: int, killed: dict, first: dict) -> dict:
+    """The `k`-th kill (its marker `killed`) against rank 0's `first` step after it, in either system."""
+    return {
+        "killed_rank": 1 + k % 3,
+        "kill_step": killed["step"] + 1,
+        "recovery_s": first["time"] - killed["time"],
+        "resumed_s": first["start"] - killed["time"],
+        "steps_redone": killed["step"] - (first["step"] - 1),
+    }
+
+
 def kills_done(workdir: str, prefix: str) -> int:
     return sum(1 for name in os.listdir(workdir) if name.startswith(prefix))
 
@@ -250,11 +261,7 @@ def run_elastic(config: dict) -> dict:
         rejoin = next((e for e in entries if e["time"] > entry["time"] and e["world"] == 4), None)
         kills.append(
             {
-                "killed_rank": 1 + k % 3,
-                "kill_step": killed["step"] + 1,
-                "recovery_s": first["time"] - killed["time"],
-                "resumed_s": first["start"] - killed["time"],
-                "steps_redone": killed["step"] - (first["step"] - 1),
+                **_recovery(k, killed, first),
                 "reshard_4to3": {key: entry[key] for key in ("world", "moved", "minimum", "reshard_s")},
                 "reshard_3to4": None
                 if rejoin is None
@@ -340,15 +347,7 @@ def run_raytrain(config: dict) -> dict:
     for k in range(config["rt_kills"]):
         killed = json.loads(Path(config["workdir"], f"rt-kill-{k}").read_text())
         first = next(s for s in steps if s["entered"] > killed["time"])
-        kills.append(
-            {
-                "killed_rank": 1 + k % 3,
-                "kill_step": killed["step"] + 1,
-                "recovery_s": first["time"] - killed["time"],
-                "resumed_s": first["start"] - killed["time"],
-                "steps_redone": killed["step"] - (first["step"] - 1),
-            }
-        )
+        kills.append(_recovery(k, killed, first))
     return {"kills": kills, "checkpoint_s": [r["checkpoint_s"] for r in records if "checkpoint_s" in r]}
 
 
