@@ -340,6 +340,10 @@ class DriverActor:
     async def request_reset(self, worker_id: str, generation: int, reason: str) -> None:
         await self._take(m.ResetRequested(worker_id, generation, reason))
 
+    async def train_fn_raised(self, worker_id: str, generation: int, error: str, traceback: str) -> None:
+        """The rank's `train_fn` raised; it waits to re-enter unless `max_failures` is spent."""
+        await self._take(m.TrainFnRaised(worker_id, generation, error, traceback))
+
     async def add_metrics(
         self, worker_id: str, batch: list[tuple[float, dict]], seq: int | None = None, paces: list | None = None
     ) -> None:

@@ -10,6 +10,8 @@ pipeline that could not run for want of CPUs.
 
 from __future__ import annotations
 
+import traceback
+
 
 class HorovodInternalError(RuntimeError):
     """A collective operation failed: a peer died or the ring broke.
@@ -112,3 +114,24 @@ class CheckpointError(RuntimeError):
 
 class DiscoveryError(RuntimeError):
     """Discovery failed; the message carries the source's own error text."""
+
+
+# mistakes that running again repeats: `@elastic.run` does not re-enter on them and `max_failures` never retries them
+REPEATING: tuple[type[BaseException], ...] = (CollectiveMismatchError, DeviceConflictError, StateRegressionError)
+
+
+def describe_exception(e: BaseException) -> str:
+    """`Type: message`, even for an exception whose `__str__` raises (it must not pass for a death)."""
+    try:
+        text = str(e)
+    except Exception as inner:  # noqa: BLE001 - the user's __str__ may raise anything
+        text = f"<str() of the exception raised {type(inner).__name__}>"
+    return f"{type(e).__name__}: {text}"
+
+
+def format_traceback(e: BaseException) -> str:
+    """The exception's traceback as Python prints it (its frames at least, if its `__str__` raises)."""
+    try:
+        return "".join(traceback.format_exception(type(e), e, e.__traceback__))
+    except Exception:  # noqa: BLE001 - formatting calls the exception's __str__, which may raise
+        return "".join(traceback.format_tb(e.__traceback__)) + describe_exception(e)

@@ -224,11 +224,13 @@ OPTIONS: tuple[Option, ...] = (
         {"type": float, "nargs": 2, "metavar": ("MIN", "MAX")}, ("--blacklist-cooldown-range",), "cooldown_range",
     ),
     Option(
-        "max_failures", "failure", 0, check_int(0),
-        "how many exceptions raised by `train_fn` to retry as a failure of that worker (for flaky hardware); 0 "
-        "(default) fails the run at the first one, with its traceback. Worker deaths are recovered in place and "
-        "never counted here (Ray Train's `FailureConfig(max_failures=)` counts failures that restart the run).",
-        "exceptions of FUNCTION to retry as that worker's failure; 0 fails at the first", _N,
+        "max_failures", "failure", 0, check_int(-1),
+        "how many failures of the run to retry, counted as Ray Train's `FailureConfig(max_failures=)` counts them: "
+        "every rank whose `train_fn` raises in one attempt (one generation) is one failure; the ranks keep their "
+        "processes and all re-enter from the last commit. 0 (default) fails the run at the first exception, with its "
+        "traceback; -1 retries without limit. Worker deaths are recovered in place and never counted.",
+        "failures of the run (attempts in which FUNCTION raised) to retry in place; 0 fails at the first, -1: no limit",
+        _N,
     ),
     # ---- timeouts: every wait of the run is bounded by one of these ----
     Option(

@@ -25,7 +25,6 @@ import logging
 import os
 import threading
 import time
-import traceback
 from typing import Any
 
 import ray
@@ -33,11 +32,11 @@ from ray import cloudpickle
 
 from ray_elastic.auth import with_token_check
 from ray_elastic.exceptions import (
-    CollectiveMismatchError,
+    REPEATING,
     CoordinatorDiedError,
-    DeviceConflictError,
-    StateRegressionError,
     WorkerRemovedError,
+    describe_exception,
+    format_traceback,
 )
 from ray_elastic.protocol import CoordinatorLost, Finished, Removed, UserError, WorkerConfig, WorkerOutcome
 from ray_elastic.run_footprint import run_namespace
@@ -122,10 +121,10 @@ class WorkerActor:
         except CoordinatorDiedError as e:
             return CoordinatorLost(describe_exception(e))
         # running again meets the same mistake again: never retried
-        except (CollectiveMismatchError, DeviceConflictError, StateRegressionError) as e:
-            return UserError(describe_exception(e), _format_traceback(e), retryable=False)
+        except REPEATING as e:
+            return UserError(describe_exception(e), format_traceback(e), retryable=False)
         except BaseException as e:  # noqa: BLE001 - every user failure is reported, with its traceback
-            return UserError(describe_exception(e), _format_traceback(e))
+            return UserError(describe_exception(e), format_traceback(e))
         finally:
             try:
                 self.ctx.shutdown()
@@ -160,22 +159,6 @@ _NEVER_JOINED = (
     "and no collective was used, so this worker had no rank and its return value and report() metrics "
     "had nowhere to go. Wrap the training loop in an @ray_elastic.run function called from train_fn."
 )
-
-
-def describe_exception(e: BaseException) -> str:
-    """`Type: message`, even for an exception whose `__str__` raises (it must not pass for a death)."""
-    try:
-        text = str(e)
-    except Exception as inner:  # noqa: BLE001 - the user's __str__ may raise anything
-        text = f"<str() of the exception raised {type(inner).__name__}>"
-    return f"{type(e).__name__}: {text}"
-
-
-def _format_traceback(e: BaseException) -> str:
-    try:
-        return "".join(traceback.format_exception(type(e), e, e.__traceback__))
-    except Exception:  # noqa: BLE001 - formatting calls the exception's __str__, which may raise
-        return "".join(traceback.format_tb(e.__traceback__)) + describe_exception(e)
 
 
 def _pickled(value: Any) -> tuple[bytes | None, str | None]:

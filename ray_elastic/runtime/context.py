@@ -165,6 +165,10 @@ class WorkerContext:
         """Tell the driver now that this ring failed, and why; `reset(failed=True)` then does not tell it again."""
         self.membership.tell_failure(reason)
 
+    def tell_raised(self, error: str, traceback: str) -> None:
+        """Tell the driver that `train_fn` raised here, and leave the ring (see `Membership.tell_raised`)."""
+        self.membership.tell_raised(error, traceback)
+
     def notify(self, generation: int) -> None:
         self.membership.notify(generation)
 

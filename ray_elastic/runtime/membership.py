@@ -192,6 +192,21 @@ class Membership:
             self._failure_told = self.generation
             # the error itself: the driver quotes it if the same failure repeats in the next generation
             self.driver.request_reset.remote(self.worker_id, self.generation, reason[:2000])
+        self._leave_ring()
+
+    def tell_raised(self, error: str, traceback: str) -> None:
+        """Tell the driver that `train_fn` raised here (it counts the attempt's failure), and leave the ring.
+
+        This rank then waits for the next generation like any rank whose
+        ring failed; the driver fails the run instead when `max_failures`
+        is spent, quoting `traceback`.
+        """
+        if self._failure_told != self.generation:
+            self._failure_told = self.generation
+            self.driver.train_fn_raised.remote(self.worker_id, self.generation, error[:2000], traceback[-20000:])
+        self._leave_ring()
+
+    def _leave_ring(self) -> None:
         if self.group is not None:
             # the state is restored next: no work of this ring may write into its tensors any more (invariant 7);
             # if the driver's abandon is cutting the ring on another thread, this waits for it to finish

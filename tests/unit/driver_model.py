@@ -33,7 +33,8 @@ from ray_elastic.driver.core.stragglers import WINDOW
 from ray_elastic.protocol import DriverState, EventKind, Finished, PaceSummary, Removed
 
 POOL = ("A", "B", "C", "D", "E")
-_SAID = (m.WorkerSynced, m.WorkerReady, m.ResetRequested, m.PacesReported)  # what a worker itself sends
+# what a worker itself sends
+_SAID = (m.WorkerSynced, m.WorkerReady, m.ResetRequested, m.TrainFnRaised, m.PacesReported)
 _ALL_LOST = ("holding the trained state was lost", "workers of generation")
 
 
@@ -86,6 +87,7 @@ class Model:
             liveness_timeout=5.0,
             collective_timeout=20.0,
             checkpoint_dir="file:///tmp/model-ckpt" if rng.random() < 0.5 else None,
+            max_failures=rng.choice((0, 2, 5)),
         )
         self.now = 100.0
         self.core = DriverCore(self.config, wall_offset=1000.0, started_at=self.now)
@@ -106,6 +108,7 @@ class Model:
         self.finish: Finish | None = None
         self.log: list[str] = []
         self.final_before = False  # whether the run had ended before the batch being checked
+        self.raised_in: set[int] = set()  # generations in which a delivered TrainFnRaised says a rank raised
 
     # ---- carrying out the core's actions ---------------------------------------------------------
     def act(self, actions: list[m.Action]) -> None:
@@ -151,6 +154,7 @@ class Model:
             (self._paces, 2),
             (self._finish, 1),
             (self._ring_error, 1),
+            (self._raise, 1),
             (self._answer, 2),
             (self._hang, 1),
             (self._drain, 1),
@@ -270,6 +274,12 @@ class Model:
         if members:
             self.pending.append(m.ResetRequested(self.rng.choice(members), self.generation, "timed out"))
 
+    def _raise(self) -> None:
+        """Members' train_fn raise in this generation (one, or several): they stay, waiting to re-enter."""
+        members = [w for w in self.plan if self.workers[w].running and not self._finishing(w)]
+        for w in self.rng.sample(members, min(len(members), self.rng.choice((1, 1, 2)))):
+            self.pending.append(m.TrainFnRaised(w, self.generation, "RuntimeError: intended", "Traceback ..."))
+
     def _answer(self) -> None:
         """A question out is answered: the members' activity, or the checkpoint lookup (late, possibly)."""
         rng = self.rng
@@ -332,6 +342,7 @@ class Model:
         evicted = set(core.record.evicted)
         final = core.state.is_final
         self.log.append(f"t={self.now:.2f} {[_short(x) for x in messages]}")
+        self.raised_in.update(x.generation for x in messages if isinstance(x, m.TrainFnRaised))
         actions = core.handle(messages, self.now)
         self.log.append(f"  -> {actions}")
         self.final_before = final
@@ -424,8 +435,17 @@ class Model:
                 self.require(self.core.is_void(kill.worker_id), f"{kill.worker_id} was stopped but is not fenced")
 
     def check_failure(self) -> None:
-        """Every member lost is said only when no member the core knows to hold the newest state lives."""
+        """Every member lost is said only when no member the core knows to hold the newest state lives.
+
+        And a raise fails the run only when it is an attempt beyond `max_failures` (or ranks finish unevenly).
+        """
         failure = self.core.failure
+        if failure is not None and failure.startswith("train_fn raised in worker") and "Traceback ..." in failure:
+            self.require(
+                len(self.raised_in) > self.config.max_failures or self.finish is not None,
+                f"a raise failed the run after {len(self.raised_in)} raising attempts, "
+                f"max_failures={self.config.max_failures}",
+            )
         if failure is None or not any(text in failure for text in _ALL_LOST):
             return
         for w in self.core.plan:

@@ -85,5 +85,5 @@ def test_a_core_that_ranks_newcomers_first_is_caught(monkeypatch):
     real = generations.assign_ranks
     monkeypatch.setattr(generations, "assign_ranks", lambda workers: real([w._replace(holds=False) for w in workers]))
     with pytest.raises(driver_model.Violation, match="rank 0 .* holds commit"):
-        for seed in range(500):
+        for seed in range(2000):
             driver_model.play(seed)

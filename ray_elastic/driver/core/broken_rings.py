@@ -98,6 +98,8 @@ class BrokenRings:
         """
         if self.record.phase.is_final or not self.finishing.active:
             return
+        if self.failures.fail_if_raised(self.generations.generation):
+            return
         roster = self.record.roster
         for error in self._told(self.generations.generation):
             rec = roster.get(error.worker_id)
@@ -110,6 +112,8 @@ class BrokenRings:
         gens, roster = self.generations, self.record.roster
         if msg.generation != gens.generation:
             return  # a word about a ring already re-formed
+        if self.failures.raised_in(msg.generation):
+            return  # a rank's train_fn raised and left the ring: that re-forms it, nobody is to blame
         slot = gens.plan.get(msg.worker_id)
         if slot is not None:
             told = self._errors.setdefault(msg.generation, {})
@@ -132,8 +136,8 @@ class BrokenRings:
         gens, config = self.generations, self.record.config
         if self._querying == msg.generation:
             self._querying = None
-        if msg.generation != gens.generation:
-            return  # the ring was re-formed meanwhile
+        if msg.generation != gens.generation or self.failures.raised_in(msg.generation):
+            return  # the ring was re-formed meanwhile, or a raise re-forms it
         if self.finishing.active:
             # the ring broke as a rank returned from train_fn (its peers' error can beat its exit to us)
             self.finishing.fail_uneven(msg.worker_id, msg.reason)

@@ -330,6 +330,7 @@ _HANDLERS: dict[type, Callable[[DriverCore, Any, float], None]] = {
     m.WorkerSynced: DriverCore._on_synced,
     m.WorkerResumed: lambda core, msg, now: core.failures.on_resumed(msg, now),
     m.ResetRequested: lambda core, msg, now: core.rings.on_reset_requested(msg),
+    m.TrainFnRaised: lambda core, msg, now: core.failures.on_raised(msg, now),
     m.ActivityReport: lambda core, msg, now: core.rings.on_activity(msg, now),
     m.PingResults: lambda core, msg, now: core.rings.on_pings(msg, now),
     m.CheckpointFound: lambda core, msg, now: core.failures.on_checkpoint_found(msg, now),

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _FAILURE_KINDS = frozenset({EventKind.WORKER_FAILED, EventKind.RESET_REQUESTED, EventKind.RESTARTED})
+_RAISED = "train_fn raised in worker"  # how a reset after a raise is told: bounded by max_failures, no crash loop
 
 
 class Failures:
@@ -44,6 +45,10 @@ class Failures:
         self.finishing = finishing
         self.cooldown = Cooldown(*record.config.cooldown_range)
         self._user_failures = 0
+        # generation -> the retry it spent (one per attempt; at most max_failures + 1 entries before the run fails)
+        self._attempts_failed: dict[int, str] = {}
+        self._reformed_for: int | None = None  # the generation a raise re-forms
+        self._raised: dict[int, str] = {}  # generation -> its first raise, with its traceback
         self._causes: list[str] = []  # what broke the members since the last failure-driven reset synced
         self.failure_places: list[int] = []  # per failure-driven reset: the commit training resumed from
         self._failure_reasons: list[str] = []
@@ -54,26 +59,94 @@ class Failures:
         """What broke the ring, named if the failures repeat (a crash loop) or every member is lost."""
         self._causes.append(cause)
 
-    # ---- deaths ------------------------------------------------------------------------
+    # ---- train_fn raising ------------------------------------------------------------------
+    def _count_attempt(self, generation: int, retryable: bool) -> tuple[bool, str]:
+        """One failure per attempt (generation), as Ray Train counts: a second rank's raise in it is free."""
+        if retryable and generation in self._attempts_failed:
+            return True, self._attempts_failed[generation]
+        retry, reason = decide_user_error(self._user_failures, self.record.config.max_failures, retryable)
+        if retry:
+            self._user_failures += 1
+            self._attempts_failed[generation] = reason  # kept: a word delivered twice must not count twice
+        return retry, reason
+
+    def _describe_raise(self, worker_id: str, host: str, error: str, retryable: bool = True) -> str:
+        slot = self.generations.plan.get(worker_id)
+        where = f"rank {slot.rank} " if slot is not None else ""
+        said = _RAISED if retryable else "worker"
+        return f"{said} {worker_id} ({where}on node {host[:8]}): {error}"
+
+    def raised_in(self, generation: int) -> bool:
+        """Whether a rank's `train_fn` raised in `generation`: its ring's break is explained, nobody is to blame."""
+        return generation in self._attempts_failed
+
+    def fail_if_raised(self, generation: int) -> bool:
+        """A rank returned from train_fn where another raised: no re-entry together; the run fails with the raise."""
+        raised = self._raised.get(generation)
+        if raised is not None:
+            self.record.fail(
+                raised.replace(
+                    "\n", "; a rank returned from train_fn meanwhile, so the ranks cannot re-enter together\n", 1
+                )
+            )
+        return raised is not None
+
+    def on_raised(self, msg: m.TrainFnRaised, now: float) -> None:
+        """A rank raised and stays: the run fails, or (within `max_failures`) every rank re-enters from the commit.
+
+        The raising rank has left its ring and waits for the next
+        generation; the others are told to leave theirs now (`Abandon`), and
+        the ring re-forms with the same members: nobody is killed, no
+        newcomer is needed, the failure is counted once for its generation.
+        """
+        record, gens = self.record, self.generations
+        rec = record.roster.get(msg.worker_id)
+        if rec is None or rec.status not in ALIVE or record.phase.is_final:
+            return
+        text = self._describe_raise(rec.worker_id, rec.host, msg.error)
+        if self.finishing.active:  # a rank has returned: the others cannot train on without it
+            record.fail(f"{text}\n{msg.traceback}".rstrip())
+            return
+        retry, reason = self._count_attempt(msg.generation, True)
+        if not retry:
+            spent = f" ({reason})" if record.config.max_failures else ""
+            record.fail(f"{text}{spent}\n{msg.traceback}".rstrip())
+            return
+        logger.warning("%s (%s); every rank re-enters from the last commit\n%s", text, reason, msg.traceback)
+        self._raised.setdefault(msg.generation, f"{text}\n{msg.traceback}")
+        for old in [g for g in self._raised if g < msg.generation - 1]:
+            del self._raised[old]
+        if msg.generation != gens.generation or self._reformed_for == msg.generation:
+            return  # counted; its generation is already over, or already re-forming
+        self._reformed_for = msg.generation
+        others = tuple(w for w in gens.plan if w != rec.worker_id and record.roster[w].status in ALIVE)
+        if others:
+            self.last_abandon = m.Abandon(gens.generation, others, f"{text} ({reason})")
+            record.act(self.last_abandon)
+        self.note_cause(text)
+        detail = f"{text} ({reason}): every rank re-enters train_fn from the last commit"
+        gens.later(gens.event(EventKind.RESET_REQUESTED, detail, now))
+        gens.reform()
+
     def on_user_error(self, msg: m.WorkerExited, now: float) -> None:
-        """`train_fn` raised: the run fails with its traceback, unless `max_failures` retries it as a failure."""
+        """`train_fn` returned by raising: the run fails with its traceback, unless `max_failures` retries it.
+
+        The exception left `train_fn` itself (outside `@elastic.run`), so
+        the worker cannot re-enter in place: it is replaced, as after a death.
+        """
         rec, outcome = self.record.roster.get(msg.worker_id), msg.outcome
         if rec is None or not isinstance(outcome, UserError):
             return
-        slot = self.generations.plan.get(rec.worker_id)
-        where = f"rank {slot.rank} " if slot is not None else ""
-        said = "train_fn raised in worker" if outcome.retryable else "worker"
-        text = f"{said} {rec.worker_id} ({where}on node {rec.host[:8]}): {outcome.error}"
-        retry, reason = decide_user_error(self._user_failures, self.record.config.max_failures, outcome.retryable)
+        text = self._describe_raise(rec.worker_id, rec.host, outcome.error, outcome.retryable)
+        retry, reason = self._count_attempt(self.generations.generation, outcome.retryable)
         if not retry:
             self.record.fail(f"{text}\n{outcome.traceback}".rstrip())
             return
-        # the user asked for retries (flaky hardware): handle it as this worker's failure
-        self._user_failures += 1
         logger.warning("%s (%s)\n%s", text, reason, outcome.traceback)
         self.record.act(m.Kill(rec.worker_id))
         self.on_died(rec.worker_id, f"{outcome.error} ({reason})", True, now, what=f"raised {outcome.error} ({reason})")
 
+    # ---- deaths ------------------------------------------------------------------------
     def fence(self, rec: WorkerRecord, why: str, now: float) -> None:
         """Kill a worker judged failed (hung, stuck, not booted in time): it is dead from this moment.
 
@@ -154,8 +227,8 @@ class Failures:
     def check_crash_loop(self, generation: int, place: int | None) -> None:
         """A generation that a failure made has synced: note where it resumed, and stop a repeating failure."""
         failures = [e for e in self.record.events.of_generation(generation) if e.kind in _FAILURE_KINDS]
-        if place is None or not failures:
-            return
+        if place is None or not failures or all(e.detail.startswith(_RAISED) for e in failures):
+            return  # train_fn raising again is bounded by max_failures, the user's own bound
         self.failure_places.append(place)
         causes, self._causes = self._causes, []
         self._failure_reasons.append(causes[0] if causes else failures[0].detail)

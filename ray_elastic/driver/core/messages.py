@@ -95,6 +95,21 @@ class ResetRequested:
     reason: str
 
 
+@dataclass(frozen=True)
+class TrainFnRaised:
+    """A rank's `train_fn` raised in `generation`; the rank stays, waiting to re-enter from the last commit.
+
+    Ray Train counts failures of the run, not exceptions of ranks: every
+    rank that raises in one generation (one attempt) is one failure of
+    `max_failures`, and nobody is killed for it.
+    """
+
+    worker_id: str
+    generation: int
+    error: str
+    traceback: str
+
+
 ACTIVITY_TIMEOUT = "timeout"  # no answer: none in time, or the query failed without a death (`replies.py`)
 ACTIVITY_ERROR = "error"  # the member is dead (ActorDiedError): its death message follows
 
@@ -218,6 +233,7 @@ Message = (
     | WorkerSynced
     | WorkerResumed
     | ResetRequested
+    | TrainFnRaised
     | ActivityReport
     | PingResults
     | CheckpointFound

@@ -80,12 +80,16 @@ def decide_publish(
 
 
 def decide_user_error(failures_so_far: int, max_failures: int, retryable: bool = True) -> tuple[bool, str]:
-    """Retry a `train_fn` exception as the worker's failure while `max_failures` allows it.
+    """Retry a failure of the run (an attempt in which `train_fn` raised) while `max_failures` allows it.
 
-    A mistake that running again would repeat (`retryable=False`) is never retried.
+    As Ray Train's `FailureConfig(max_failures=)`: -1 is unlimited, 0 fails
+    at the first. A mistake that running again would repeat
+    (`retryable=False`) is never retried.
     """
     if not retryable:
         return False, "not retried: running again would repeat it"
+    if max_failures < 0:
+        return True, f"retry {failures_so_far + 1} of max_failures=-1 (unlimited)"
     if failures_so_far < max_failures:
         return True, f"retry {failures_so_far + 1} of max_failures={max_failures}"
     if max_failures:
