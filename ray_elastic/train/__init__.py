@@ -3,21 +3,59 @@
     from ray_elastic.train import ScalingConfig, RunConfig, Checkpoint, report, get_checkpoint, get_context
     from ray_elastic.train.torch import TorchTrainer, prepare_model, prepare_data_loader
 
-The configs and `Checkpoint` are Ray's own classes (this needs `ray[train]`,
-whose pandas and pyarrow come with `ray[data]`). `report(metrics,
+The configs, `Checkpoint` and the exceptions a script catches are Ray's own
+classes (this needs `ray[train]`, Ray Train v2: 2.60's default);
+`TrainingFailedError` and `Result` are subclasses of Ray's. `report(metrics,
 checkpoint=...)` is the commit point; a lost worker's survivors re-enter
 `train_loop_per_worker` in their own processes, where `get_checkpoint()`
 returns the last reported checkpoint (see `session.py` and
-docs/migrating-from-ray-train.md).
+docs/migrating-from-ray-train.md). Every public name of `ray.train` is here
+but two, refused by name (`get_preemption_info`, `PreemptionInfo`); the
+table in docs/ray-train.md says how each behaves.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
-from ray.train import Checkpoint, CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+from ray.train import (
+    TRAIN_DATASET_KEY,
+    BackendConfig,
+    Checkpoint,
+    CheckpointConfig,
+    DataConfig,
+    FailureConfig,
+    RunConfig,
+    ScalingConfig,
+    SyncConfig,
+)
 
+try:
+    from ray.train import (
+        CheckpointConsistencyMode,
+        CheckpointUploadMode,
+        ControllerError,
+        LoggingConfig,
+        NCCLHangError,
+        PreemptionError,
+        ReportedCheckpoint,
+        ReportedCheckpointStatus,
+        UserCallback,
+        ValidationConfig,
+        ValidationFn,
+        ValidationTaskConfig,
+        WorkerGroupError,
+    )
+except ImportError as e:  # RAY_TRAIN_V2_ENABLED=0: ray.train is Ray Train v1, whose configs differ
+    raise ImportError(
+        "ray_elastic.train runs Ray Train v2 scripts: unset RAY_TRAIN_V2_ENABLED or set it to 1 (Ray 2.60's default)"
+    ) from e
+
+import ray_elastic as elastic
+from ray_elastic.train.report_store import write_index
 from ray_elastic.train.session import LoopInterrupt, TrainContext, current_session
+from ray_elastic.train.trainer import DataParallelTrainer, Result, TrainingFailedError, whole_dataset
 
 
 def report(
@@ -53,9 +91,12 @@ def report(
         not isinstance(checkpoint_dir_name, str) or checkpoint_dir_name in ("", ".", "..") or "/" in checkpoint_dir_name
     ):
         raise ValueError(f"report(checkpoint_dir_name={checkpoint_dir_name!r}): one directory name under Result.path")
-    current_session("report").report(
-        metrics, checkpoint, bool(delete_local_checkpoint_after_upload), checkpoint_dir_name
-    )
+    this = current_session("report")
+    before = this.state.checkpoint
+    this.report(metrics, checkpoint, bool(delete_local_checkpoint_after_upload), checkpoint_dir_name)
+    run_path = this.store.run_path
+    if this.state.checkpoint is not before and run_path is not None and elastic.rank() == 0:
+        write_index(run_path, this.state.durable)  # committed: Result.from_path finds it with its metrics
 
 
 def get_checkpoint() -> Checkpoint | None:
@@ -67,27 +108,94 @@ def get_checkpoint() -> Checkpoint | None:
     return current_session("get_checkpoint").get_checkpoint()
 
 
+def get_all_reported_checkpoints(
+    consistency_mode: CheckpointConsistencyMode = CheckpointConsistencyMode.VALIDATED,
+    timeout_s: float | None = None,
+) -> list[ReportedCheckpoint]:
+    """Every durable checkpoint kept, oldest first, each with rank 0's metrics of its report (status COMMITTED).
+
+    As `Result.best_checkpoints` will list them: directories under
+    `Result.path` (`CheckpointConfig(num_to_keep=...)` keeps the newest).
+    Every `report()` is done when it returns and there is no validation, so
+    neither argument has anything to wait for.
+    """
+    del consistency_mode, timeout_s
+    this = current_session("get_all_reported_checkpoints")
+    run_path = this.store.run_path or ""
+    return [
+        ReportedCheckpoint(
+            checkpoint=Checkpoint.from_directory(os.path.join(run_path, name)),
+            metrics=dict(metrics),
+            status=ReportedCheckpointStatus.COMMITTED,
+        )
+        for name, metrics in this.state.durable
+    ]
+
+
 def get_context() -> TrainContext:
     """World rank and size, local rank and size, node rank and experiment name of this worker, now."""
     return current_session("get_context").context
 
 
 def get_dataset_shard(dataset_name: str | None = None) -> Any:
-    """This worker's shard of `TorchTrainer(datasets={name: ds})`; each `iter_*` call is one epoch's pass."""
+    """This worker's shard of `TorchTrainer(datasets={name: ds})`; each `iter_*` call is one epoch's pass.
+
+    A dataset `DataConfig(datasets_to_split=...)` leaves whole is Ray's own
+    `DataIterator` over all of it, on every worker, as in Ray.
+    """
     this = current_session("get_dataset_shard")
     if dataset_name is None:
         raise ValueError("get_dataset_shard needs the dataset's name")
+    whole = whole_dataset(dataset_name)
+    if whole is not None:
+        return whole.iterator()
     return this.get_dataset_shard(dataset_name)
 
 
+# names of ray.train with no elastic counterpart: `from ray_elastic.train import ...` raises ImportError saying why
+_REFUSED = {
+    "get_preemption_info": "a drained node's workers leave the run gracefully at its next report with a checkpoint "
+    "(nothing is lost and nothing is counted): there is no preemption to poll for",
+    "PreemptionInfo": "it is what get_preemption_info() returns, which is refused: a drained node's workers leave "
+    "the run gracefully at its next report with a checkpoint",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _REFUSED:  # an ImportError, not an AttributeError: `from ... import` shows its message
+        raise ImportError(f"ray.train.{name} is not supported by ray_elastic.train: {_REFUSED[name]}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = [
+    "TRAIN_DATASET_KEY",
+    "BackendConfig",
     "Checkpoint",
     "CheckpointConfig",
+    "CheckpointConsistencyMode",
+    "CheckpointUploadMode",
+    "ControllerError",
+    "DataConfig",
+    "DataParallelTrainer",
     "FailureConfig",
+    "LoggingConfig",
     "LoopInterrupt",
+    "NCCLHangError",
+    "PreemptionError",
+    "ReportedCheckpoint",
+    "ReportedCheckpointStatus",
+    "Result",
     "RunConfig",
     "ScalingConfig",
+    "SyncConfig",
     "TrainContext",
+    "TrainingFailedError",
+    "UserCallback",
+    "ValidationConfig",
+    "ValidationFn",
+    "ValidationTaskConfig",
+    "WorkerGroupError",
+    "get_all_reported_checkpoints",
     "get_checkpoint",
     "get_context",
     "get_dataset_shard",

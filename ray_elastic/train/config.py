@@ -1,19 +1,22 @@
 """Ray Train's configs read as `ElasticTrainer` options, and what has no elastic counterpart refused by name.
 
 The config classes are Ray's own (`ray.train.ScalingConfig`, `RunConfig`,
-`CheckpointConfig`, `FailureConfig`, `ray.train.torch.TorchConfig`), so a
-script builds them unchanged. `trainer_options` maps them onto the options of
-the one driver (`ElasticTrainer`); a field set to anything but Ray's default
-that the elastic run cannot honour raises `ValueError` naming the field,
-before anything is spawned, rather than being ignored.
+`CheckpointConfig`, `FailureConfig`, `BackendConfig`, `DataConfig`,
+`ray.train.torch.TorchConfig`), so a script builds them unchanged.
+`trainer_options` maps them onto the options of the one driver
+(`ElasticTrainer`); `split_datasets` reads a `DataConfig`. A field set to
+anything but Ray's default that the elastic run cannot honour raises
+`ValueError` naming the field, before anything is spawned, rather than being
+ignored.
 """
 
 from __future__ import annotations
 
+import copy
 import os
 from typing import TYPE_CHECKING, Any
 
-from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+from ray.train import BackendConfig, CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig
 
 if TYPE_CHECKING:
@@ -51,9 +54,8 @@ _REFUSED: dict[type, dict[str, str]] = {
     },
 }
 
-# TorchTrainer keywords that have no elastic counterpart
+# trainer keywords that have no elastic counterpart
 REFUSED_TRAINER_ARGS: dict[str, str] = {
-    "dataset_config": "the datasets are split by the run's feed, exactly once per epoch",
     "validation_config": "validate in train_loop_per_worker and report the result",
     "metadata": "pass what the workers need in train_loop_config",
 }
@@ -84,25 +86,31 @@ def _typed(value: Any, cls: type, what: str) -> Any:
 def trainer_options(
     scaling_config: ScalingConfig | None,
     run_config: RunConfig | None,
-    torch_config: TorchConfig | None,
+    backend_config: BackendConfig | None,
 ) -> tuple[dict[str, Any], RunConfig]:
-    """The `ElasticTrainer` options these configs ask for, and the run config (Ray's defaults filled in)."""
+    """The `ElasticTrainer` options these configs ask for, and the run config (Ray's defaults filled in).
+
+    `backend_config` is a `TorchConfig` (None: Ray's default one) or Ray's
+    plain `BackendConfig` (the ring's default backend: Gloo on CPUs, NCCL on
+    GPUs); another framework's config is refused, naming its class.
+    """
     scaling = _typed(scaling_config, ScalingConfig, "scaling_config")
     run = _typed(run_config, RunConfig, "run_config")
-    torch_cfg = _typed(torch_config, TorchConfig, "torch_config")
+    backend = _backend(backend_config)
     checkpointing = _typed(run.checkpoint_config, CheckpointConfig, "RunConfig.checkpoint_config")
     failure = _typed(run.failure_config, FailureConfig, "RunConfig.failure_config")
-    for config in (scaling, run, checkpointing, failure, torch_cfg):
+    for config in (scaling, run, checkpointing, failure, backend):
         check_unsupported(config)
     options: dict[str, Any] = {}
     options["min_workers"], options["max_workers"] = _world(scaling.num_workers)
     options["resources_per_worker"] = _resources(scaling.use_gpu, scaling.resources_per_worker)
-    if torch_cfg.backend is not None:
-        if torch_cfg.backend not in ("gloo", "nccl"):
-            raise ValueError(f"TorchConfig(backend={torch_cfg.backend!r}): the elastic ring is 'gloo' or 'nccl'")
-        options["backend"] = torch_cfg.backend
-    if torch_cfg.timeout_s != TorchConfig().timeout_s:
-        options["collective_timeout"] = float(torch_cfg.timeout_s)
+    if isinstance(backend, TorchConfig):
+        if backend.backend is not None:
+            if backend.backend not in ("gloo", "nccl"):
+                raise ValueError(f"TorchConfig(backend={backend.backend!r}): the elastic ring is 'gloo' or 'nccl'")
+            options["backend"] = backend.backend
+        if backend.timeout_s != TorchConfig().timeout_s:
+            options["collective_timeout"] = float(backend.timeout_s)
     max_failures = failure.max_failures
     options["max_failures"] = _UNLIMITED_FAILURES if max_failures == -1 else max_failures
     options["checkpoint_dir"] = os.path.join(run.storage_path, run.name, "elastic")
@@ -110,6 +118,55 @@ def trainer_options(
     if checkpointing.num_to_keep is not None:
         options["checkpoint_keep"] = checkpointing.num_to_keep
     return options, run
+
+
+def _backend(config: Any) -> BackendConfig:
+    if config is None:
+        return TorchConfig()
+    if isinstance(config, TorchConfig) or type(config) is BackendConfig:
+        return config
+    raise ValueError(
+        f"backend_config={type(config).__name__}(...) is not supported by ray_elastic.train: the elastic ring is "
+        "torch.distributed over Gloo or NCCL; pass ray.train.torch.TorchConfig or ray.train.BackendConfig"
+    )
+
+
+def split_datasets(dataset_config: Any, datasets: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The datasets the run's feed splits over the workers, and those every worker reads whole, per `DataConfig`.
+
+    As Ray's `DataConfig.configure`: `datasets_to_split` ("all", or a list of
+    names; other names are left whole, and names not given are ignored), and
+    `execution_options` (one `ExecutionOptions`, or one per name) set on a
+    copy of each dataset it names. What differs: a split dataset keeps its
+    blocks' order (`preserve_order` is always on, so every rank and every
+    re-execution of an epoch agree on its rows), and `enable_shard_locality`
+    changes nothing (the feed hands each rank rows by position, wherever
+    their blocks are). A subclass that overrides `configure()` is refused:
+    the elastic run's feed, not `configure()`, assigns the rows.
+    """
+    config = DataConfig() if dataset_config is None else dataset_config
+    if not isinstance(config, DataConfig):
+        raise ValueError(f"dataset_config must be a ray.train.DataConfig, got {type(config).__name__}")
+    if type(config).configure is not DataConfig.configure:
+        raise ValueError(
+            f"{type(config).__name__}.configure() is not supported by ray_elastic.train: the datasets are split by "
+            "the run's feed, exactly once per epoch through every membership change; use DataConfig("
+            "datasets_to_split=..., execution_options=...) or preprocess the datasets before passing them"
+        )
+    # Ray's DataConfig keeps its arguments in private attributes (no public getters in 2.60): read here only
+    to_split = config._datasets_to_split
+    split, whole = {}, {}
+    for name, dataset in datasets.items():
+        options = config._get_user_execution_options(name)
+        if options is not None:
+            # as configure() does (the copy shares the dataset's DataContext, so the dataset gets the options too)
+            dataset = type(dataset).copy(dataset)
+            dataset.context.execution_options = copy.deepcopy(options)
+        if to_split == "all" or name in to_split:
+            split[name] = dataset
+        else:
+            whole[name] = dataset
+    return split, whole
 
 
 def _world(num_workers: Any) -> tuple[int, int]:

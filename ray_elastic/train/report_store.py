@@ -24,15 +24,21 @@ on the current generation's ring (`CollectiveGroup`), for `session.Session`:
 
 Every collective is the ring's (bounded by `collective_timeout`; a dead
 peer raises `HorovodInternalError`, which the run loop handles).
+
+Beside the durable directories, `Result.path/reported_checkpoints.json`
+(`write_index`, by rank 0 after each committed report, and by `fit()` at
+the end) lists the durable checkpoints kept, oldest first, each with rank
+0's metrics of its report: what `Result.from_path` reads back.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
 import shutil
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -66,6 +72,39 @@ def write_files(files: Files, directory: str) -> None:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path, "wb") as f:
             f.write(data)
+
+
+INDEX_FILE = "reported_checkpoints.json"
+_INDEX_FORMAT = 1
+
+
+def write_index(run_path: str, durable: list[list[Any]]) -> None:
+    """Write `run_path/reported_checkpoints.json`: `[directory name, metrics]` of each durable checkpoint kept.
+
+    Replaced whole (a temporary file renamed over it), so a reader finds the
+    old list or the new one. A metric JSON cannot hold is written as its
+    `tolist()` (numpy values, tensors) or else its `str()`.
+    """
+    entries = [{"directory": name, "metrics": metrics} for name, metrics in durable]
+    text = json.dumps({"format": _INDEX_FORMAT, "checkpoints": entries}, default=_plain)
+    final = os.path.join(run_path, INDEX_FILE)
+    partial = f"{final}.partial"
+    with open(partial, "w") as f:
+        f.write(text)
+    os.replace(partial, final)
+
+
+def parse_index(text: str) -> list[tuple[str, dict[str, Any]]]:
+    """`(directory name, metrics)` of each checkpoint a `reported_checkpoints.json` lists, oldest first."""
+    index = json.loads(text)
+    if not isinstance(index, dict) or index.get("format") != _INDEX_FORMAT:
+        raise ValueError(f"not a ray_elastic {INDEX_FILE} of format {_INDEX_FORMAT}")
+    return [(entry["directory"], dict(entry["metrics"])) for entry in index["checkpoints"]]
+
+
+def _plain(value: Any) -> Any:
+    tolist = getattr(value, "tolist", None)
+    return tolist() if callable(tolist) else str(value)
 
 
 def staging_name(directory: str, generation: int) -> str:

@@ -1,18 +1,29 @@
 """`ray_elastic.train.torch`: Ray Train's `ray.train.torch` names on an elastic run.
 
 `TorchTrainer` and `TorchConfig` (Ray's own class) on the driver side;
-`prepare_model`, `prepare_data_loader` and `get_device` inside
-`train_loop_per_worker`. A prepared loader's position is committed with
-every report that carries a checkpoint, so a re-entered loop trains each
-sample of an epoch exactly once.
+`prepare_model`, `prepare_data_loader`, `get_device` and `get_devices`
+inside `train_loop_per_worker`. A prepared loader's position is committed
+with every report that carries a checkpoint, so a re-entered loop trains
+each sample of an epoch exactly once. `TorchCheckpoint` and
+`enable_reproducibility` are Ray's own; so are `accelerate`,
+`prepare_optimizer` and `backward`, which Ray Train v2 refuses with a
+`DeprecationWarning`, as they do here.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import ray
 import torch
-from ray.train.torch import TorchConfig
+from ray.train.torch import (
+    TorchCheckpoint,
+    TorchConfig,
+    accelerate,
+    backward,
+    enable_reproducibility,
+    prepare_optimizer,
+)
 
 import ray_elastic.torch as elastic_torch
 from ray_elastic.train.session import current_session
@@ -22,6 +33,17 @@ from ray_elastic.train.trainer import Result, TorchTrainer
 def get_device() -> torch.device:
     """This worker's device: its GPU when Ray gave it one, else the CPU."""
     return elastic_torch.get_device()
+
+
+def get_devices() -> list[torch.device]:
+    """`[get_device()]`: each worker trains on one device. A worker given several GPUs is refused (Ray lists them)."""
+    gpus = ray.get_gpu_ids() if ray.is_initialized() else []
+    if len(gpus) > 1:
+        raise ValueError(
+            f"get_devices(): this worker holds {len(gpus)} GPUs, and ray_elastic.train runs one rank per device: "
+            "give each worker one GPU (ScalingConfig(use_gpu=True) without a larger resources_per_worker['GPU'])"
+        )
+    return [get_device()]
 
 
 def prepare_model(
@@ -80,9 +102,15 @@ def prepare_data_loader(
 
 __all__ = [
     "Result",
+    "TorchCheckpoint",
     "TorchConfig",
     "TorchTrainer",
+    "accelerate",
+    "backward",
+    "enable_reproducibility",
     "get_device",
+    "get_devices",
     "prepare_data_loader",
     "prepare_model",
+    "prepare_optimizer",
 ]
