@@ -69,7 +69,7 @@ def run(func: Callable[..., R]) -> Callable[..., R]:
             except HorovodInternalError as e:
                 logger.info("rank %s: collective failed (%s); restoring the last commit", ctx.rank, e)
                 ctx.tell_failure(str(e))  # the driver plans the next generation while this rank restores
-                state.restore()
+                state.restore_before_sync()
                 failed, skip_sync = True, False
             except HostsUpdatedInterrupt as e:
                 # graceful change: keep the live state, which sync hands to newcomers
@@ -89,7 +89,7 @@ def run(func: Callable[..., R]) -> Callable[..., R]:
                     ctx.tell_raised(describe_exception(e), format_traceback(e))
                 else:
                     raise
-                state.restore()
+                state.restore_before_sync()
                 failed, skip_sync = True, False
             ctx.reset(failed=failed)
             state.on_reset()

@@ -90,6 +90,14 @@ class State:
     def restore(self) -> None:
         raise NotImplementedError
 
+    def restore_before_sync(self) -> None:
+        """Back to the last commit where a sync follows at once (the run loop's reset): `restore()` unless cheaper.
+
+        A state whose sync rewrites part of it from the commit anyway may
+        leave that part for the sync to set (see `TorchState`).
+        """
+        self.restore()
+
     def sync(self) -> None:
         raise NotImplementedError
 

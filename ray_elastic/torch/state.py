@@ -299,6 +299,22 @@ class TorchState(State):
         for handler in self._handlers.values():
             handler.restore()
 
+    def restore_before_sync(self) -> None:
+        """`restore()`, but a sharded model's rows are left to the sync's reshard, which sets them from the commit.
+
+        The reshard copies every row of the new layout out of the committed
+        buffers whatever the live rows hold, so restoring them first would
+        copy the whole shard twice (0.2-0.4 s at 100M parameters on two busy
+        cores, on the recovery's path). Until the sync, reset callbacks see
+        a sharded model's rows as they were at the failure.
+        """
+        copy_gate.hold_background_copies()
+        for handler in self._handlers.values():
+            if isinstance(handler, ShardedHandler):
+                handler.restore(rows=False)
+            else:
+                handler.restore()
+
     def sync(self) -> None:
         """Rank 0's commit on every rank, moving state only to the ranks that do not hold it."""
         try:

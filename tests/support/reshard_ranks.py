@@ -6,7 +6,8 @@ the head left to the root (whose own parameters then come first in FSDP's
 order, not in the optimizer's);
 "prepared" through `prepare_model(parallel_strategy="fsdp")` with bf16 mixed
 precision, `reshard_after_forward=False`, and a loop that clips the DTensor
-gradients under a `GradScaler` (in the state, as users hold it). The schedule
+gradients under a `GradScaler` (in the state, as users hold it), rolled
+back as the run loop does (`restore_before_sync`: the rows wait for the sync). The schedule
 (`WORLDS`) lists each generation's processes in rank order, as the driver
 would assign them (survivors first, hosts contiguous); a process not in a
 generation has died (it leaves for good), one that first appears in a
@@ -157,10 +158,13 @@ def main(process: int, base_port: int, out_dir: str, variant: str) -> None:
             state.step = state.step + 1
             out.write(json.dumps(record) + "\n")
             out.flush()
-            state.restore()
-            record_restored = digest(model, opt)
-            out.write(json.dumps({"generation": generation, "process": process, "restored": record_restored}) + "\n")
-            out.flush()
+            if variant == "prepared":
+                state.restore_before_sync()  # as the run loop rolls back: the next sync's reshard sets the rows
+            else:
+                state.restore()
+                restored = {"generation": generation, "process": process, "restored": digest(model, opt)}
+                out.write(json.dumps(restored) + "\n")
+                out.flush()
             dist.barrier()
             runtime.group.close()
     os._exit(0)

@@ -69,7 +69,7 @@ class Layout:
 
     @property
     def itemsizes(self) -> list[int]:
-        return [torch.empty(0, dtype=d).element_size() for d in self.dtypes]
+        return [d.itemsize for d in self.dtypes]
 
     def offsets(self, world: int, rank: int) -> list[tuple[int, int]]:
         """(byte offset, bytes) of each tensor's rows in the flat buffer of `rank` of `world`."""
@@ -220,16 +220,21 @@ class ShardedHandler(StateHandler):
         mesh = fps[0].mesh_info.mesh
         return mesh.size(), mesh.get_local_rank()
 
-    def restore(self) -> None:
+    def restore(self, rows: bool = True) -> None:
+        """Back to the commit; `rows=False` leaves the sharded rows to the reshard that follows (it sets them all)."""
         own = self._own
         if own is None:
+            return
+        params = self._params()
+        if not rows:
+            for p in params:
+                p.grad = None
             return
         layout = self.layout()
         if layout.keys != self._layout.keys or self._world_rank() != (own.world, own.rank):
             return  # the live tensors are another world's (a reshard was cut short): the next reshard sets them
         for (at, nbytes), t in zip(layout.offsets(own.world, own.rank), self._live(layout), strict=True):
             _bytes(t).copy_(own.flat[at : at + nbytes])
-        params = self._params()
         for (i, key), value in self._plain.items():
             state = self._optimizer_of(params[i]).state[params[i]]
             if isinstance(value, torch.Tensor):
@@ -408,29 +413,40 @@ class ShardedHandler(StateHandler):
         raise RuntimeError(f"this rank holds no shard of old rank {owner}")
 
     def _move(self, ring: CollectiveGroup, layout: Layout, plan: ReshardPlan, old_world: int) -> list[torch.Tensor]:
-        """This rank's new rows of every tensor, on the host: copied, sent and received as `plan` says."""
+        """This rank's new rows of every tensor, on the host: copied, sent and received as `plan` says.
+
+        Every send and receive is posted first and the local copies run while
+        they are on the wire: a copy before a send would hold back the
+        rank waiting for it.
+        """
         me = ring.rank
         fresh = _rows_of_layout(layout, ring.size, me)
-        works = []
+        itemsizes = layout.itemsizes
+        spans: dict[tuple[int, int], list[tuple[int, int]]] = {}
+        works, local = [], []
         for piece in plan.pieces:
             if piece.src != me and piece.dst != me:
                 continue
             shape = layout.shapes[piece.tensor]
-            row = layout.itemsizes[piece.tensor] * _row_numel(shape)
+            row = itemsizes[piece.tensor] * _row_numel(shape)
             if piece.src == me:
                 flat, world = self._source(piece.owner)
-                at, _ = layout.offsets(world, piece.owner)[piece.tensor]
+                if (world, piece.owner) not in spans:
+                    spans[world, piece.owner] = layout.offsets(world, piece.owner)
+                at, _ = spans[world, piece.owner][piece.tensor]
                 first = rows_of(shape[0], world, piece.owner)[0]
                 data = flat[at + (piece.start - first) * row : at + (piece.stop - first) * row]
             if piece.dst == me:
                 mine = rows_of(shape[0], ring.size, me)[0]
                 into = _bytes(fresh[piece.tensor])[(piece.start - mine) * row : (piece.stop - mine) * row]
                 if piece.local:
-                    into.copy_(data)
+                    local.append((into, data))
                 else:
                     works.append(ring.recv_async(into, piece.src))
             elif piece.src == me:
                 works.append(ring.send_async(data, piece.dst))
+        for into, data in local:
+            into.copy_(data)
         for w in works:
             w.wait()
         return fresh
