@@ -336,8 +336,8 @@ def read_directory(checkpoint: Checkpoint) -> Files:
 # ---- the loop ------------------------------------------------------------------------------
 
 _PATCHED = {
-    "ray.train": ("report", "get_checkpoint", "get_context", "get_dataset_shard"),
-    "ray.train.torch": ("prepare_model", "prepare_data_loader", "get_device"),
+    "ray.train": ("report", "get_checkpoint", "get_context", "get_dataset_shard", "get_all_reported_checkpoints"),
+    "ray.train.torch": ("prepare_model", "prepare_data_loader", "get_device", "get_devices"),
 }
 
 
