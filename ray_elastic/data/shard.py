@@ -3,9 +3,10 @@
 `elastic.get_dataset_shard("train")` inside `train_fn` returns this
 worker's shard of the dataset passed as `ElasticTrainer(...,
 datasets={"train": ds})`. Iterating it (`iter_batches`,
-`iter_torch_batches`) hands out this rank's batch of each step, in the
-lockstep order of `plan.py`; the rows handed out count as consumed, and a
-commit saves that. Put the shard in the state like a sampler:
+`iter_torch_batches`, with Ray's keywords) hands out this rank's batch of
+each step, in the lockstep order of `plan.py`, built from its rows as Ray
+Data builds a batch (`batches.py`); the rows handed out count as consumed,
+and a commit saves that. Put the shard in the state like a sampler:
 
     shard = elastic.get_dataset_shard("train", shuffle=True, seed=0)
     state = elastic.torch.TorchState(model=model, optimizer=opt, data=shard, epoch=0)
@@ -22,10 +23,10 @@ way.
 
 The blocks come from the run's feed actor (`feed.py`), which streams the
 dataset; this rank fetches the blocks its rows lie in from the object
-store, a few blocks ahead of its position (`ray.wait(fetch_local=True)`
-starts the transfer while the current batch trains), and holds references
-only from its position on, so the object store can free what every rank
-consumed and committed.
+store, those of its next `prefetch_batches` batches ahead of need
+(`ray.wait(fetch_local=True)` starts the transfer while the current batch
+trains), and holds references only from its position on, so the object
+store can free what every rank consumed and committed.
 """
 
 from __future__ import annotations
@@ -34,11 +35,11 @@ import copy
 import logging
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import ray
 
 from ray_elastic.auth import Authed
-from ray_elastic.data.plan import SHUFFLE_WINDOW, BlockTable, EpochOrder, step_rows
+from ray_elastic.data.batches import batch_format_of, check_iteration, concat, to_format, torch_batches
+from ray_elastic.data.plan import SHUFFLE_WINDOW, BlockTable, EpochOrder, Step, step_rows
 from ray_elastic.exceptions import RendezvousTimeoutError
 from ray_elastic.run_footprint import run_namespace
 from ray_elastic.runtime.process import current, maybe_current
@@ -50,7 +51,6 @@ logger = logging.getLogger(__name__)
 
 _WAIT_S = 600.0  # the feed producing the next blocks of an epoch (reading and preprocessing included)
 _ANSWER_MARGIN_S = 60.0  # the feed's own answer after its bounded wait (a restart of the feed included)
-_PREFETCH_BLOCKS = 2
 _LIVE: dict[str, DataShard] = {}  # this worker's shards, by dataset name
 
 
@@ -106,63 +106,85 @@ class DataShard:
 
     # ---- iteration -------------------------------------------------------------------------
     def iter_batches(
-        self, batch_size: int = 256, *, batch_format: str = "numpy", drop_last: bool = False
+        self,
+        batch_size: int | None = 256,
+        *,
+        prefetch_batches: int = 1,
+        batch_format: str | None = "default",
+        drop_last: bool = False,
+        local_shuffle_buffer_size: int | None = None,
+        local_shuffle_seed: int | None = None,
     ) -> Iterator[Any]:
-        """This rank's batches of the rest of the epoch: dicts of numpy arrays (or pandas DataFrames)."""
-        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
-            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-        if batch_format not in ("numpy", "pandas"):
-            raise ValueError(f"batch_format must be 'numpy' or 'pandas', got {batch_format!r}")
-        return self._iterate(batch_size, drop_last, lambda batch: _to_format(batch, batch_format))
+        """This rank's batches of the rest of the epoch, as Ray's `DataIterator.iter_batches` builds them.
+
+        Ray's keywords and defaults (`batches.py`): `batch_format` "default"
+        or "numpy" (a dict of numpy arrays), "pandas", "pyarrow", or None
+        (the block as it is); `drop_last=True` drops an epoch's last step
+        when it is short of `batch_size` rows per rank (its rows counted in
+        `dropped_rows`); `prefetch_batches` (0: none) is how many of this
+        rank's next batches are fetched into this node's object store while
+        the current one trains. Refused, by name: `batch_size=None` and a
+        `local_shuffle_buffer_size` (see `batches.check_iteration`);
+        `local_shuffle_seed` only goes with the latter, and Ray too ignores
+        it alone.
+        """
+        batch_size = check_iteration(batch_size, local_shuffle_buffer_size, prefetch_batches)
+        batch_format = batch_format_of(batch_format)
+        return self._iterate(batch_size, drop_last, prefetch_batches, lambda block: to_format(block, batch_format))
 
     def iter_torch_batches(
         self,
-        batch_size: int = 256,
+        batch_size: int | None = 256,
         *,
+        prefetch_batches: int = 1,
         dtypes: Any = None,
-        device: Any = "cpu",
-        collate_fn: Callable[[dict[str, np.ndarray]], Any] | None = None,
+        device: Any = "auto",
+        collate_fn: Callable[[Any], Any] | None = None,
         drop_last: bool = False,
+        local_shuffle_buffer_size: int | None = None,
+        local_shuffle_seed: int | None = None,
+        pin_memory: bool = False,
     ) -> Iterator[Any]:
-        """As `iter_batches`, each batch a dict of torch tensors (or what `collate_fn` makes of the numpy dict)."""
-        import torch
+        """As `iter_batches`, each batch what Ray's `DataIterator.iter_torch_batches` makes of the same rows.
 
-        def convert(batch: dict[str, np.ndarray]) -> Any:
-            if collate_fn is not None:
-                return collate_fn(batch)
-            out = {}
-            for key, value in batch.items():
-                dtype = dtypes.get(key) if isinstance(dtypes, dict) else dtypes
-                out[key] = torch.as_tensor(value, dtype=dtype, device=device)
-            return out
+        A dict of tensors per column (`dtypes`: one torch dtype, or one per
+        column), or `collate_fn`'s batch (its class picks its input as in
+        Ray: a `pyarrow.Table`, a DataFrame, or a dict of numpy arrays);
+        tensors on `device` ("auto": this worker's GPU, else the CPU).
+        `batches.py` says which columns convert, and how.
+        """
+        batch_size = check_iteration(batch_size, local_shuffle_buffer_size, prefetch_batches)
+        convert = torch_batches(dtypes=dtypes, device=device, collate_fn=collate_fn, pin_memory=pin_memory)
+        return self._iterate(batch_size, drop_last, prefetch_batches, convert)
 
-        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
-            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-        return self._iterate(batch_size, drop_last, convert)
-
-    def _iterate(self, batch_size: int, drop_last: bool, convert: Callable[[dict[str, np.ndarray]], Any]) -> Iterator:
+    def _iterate(
+        self, batch_size: int, drop_last: bool, prefetch_batches: int, convert: Callable[[Any], Any]
+    ) -> Iterator[Any]:
         slot = current().joined_slot()  # as rank() does: the shard is split over the current ring
         rank, size = slot.rank, slot.size
         while True:
             while True:
                 try:
                     usable = self._order().usable(self._ended)
-                    step = step_rows(self.position, usable, self._total(), rank, size, batch_size, drop_last)
+                    step = step_rows(self.position, usable, self._total(), rank, size, batch_size, False)
                     break
                 except LookupError as need:
                     rows = need.args[0]
                 self._learn_blocks(rows)  # outside the handler: a feed error is not chained to the LookupError
             if step is None:
                 return
-            batch = self._gather(step.ranges)
+            left = step.next_position - self.position
+            if drop_last and left < size * batch_size:  # Ray's drop_last: no batch short of batch_size
+                step = Step((), step.next_position, 0, left)
+            block = self._gather(step.ranges) if step.ranges else None
             # handed out = consumed: the next commit saves it, a rollback hands it out again
             self.position = step.next_position
             self.padding_rows += step.padding_rows
             self.dropped_rows += step.dropped_rows
-            if not step.ranges:
+            if block is None:
                 return
-            self._let_go_and_prefetch()
-            yield convert(batch)
+            self._let_go_and_prefetch(rank, size * batch_size, batch_size, prefetch_batches)
+            yield convert(block)
 
     # ---- blocks ------------------------------------------------------------------------------
     def _reset_table(self) -> None:
@@ -221,40 +243,49 @@ class DataShard:
                         raise
         return self._blocks[index]
 
-    def _gather(self, ranges: tuple[tuple[int, int], ...]) -> dict[str, np.ndarray]:
+    def _gather(self, ranges: tuple[tuple[int, int], ...]) -> Any:
+        """One block of the rows at `ranges` (epoch positions), in order (`batches.concat`)."""
         from ray.data.block import BlockAccessor
 
-        parts = []
+        pieces = []
         for start, end in ranges:
             for index, rows in self._order().rows(start, end):
                 block, offset = self._block(index)  # the table's block `index` is rows [offset, ...) of `block`
                 block = BlockAccessor.for_block(block)
                 if not self.shuffle:  # one contiguous run of the block
-                    piece = block.slice(offset + int(rows[0]), offset + int(rows[-1]) + 1, copy=False)
+                    pieces.append(block.slice(offset + int(rows[0]), offset + int(rows[-1]) + 1, copy=False))
                 else:
-                    piece = block.take((offset + rows).tolist())
-                parts.append(BlockAccessor.for_block(piece).to_batch_format("numpy"))
-        if not parts:
-            return {}
-        if len(parts) == 1:
-            return parts[0]
-        return {key: np.concatenate([p[key] for p in parts]) for key in parts[0]}
+                    pieces.append(block.take((offset + rows).tolist()))
+        return concat(pieces)
 
     def _first_needed(self) -> int:
         """The first block the rest of the epoch may read: the position's, or with shuffling its window's first."""
         block = self._table.block_of(self.position)
         return block // SHUFFLE_WINDOW * SHUFFLE_WINDOW if self.shuffle else block
 
-    def _let_go_and_prefetch(self) -> None:
-        """Drop what lies before the position; start fetching the next few blocks into this node's store."""
+    def _let_go_and_prefetch(self, rank: int, world_rows: int, batch_size: int, batches: int) -> None:
+        """Drop what lies before the position; start fetching the blocks of this rank's next `batches` batches.
+
+        As Ray's `prefetch_batches`: the fetch into this node's object store
+        (`ray.wait(fetch_local=True)`) runs while the current batch trains;
+        only blocks the table already knows are fetched.
+        """
         current = self._first_needed()
         for index in [i for i in self._blocks if i < current]:
             del self._blocks[index]
         for index in [i for i in self._refs if i < current]:
             del self._refs[index]
-        upcoming = [self._refs[i][0] for i in range(current, current + _PREFETCH_BLOCKS) if i in self._refs]
-        if upcoming:
-            ray.wait(upcoming, num_returns=len(upcoming), timeout=0, fetch_local=True)
+        usable = self._order().usable(self._ended)
+        upcoming: set[int] = set()
+        for k in range(max(batches, 0)):
+            start = self.position + k * world_rows + rank * batch_size
+            end = min(start + batch_size, usable)
+            if start >= end:
+                break
+            upcoming.update(index for index, _ in self._order().rows(start, end))
+        refs = [self._refs[i][0] for i in sorted(upcoming) if i in self._refs and i not in self._blocks]
+        if refs:
+            ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=True)
 
     # ---- the copy protocol of TorchState / ObjectState -----------------------------------------
     def _release_committed(self, rank: int) -> None:
@@ -309,14 +340,6 @@ def _rebuild(state: dict[str, Any], snapshot: bool) -> DataShard:
     copy_._live = live
     copy_.load_state_dict(state)
     return copy_
-
-
-def _to_format(batch: dict[str, np.ndarray], batch_format: str) -> Any:
-    if batch_format == "pandas":
-        import pandas as pd
-
-        return pd.DataFrame(batch)
-    return batch
 
 
 def _get(ref: Any, timeout: float, what: str) -> Any:
