@@ -110,8 +110,8 @@ class BrokenRings:
     def on_reset_requested(self, msg: m.ResetRequested) -> None:
         """A rank's ring broke. Usually a death explains it; else ask every member what it is doing."""
         gens, roster = self.generations, self.record.roster
-        if msg.generation != gens.generation:
-            return  # a word about a ring already re-formed
+        if msg.generation != gens.generation or msg.worker_id not in gens.plan:
+            return  # a word about a ring already re-formed, or dropped whole (a durable restart empties the plan)
         if self.failures.raised_in(msg.generation):
             return  # a rank's train_fn raised and left the ring: that re-forms it, nobody is to blame
         slot = gens.plan.get(msg.worker_id)
@@ -136,8 +136,8 @@ class BrokenRings:
         gens, config = self.generations, self.record.config
         if self._querying == msg.generation:
             self._querying = None
-        if msg.generation != gens.generation or self.failures.raised_in(msg.generation):
-            return  # the ring was re-formed meanwhile, or a raise re-forms it
+        if msg.generation != gens.generation or not gens.plan or self.failures.raised_in(msg.generation):
+            return  # the ring was re-formed or dropped (a durable restart) meanwhile, or a raise re-forms it
         if self.finishing.active:
             # the ring broke as a rank returned from train_fn (its peers' error can beat its exit to us)
             self.finishing.fail_uneven(msg.worker_id, msg.reason)
@@ -154,8 +154,8 @@ class BrokenRings:
         if verdict.verdict is Ring.KILL:
             logger.warning("ring of generation %d broke: %s; killing them", msg.generation, verdict.reason)
             for worker_id in verdict.kill:
-                rec = self.record.roster[worker_id]
-                if rec.status in ALIVE:
+                rec = self.record.roster.get(worker_id)
+                if rec is not None and rec.status in ALIVE:
                     self.failures.fence(rec, verdict.reason, now)
         elif verdict.verdict is Ring.FAIL:
             self.record.fail(
