@@ -17,10 +17,9 @@ once per epoch, whatever the membership does.
 The last step of an epoch may find fewer than `size * batch_size` rows
 left. By default each rank still gets an equal batch of `ceil(left /
 size)` rows, the missing ones repeated from that last step's own rows
-(counted in `padding_rows`), so no rank sits a step out. With
-`drop_last=True` each rank gets `left // size` rows and the remainder is
-not trained (counted in `dropped_rows`); a remainder smaller than the world
-ends the epoch at once.
+(counted in `padding_rows`), so no rank sits a step out. (`drop_last=True`
+is the shard's: it skips such a step whole, as Ray drops an incomplete
+batch, see `shard.py`.)
 """
 
 from __future__ import annotations
@@ -38,12 +37,10 @@ class Step:
     ranges: tuple[tuple[int, int], ...]  # half-open position ranges, in the order the batch takes them
     next_position: int
     padding_rows: int  # repeated rows the whole world trains in this step
-    dropped_rows: int  # rows the whole world skips in this step (drop_last)
+    dropped_rows: int = 0  # rows the whole world skips in this step (the shard's drop_last)
 
 
-def step_rows(
-    position: int, known: int, total: int | None, rank: int, size: int, batch_size: int, drop_last: bool
-) -> Step | None:
+def step_rows(position: int, known: int, total: int | None, rank: int, size: int, batch_size: int) -> Step | None:
     """The rows of `rank`'s next batch, or None if the epoch is over.
 
     `known` rows of the epoch exist so far; `total` is the epoch's length
@@ -58,13 +55,7 @@ def step_rows(
         return None
     if left >= full:
         start = position + rank * batch_size
-        return Step(((start, start + batch_size),), position + full, 0, 0)
-    if drop_last:
-        per = left // size
-        if per == 0:
-            return Step((), position + left, 0, left)  # no batch for anyone: the epoch ends
-        start = position + rank * per
-        return Step(((start, start + per),), position + left, 0, left - per * size)
+        return Step(((start, start + batch_size),), position + full, 0)
     per = -(-left // size)
     ranges = []
     for p in range(position + rank * per, position + (rank + 1) * per):

@@ -166,7 +166,7 @@ class DataShard:
             while True:
                 try:
                     usable = self._order().usable(self._ended)
-                    step = step_rows(self.position, usable, self._total(), rank, size, batch_size, False)
+                    step = step_rows(self.position, usable, self._total(), rank, size, batch_size)
                     break
                 except LookupError as need:
                     rows = need.args[0]

@@ -239,30 +239,15 @@ class ShardIterator:
     def __init__(self, shard: Any) -> None:
         self._shard = shard
 
-    def iter_batches(
-        self, *, batch_size: int = 256, batch_format: str = "numpy", drop_last: bool = False, **ignored: Any
-    ) -> Iterator[Any]:
-        _check_iter_options(ignored)
-        return self._pass(self._shard.iter_batches(batch_size, batch_format=batch_format, drop_last=drop_last))
+    def iter_batches(self, **options: Any) -> Iterator[Any]:
+        """As Ray's `DataIterator.iter_batches`: its keywords and defaults (`DataShard.iter_batches` says which
+        it refuses by name, and why)."""
+        return self._pass(self._shard.iter_batches(**options))
 
-    def iter_torch_batches(
-        self,
-        *,
-        batch_size: int = 256,
-        dtypes: Any = None,
-        device: Any = "auto",
-        collate_fn: Callable[[dict[str, np.ndarray]], Any] | None = None,
-        drop_last: bool = False,
-        **ignored: Any,
-    ) -> Iterator[Any]:
-        """As Ray's: tensors on the worker's device (`device="auto"`), or `collate_fn`'s batches."""
-        _check_iter_options(ignored)
-        device = elastic_torch.get_device() if device == "auto" else device
-        return self._pass(
-            self._shard.iter_torch_batches(
-                batch_size, dtypes=dtypes, device=device, collate_fn=collate_fn, drop_last=drop_last
-            )
-        )
+    def iter_torch_batches(self, **options: Any) -> Iterator[Any]:
+        """As Ray's `DataIterator.iter_torch_batches`: tensors on the worker's device (`device="auto"`), or
+        `collate_fn`'s batches."""
+        return self._pass(self._shard.iter_torch_batches(**options))
 
     def _pass(self, batches: Iterator[Any]) -> Iterator[Any]:
         yield from batches
@@ -270,14 +255,6 @@ class ShardIterator:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.__dict__["_shard"], name)
-
-
-def _check_iter_options(options: dict[str, Any]) -> None:
-    if options:
-        raise ValueError(
-            f"ray_elastic.train's dataset shard does not support {sorted(options)}: the rows of each step are "
-            "set by the run's lockstep plan"
-        )
 
 
 # ---- the module-level calls, as Ray Train names them -------------------------------------

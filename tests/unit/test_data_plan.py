@@ -3,7 +3,8 @@
 The promise these hold the arithmetic to: whatever the world does between
 steps (a rollback to a committed position, a resize, a newcomer), every
 row of the epoch is trained exactly once, except the padding of the last
-step (counted) or, with `drop_last`, the dropped remainder (counted).
+step (counted). (`drop_last`, which skips a short last step whole, is the
+shard's: tests/unit/test_data_batches.py.)
 """
 
 from __future__ import annotations
@@ -21,9 +22,9 @@ def rows_of(step) -> list[int]:
     return [p for a, b in step.ranges for p in range(a, b)]
 
 
-def one_step(position, total, size, batch_size, drop_last):
+def one_step(position, total, size, batch_size):
     """Every rank's rows of one step (and the step), as the ranks compute them alone."""
-    steps = [step_rows(position, total, total, r, size, batch_size, drop_last) for r in range(size)]
+    steps = [step_rows(position, total, total, r, size, batch_size) for r in range(size)]
     if steps[0] is None:
         return None, None
     assert len({(s.next_position, s.padding_rows, s.dropped_rows) for s in steps}) == 1, "ranks disagree"
@@ -31,31 +32,24 @@ def one_step(position, total, size, batch_size, drop_last):
 
 
 def test_a_full_step_gives_each_rank_its_slice_in_rank_order():
-    rows, step = one_step(position=10, total=100, size=3, batch_size=4, drop_last=False)
+    rows, step = one_step(position=10, total=100, size=3, batch_size=4)
     assert rows == [[10, 11, 12, 13], [14, 15, 16, 17], [18, 19, 20, 21]]
     assert step.next_position == 22 and step.padding_rows == 0
 
 
 def test_the_last_step_pads_with_its_own_rows_and_counts_them():
     # 5 rows left for 3 ranks of batch 4: each gets ceil(5/3) = 2 rows, one of them a repeat
-    rows, step = one_step(position=95, total=100, size=3, batch_size=4, drop_last=False)
+    rows, step = one_step(position=95, total=100, size=3, batch_size=4)
     assert rows == [[95, 96], [97, 98], [99, 95]]
     assert step.next_position == 100 and step.padding_rows == 1
-    assert one_step(100, 100, 3, 4, False) == (None, None)
-
-
-def test_drop_last_splits_evenly_and_counts_the_rest():
-    rows, step = one_step(position=95, total=100, size=3, batch_size=4, drop_last=True)
-    assert rows == [[95], [96], [97]] and step.dropped_rows == 2 and step.next_position == 100
-    rows, step = one_step(position=98, total=100, size=3, batch_size=4, drop_last=True)
-    assert rows == [[], [], []] and step.dropped_rows == 2, "fewer rows than ranks: nobody trains them"
+    assert one_step(100, 100, 3, 4) == (None, None)
 
 
 def test_an_unknown_length_asks_for_the_rows_a_full_step_needs():
     with pytest.raises(LookupError) as need:
-        step_rows(position=8, known=10, total=None, rank=0, size=2, batch_size=4, drop_last=False)
+        step_rows(position=8, known=10, total=None, rank=0, size=2, batch_size=4)
     assert need.value.args == (16,)
-    assert rows_of(step_rows(8, 16, None, 1, 2, 4, False)) == [12, 13, 14, 15]
+    assert rows_of(step_rows(8, 16, None, 1, 2, 4)) == [12, 13, 14, 15]
 
 
 @settings(max_examples=300, deadline=None)
@@ -64,9 +58,8 @@ def test_an_unknown_length_asks_for_the_rows_a_full_step_needs():
     batch_size=st.integers(1, 17),
     sizes=st.lists(st.integers(1, 9), min_size=1, max_size=40),
     rollbacks=st.lists(st.booleans(), min_size=40, max_size=40),
-    drop_last=st.booleans(),
 )
-def test_every_row_once_through_resizes_and_rollbacks(total, batch_size, sizes, rollbacks, drop_last):
+def test_every_row_once_through_resizes_and_rollbacks(total, batch_size, sizes, rollbacks):
     """A world that changes size at every step and sometimes rolls back to its last commit."""
     trained: collections.Counter = collections.Counter()  # rows trained and kept (committed or final)
     pending: collections.Counter = collections.Counter()  # trained since the last commit
@@ -74,7 +67,7 @@ def test_every_row_once_through_resizes_and_rollbacks(total, batch_size, sizes, 
     committed_padding = committed_dropped = 0
     for i in range(10_000):
         size = sizes[i % len(sizes)]
-        rows, step = one_step(position, total, size, batch_size, drop_last)
+        rows, step = one_step(position, total, size, batch_size)
         if step is None:
             break
         for r in rows:

@@ -265,7 +265,8 @@ class _FakeShard:
     def __init__(self) -> None:
         self.epoch = 0
 
-    def iter_batches(self, batch_size, *, batch_format, drop_last):
+    def iter_batches(self, **options):
+        self.options = options
         yield from ((self.epoch, i) for i in range(3))
 
     def set_epoch(self, epoch: int) -> None:
@@ -280,5 +281,5 @@ def test_each_pass_over_a_dataset_shard_is_an_epoch_as_in_ray_and_a_cut_pass_is_
     next(cut)
     del cut  # a reset cuts the pass: the epoch does not advance
     assert shard.epoch == 1
-    with pytest.raises(ValueError, match="prefetch_batches"):
-        it.iter_batches(batch_size=2, prefetch_batches=4)
+    list(it.iter_batches(batch_size=2, prefetch_batches=4, batch_format="pandas"))
+    assert shard.options == {"batch_size": 2, "prefetch_batches": 4, "batch_format": "pandas"}  # Ray's, as given
