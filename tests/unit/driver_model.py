@@ -339,7 +339,8 @@ class Model:
     def deliver(self, messages: list[m.Message], after: float) -> list[m.Action]:
         core = self.core
         self.now += after
-        evicted = set(core.record.evicted)
+        # the stragglers let go that were already on their way out before this batch
+        evicted = {w for w in core.record.evicted if core.workers[w].status is WorkerStatus.LEAVING}
         final = core.state.is_final
         self.log.append(f"t={self.now:.2f} {[_short(x) for x in messages]}")
         self.raised_in.update(x.generation for x in messages if isinstance(x, m.TrainFnRaised))
@@ -456,21 +457,28 @@ class Model:
                 f"the run failed as every holder lost while {w} holds the state and runs: {failure}",
             )
 
-    def check_min_workers(self, evicted_before: set[str]) -> None:
-        """The core's own decisions never take the world below min_workers: stragglers let go in this batch
-        leave at least min_workers members, unless the world was below it without their leaving (withdrawals)."""
+    def check_min_workers(self, leaving_before: set[str]) -> None:
+        """The core's own decisions never take the world below min_workers: stragglers sent on their way out in
+        this batch (let go in it or earlier) leave at least min_workers members that stay (not on a draining or
+        withdrawn host: those members leave too), unless the world was below it without the stragglers leaving."""
         core = self.core
-        # the stragglers let go in this batch whose hosts stay offered (a withdrawn one leaves anyway)
+        # the stragglers that started leaving in this batch, whose hosts stay offered (a withdrawn one leaves anyway)
         evicted = {
             w
-            for w in core.record.evicted - evicted_before
+            for w in core.record.evicted - leaving_before
             if core.workers[w].host in core.record.hosts and core.workers[w].status is WorkerStatus.LEAVING
         }
         if evicted and not core.state.is_final and not core.finishing.active:
-            staying = [w for w in core.plan if core.workers[w].status is WorkerStatus.MEMBER]
+            staying = [
+                w
+                for w in core.plan
+                if core.workers[w].status is WorkerStatus.MEMBER
+                and core.workers[w].host not in core.record.draining
+                and core.workers[w].host in core.record.hosts
+            ]
             self.require(
                 len(staying) >= self.config.min_workers or len(staying) + len(evicted) < self.config.min_workers,
-                f"letting {sorted(evicted)} go leaves {len(staying)} < min_workers members",
+                f"letting {sorted(evicted)} go leaves {len(staying)} < min_workers members that stay",
             )
 
     def check_finish(self, messages: list[m.Message]) -> None:

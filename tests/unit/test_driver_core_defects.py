@@ -54,3 +54,28 @@ def test_a_ring_error_after_a_durable_restart_asks_no_empty_question():
     s.send(m.CheckpointFound(True))
     s.send(m.ResetRequested("w4", 2, "Connection closed by peer"))
     assert s.of(m.QueryActivity) == [] and s.of(m.Publish) == []
+
+
+def test_a_straggler_let_go_is_kept_while_the_only_other_member_stays_just_to_hand_the_state_on():
+    """min 2, max 3. w3 is judged a straggler as w1 dies (kept: min_workers); B drains, so w2 stays only as the
+    holder; a newcomer on D is ready. Before the fix, generation 3 was {w2, w4}: w3 was let go because w2 was
+    counted as staying, and once w2 handed the state on the run had one worker and waited out cool-downs."""
+    from test_pace_watch import paces
+
+    s = Script(min_workers=2, max_workers=3)
+    gen1 = s.start({"A": 1, "B": 1, "C": 1})
+    s.send(*paces(s, 1, {"w3": 3.0}, gen1.plan), m.WorkerDied("w1", "SIGKILL", node_alive=True))
+    [gen2] = s.of(m.Publish)
+    s.sync(gen2)
+    s.send(m.NodesDraining({"B": 0.0}))
+    s.send(m.HostsDiscovered({"A": 1, "B": 1, "C": 1, "D": 1}))
+    [spawn] = s.of(m.Spawn)
+    s.send(m.WorkerReady(spawn.worker_id))
+    [gen3] = s.of(m.Publish)
+    assert set(gen3.plan) == {"w2", "w3", spawn.worker_id}, "the straggler stays while w2 only hands the state on"
+    s.sync(gen3)
+    plans = [set(a.plan) for a in s.actions if isinstance(a, m.Publish)]
+    s.send(m.Tick(), after=1.0)
+    plans += [set(a.plan) for a in s.actions if isinstance(a, m.Publish)]
+    assert plans and plans[-1] == {"w3", spawn.worker_id}, "w2 leaves; the world stays at min_workers"
+    assert s.core.state is DriverState.RESETTING or s.core.state is DriverState.RUNNING

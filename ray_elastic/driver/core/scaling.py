@@ -115,7 +115,10 @@ class Scaling:
         """The stragglers let go that stay for now: the one holding the state over, and as many as the next
         generation needs to reach min_workers (members died or were withdrawn after they were let go)."""
         gens, roster, evicted = self.generations, self.record.roster, self.record.evicted
-        members = [w for w in gens.plan if roster[w].status in IN_RING and w not in evicted and w not in remove]
+        # the members that stay: not the one held over, which leaves once it has handed the state on
+        members = [
+            w for w in gens.plan if roster[w].status in IN_RING and w not in evicted and w not in remove and w != held
+        ]
         short = self.record.config.min_workers - len(members) - roster.count(WorkerStatus.READY)
         kept = {held} if held is not None else set()
         for worker_id in sorted(evicted, key=lambda w: roster[w].seq if w in roster.workers else 0):
