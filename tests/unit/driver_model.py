@@ -95,6 +95,7 @@ class Model:
         self.offered = {h: rng.choice((1, 1, 2)) for h in rng.sample(POOL, rng.randint(1, 3))}
         self.pending: list[m.Message] = [m.HostsDiscovered(dict(self.offered))]
         self.delivered: list[m.Message] = []  # every message delivered so far (duplicates are drawn from it)
+        self.kinds_delivered: set[type] = set()  # the types of every message delivered, Ticks included
         self.generation = 0
         self.plan: dict[str, Any] = {}
         self.ring_synced: set[int] = set()  # generations whose ring formed and whose ranks took rank 0's state
@@ -159,6 +160,8 @@ class Model:
             (self._hang, 1),
             (self._drain, 1),
             (self._kv_restart, 1),
+            (self._note, 1),
+            (self._end, 0.1),
         ]
         pick = rng.choices([c for c, _ in choices], weights=[w for _, w in choices])[0]
         pick()
@@ -180,8 +183,12 @@ class Model:
         if not g or g in self.ring_synced or not all(self.workers[w].running for w in plan):
             return
         rank0 = next(w for w, slot in plan.items() if slot.rank == 0)
-        if g in self.resumed:  # rank 0 loaded the durable checkpoint before its first sync
+        if g in self.resumed:  # rank 0 loaded the durable checkpoint before its first sync, and says so
             self.workers[rank0].progress = self.run_progress = self.durable or 0
+            meta = {"commit": self.durable or 0, "written_at": 1000.0, "world_size": 2}
+            if self.rng.random() < 0.3:
+                meta["reason"] = "resharding lost rows (both holders of rank 1's rows were lost)"
+            self.pending.append(m.WorkerResumed(rank0, meta))
         state = self.workers[rank0].progress or 0  # generation 1's rank 0 starts the run's state: commit 0
         self.run_progress = max(self.run_progress, state)
         self.ring_synced.add(g)
@@ -280,6 +287,29 @@ class Model:
         for w in self.rng.sample(members, min(len(members), self.rng.choice((1, 1, 2)))):
             self.pending.append(m.TrainFnRaised(w, self.generation, "RuntimeError: intended", "Traceback ..."))
 
+    def _note(self) -> None:
+        """What the shell or a rank tells that changes no membership: a slow dataset block, another backend."""
+        if self.rng.random() < 0.5:
+            self.pending.append(m.DataSlow("train", self.rng.randint(0, 99), 30.0))
+        elif self.plan:
+            self.pending.append(m.BackendNote("ranks share a GPU: their ring runs Gloo with host staging"))
+
+    def _end(self) -> None:
+        """What ends the run from outside the core: the user, the shell's own error, Ray, the KV actor, discovery."""
+        rng = self.rng
+        choices = [
+            m.Stop("stopped by the user"),
+            m.DriverFailed("the GCS did not take the driver's snapshot"),
+            m.DiscoveryFailed("discover.sh exited with status 1"),
+            m.KVLost("the run's KV actor died for good"),
+            m.PublishFailed(self.generation, "the KV actor did not answer"),
+            m.SnapshotRefused("an older snapshot than the run's"),
+        ]
+        starting = [w for w, rec in self.workers.items() if rec.running and rec.progress is None]
+        if starting:
+            choices.append(m.WorkerStartFailed(rng.choice(starting), "Ray refused the runtime_env"))
+        self.pending.append(rng.choice(choices))
+
     def _answer(self) -> None:
         """A question out is answered: the members' activity, or the checkpoint lookup (late, possibly)."""
         rng = self.rng
@@ -348,6 +378,7 @@ class Model:
         self.log.append(f"  -> {actions}")
         self.final_before = final
         self.delivered.extend(x for x in messages if not isinstance(x, m.Tick))
+        self.kinds_delivered.update(type(x) for x in messages)
         self.act(actions)
         self.check_batch(messages, actions, evicted)
         return actions
