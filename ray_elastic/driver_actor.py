@@ -64,6 +64,7 @@ from ray_elastic.driver.shell.worker_pool import WorkerPool
 from ray_elastic.protocol import DriverStatus, RunOutcome
 from ray_elastic.session_log import keep_in_session_log
 from ray_elastic.shipping import unpack
+from ray_elastic.wire import Told, ToldMessage
 from ray_elastic.worker_actor import actor_class
 
 if TYPE_CHECKING:
@@ -319,30 +320,11 @@ class DriverActor:
 
     # ---- called by workers and the trainer --------------------------------------------
     # each answered once a snapshot holds it: a restarted driver gets again what its predecessor did not save
-    async def worker_ready(self, worker_id: str) -> None:
-        await self._take(m.WorkerReady(worker_id))
-
-    async def worker_synced(self, worker_id: str, generation: int, at: float, commits: int | None = None) -> None:
-        await self._take(m.WorkerSynced(worker_id, generation, at, commits))
-
-    async def worker_resumed(self, worker_id: str, meta: dict[str, Any]) -> None:
-        """Rank 0 loaded the durable checkpoint before its first sync."""
-        await self._take(m.WorkerResumed(worker_id, meta))
-
-    async def backend_note(self, reason: str) -> None:
-        """Rank 0: its ring runs another backend than asked (ranks sharing a GPU): an event says why."""
-        await self._take(m.BackendNote(reason))
-
-    async def data_slow(self, dataset: str, block: int, seconds: float) -> None:
-        """The feed actor: a block came late, its pipeline running (an event, not a failure)."""
-        await self._take(m.DataSlow(dataset, block, seconds))
-
-    async def request_reset(self, worker_id: str, generation: int, reason: str) -> None:
-        await self._take(m.ResetRequested(worker_id, generation, reason))
-
-    async def train_fn_raised(self, worker_id: str, generation: int, error: str, traceback: str) -> None:
-        """The rank's `train_fn` raised; it waits to re-enter unless `max_failures` is spent."""
-        await self._take(m.TrainFnRaised(worker_id, generation, error, traceback))
+    async def tell(self, message: ToldMessage) -> None:
+        """What happened to one of the run's actors (`wire.py`: one class per fact), for the core as it is."""
+        if not isinstance(message, Told):
+            raise TypeError(f"DriverActor.tell takes a ray_elastic.wire message, got {type(message).__name__}")
+        await self._take(message)
 
     async def add_metrics(
         self, worker_id: str, batch: list[tuple[float, dict]], seq: int | None = None, paces: list | None = None

@@ -37,6 +37,7 @@ import ray
 from ray_elastic.auth import Authed
 from ray_elastic.data.starvation import PROBE_EVERY_S, Starvation
 from ray_elastic.exceptions import RendezvousTimeoutError
+from ray_elastic.wire import DataSlow
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -268,7 +269,7 @@ class Feed:
         logger.warning("block %d of dataset %r took %.1f s to produce; its pipeline was running", block, name, seconds)
         try:
             driver = ray.get_actor("driver", namespace=self._namespace)
-            Authed(driver, self._run_token).data_slow.remote(name, block, seconds)  # not awaited: a note
+            Authed(driver, self._run_token).tell.remote(DataSlow(name, block, seconds))  # not awaited: a note
         except Exception:  # noqa: BLE001 - a driver restarting misses one note; training is not held for it
             logger.warning("could not tell the run's driver that dataset %r is slow", name, exc_info=True)
 

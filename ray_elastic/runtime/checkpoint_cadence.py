@@ -25,13 +25,14 @@ from typing import TYPE_CHECKING, Any
 from ray_elastic.checkpoint import CheckpointStore, CheckpointWriter, bounded_call
 from ray_elastic.checkpoint.entries import load_entries, state_entries
 from ray_elastic.runtime.pace import PACE
+from ray_elastic.wire import WorkerResumed
 
 if TYPE_CHECKING:
-    import ray
 
     from ray_elastic.assignment import WorkerSlot
     from ray_elastic.protocol import WorkerConfig
     from ray_elastic.rendezvous import KVClient
+    from ray_elastic.wire import DriverLink
 
 logger = logging.getLogger(__name__)
 
@@ -41,13 +42,13 @@ class CheckpointCadence:
 
     Args:
         worker_id: this worker's id, for the driver and the log.
-        driver: the driver actor's handle (`worker_resumed` is sent to it).
+        driver: the driver actor's handle (rank 0 tells it `WorkerResumed`).
         settings: `checkpoint_dir`, `checkpoint_every`, `checkpoint_keep` and `checkpoint_timeout`
             (the bound of one checkpoint write and of the final flush).
     """
 
     def __init__(
-        self, worker_id: str, driver: ray.actor.ActorHandle, settings: WorkerConfig, kv: KVClient | None = None
+        self, worker_id: str, driver: DriverLink, settings: WorkerConfig, kv: KVClient | None = None
     ) -> None:
         self.worker_id = worker_id
         self.driver = driver
@@ -161,7 +162,7 @@ class CheckpointCadence:
         logger.info(
             "worker %s resumed from the checkpoint in %s: %s", self.worker_id, self.settings.checkpoint_dir, meta
         )
-        self.driver.worker_resumed.remote(self.worker_id, meta if reason is None else {**meta, "reason": reason})
+        self.driver.tell.remote(WorkerResumed(self.worker_id, meta if reason is None else {**meta, "reason": reason}))
         return meta
 
     def flush(self) -> str | None:

@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from ray_elastic.assignment import WorkerSlot
     from ray_elastic.collective.base import CollectiveGroup
     from ray_elastic.protocol import WorkerConfig
+    from ray_elastic.wire import DriverLink
 
 
 class WorkerContext:
@@ -47,8 +48,8 @@ class WorkerContext:
     Args:
         worker_id: this worker's id in the driver's assignments.
         kv: the run's KV actor.
-        driver: the driver actor (sent `worker_ready`, `worker_synced`,
-            `worker_resumed`, `request_reset` and `add_metrics`).
+        driver: the driver actor (told what happens here, `wire.py`, and
+            sent the metrics).
         settings: the run's options a worker needs.
     """
 
@@ -56,7 +57,7 @@ class WorkerContext:
         self,
         worker_id: str,
         kv: ray.actor.ActorHandle,
-        driver: ray.actor.ActorHandle,
+        driver: DriverLink,
         settings: WorkerConfig,
     ) -> None:
         self.worker_id = worker_id

@@ -32,16 +32,16 @@ from ray_elastic.exceptions import (
     RendezvousTimeoutError,
     WorkerRemovedError,
 )
+from ray_elastic.wire import BackendNote, ResetRequested, TrainFnRaised, WorkerReady, WorkerSynced
 
 if TYPE_CHECKING:
     from collections.abc import Callable
-
-    import ray
 
     from ray_elastic.assignment import WorkerSlot
     from ray_elastic.collective.base import CollectiveGroup
     from ray_elastic.protocol import WorkerConfig
     from ray_elastic.rendezvous import KVClient
+    from ray_elastic.wire import DriverLink
 
 logger = logging.getLogger(__name__)
 
@@ -52,12 +52,12 @@ class Membership:
     Args:
         worker_id: this worker's id in the driver's assignments.
         kv: the client of the run's KV actor.
-        driver: the driver actor's handle (`worker_ready`, `request_reset`,
-            `worker_synced` are sent to it, never awaited).
+        driver: the driver actor's handle (`tell`: what this worker tells it,
+            never awaited).
         settings: the backend and the timeouts.
     """
 
-    def __init__(self, worker_id: str, kv: KVClient, driver: ray.actor.ActorHandle, settings: WorkerConfig) -> None:
+    def __init__(self, worker_id: str, kv: KVClient, driver: DriverLink, settings: WorkerConfig) -> None:
         self.worker_id = worker_id
         self.kv = kv
         self.driver = driver
@@ -131,7 +131,7 @@ class Membership:
             load_backend(self.settings.backend)
             # before the announcement: once admitted, the survivors wait in the rendezvous for this worker
             self.run_join_preparations()
-            self.driver.worker_ready.remote(self.worker_id)
+            self.driver.tell.remote(WorkerReady(self.worker_id))
             self._announced = True
         deadline = time.monotonic() + self.settings.rendezvous_timeout
         after = self.generation
@@ -162,7 +162,7 @@ class Membership:
                     local_rank=slot.local_rank,
                     requested=self.settings.backend_requested,
                     worker_id=self.worker_id,
-                    note=lambda reason: self.driver.backend_note.remote(reason),
+                    note=lambda reason: self.driver.tell.remote(BackendNote(reason)),
                 )
             except (HorovodInternalError, GenerationSupersededError, RendezvousTimeoutError) as e:
                 # a peer died while the ring formed: the driver publishes a newer generation
@@ -172,7 +172,7 @@ class Membership:
                     generation,
                     e,
                 )
-                self.driver.request_reset.remote(self.worker_id, generation, str(e))
+                self.driver.tell.remote(ResetRequested(self.worker_id, generation, str(e)))
                 after = generation
                 continue
             self.generation = generation
@@ -191,7 +191,7 @@ class Membership:
         if self._failure_told != self.generation:
             self._failure_told = self.generation
             # the error itself: the driver quotes it if the same failure repeats in the next generation
-            self.driver.request_reset.remote(self.worker_id, self.generation, reason[:2000])
+            self.driver.tell.remote(ResetRequested(self.worker_id, self.generation, reason[:2000]))
         self._leave_ring()
 
     def tell_raised(self, error: str, traceback: str) -> None:
@@ -203,7 +203,9 @@ class Membership:
         """
         if self._failure_told != self.generation:
             self._failure_told = self.generation
-            self.driver.train_fn_raised.remote(self.worker_id, self.generation, error[:2000], traceback[-20000:])
+            self.driver.tell.remote(
+                TrainFnRaised(self.worker_id, self.generation, error[:2000], traceback[-20000:])
+            )
         self._leave_ring()
 
     def _leave_ring(self) -> None:
@@ -230,7 +232,7 @@ class Membership:
         """Tell the driver (once per generation) that this rank finished its sync, resuming from `commits`."""
         if self.synced_generation != self.generation:
             self.synced_generation = self.generation
-            self.driver.worker_synced.remote(self.worker_id, self.generation, time.time(), commits)
+            self.driver.tell.remote(WorkerSynced(self.worker_id, self.generation, time.time(), commits))
 
     def abandon(self, generation: int, reason: str) -> None:
         """Called by the driver (on a control thread): `generation`'s ring lost a member.

@@ -30,6 +30,7 @@ from ray import cloudpickle
 
 if TYPE_CHECKING:
     from ray_elastic.protocol import PaceSummary
+    from ray_elastic.wire import DriverLink
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +65,7 @@ class MetricsShipper:
         driver: the driver actor's handle.
     """
 
-    def __init__(self, worker_id: str, driver: ray.actor.ActorHandle) -> None:
+    def __init__(self, worker_id: str, driver: DriverLink) -> None:
         self.worker_id = worker_id
         self.driver = driver
         self._buffer: deque[tuple[float, dict[str, Any]]] = deque()

@@ -56,7 +56,7 @@ def lost(process: int, port: int, directory: str) -> None:
     from ray_elastic.torch.state import TorchState
 
     told: list[dict] = []
-    driver = SimpleNamespace(worker_resumed=SimpleNamespace(remote=lambda worker, meta: told.append(meta)))
+    driver = SimpleNamespace(tell=SimpleNamespace(remote=lambda message: told.append(message.meta)))
     settings = SimpleNamespace(
         checkpoint_dir=os.path.join(directory, "run"),
         checkpoint_keep=2,

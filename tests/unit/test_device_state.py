@@ -363,7 +363,7 @@ def test_a_resume_from_checkpoint_dir_places_adamw_state_as_torch_does(tmp_path)
     settings = SimpleNamespace(
         checkpoint_dir=str(tmp_path), checkpoint_keep=2, checkpoint_timeout=30.0, checkpoint_every=1, run_id="r"
     )
-    driver = SimpleNamespace(worker_resumed=SimpleNamespace(remote=lambda *args: None))
+    driver = SimpleNamespace(tell=SimpleNamespace(remote=lambda message: None))
     cadence = CheckpointCadence("w0", driver, settings)
     meta = cadence.maybe_resume(state, SimpleNamespace(rank=0, size=1), ever_synced=False)
     assert meta is not None and meta["commit"] == 5

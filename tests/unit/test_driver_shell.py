@@ -220,7 +220,7 @@ def test_a_restarted_drivers_loop_runs_when_resent_worker_calls_fill_every_slot_
             async with slots:
                 return await method(*args)
 
-        resent = [asyncio.ensure_future(call(driver.worker_synced, f"w{i}", 2, 0.0)) for i in range(3)]
+        resent = [asyncio.ensure_future(call(driver.tell, m.WorkerSynced(f"w{i}", 2, 0.0))) for i in range(3)]
         run = asyncio.ensure_future(call(driver.run))  # scheduled after them: no slot is left for it
         await asyncio.wait_for(asyncio.gather(*resent), 5)  # answered once snapshotted, by the loop they started
         run.cancel()

@@ -212,7 +212,7 @@ def test_checkpoint_dir_keeps_the_sharded_commits_in_dcp_format_and_a_new_run_re
     settings = SimpleNamespace(
         checkpoint_dir=str(tmp_path), checkpoint_keep=1, checkpoint_timeout=30.0, checkpoint_every=1, run_id="r"
     )
-    driver = SimpleNamespace(worker_resumed=SimpleNamespace(remote=lambda *args: None))
+    driver = SimpleNamespace(tell=SimpleNamespace(remote=lambda message: None))
     slot = SimpleNamespace(rank=0, size=1)
     model = sharded_model()
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)

@@ -243,7 +243,7 @@ class DriverCore:
         handler = _HANDLERS.get(type(msg))
         if handler is None:
             raise TypeError(f"the driver core got an unknown message {msg!r}")
-        if type(msg) not in _PLAN_UNCHANGED:
+        if msg.changes_plan:
             self._replan = True  # the others change the plan's inputs only through statuses and benched hosts
         handler(self, msg, now)
 
@@ -315,9 +315,6 @@ class DriverCore:
             logger.warning("the KV actor restarted during a reset: generation %d forms again", gens.generation)
             gens.reform()
 
-
-# messages that change what the plan reads only through statuses and benched hosts (which the core counts)
-_PLAN_UNCHANGED = frozenset({m.Tick, m.PingResults, m.HostsDiscovered, m.PacesReported, m.DataSlow, m.BackendNote})
 
 # every message type, and what takes it: one line each, so a new message cannot be dropped silently
 _HANDLERS: dict[type, Callable[[DriverCore, Any, float], None]] = {

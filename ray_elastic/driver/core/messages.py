@@ -10,7 +10,20 @@ events with the offset it was given.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
+
+# what the run's actors tell the driver (`DriverActor.tell`) is declared in ray_elastic/wire.py, with the traits
+# every message declares (`Fact`); they are the core's messages too, named here with the shell's own
+from ray_elastic.wire import (
+    BackendNote,
+    DataSlow,
+    Fact,
+    ResetRequested,
+    TrainFnRaised,
+    WorkerReady,
+    WorkerResumed,
+    WorkerSynced,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -20,13 +33,18 @@ if TYPE_CHECKING:
 
 
 # ---- messages in ---------------------------------------------------------
+
+
 @dataclass(frozen=True)
-class HostsDiscovered:
+class HostsDiscovered(Fact):
+    changes_plan: ClassVar[bool] = False  # only when the hosts differ (Scaling.update_hosts)
+    quiet: ClassVar[bool] = True  # unless it offers other hosts than the last poll (DurableChanges)
+
     hosts: Mapping[str, int]
 
 
 @dataclass(frozen=True)
-class NodesDraining:
+class NodesDraining(Fact):
     """Ray's draining nodes (`ray drain-node`, a cloud's preemption notice) and their deadlines.
 
     `deadlines` maps a node ID to the wall-clock time (s) it will be killed, or 0 for none.
@@ -36,17 +54,12 @@ class NodesDraining:
 
 
 @dataclass(frozen=True)
-class DiscoveryFailed:
+class DiscoveryFailed(Fact):
     reason: str
 
 
 @dataclass(frozen=True)
-class WorkerReady:
-    worker_id: str
-
-
-@dataclass(frozen=True)
-class WorkerExited:
+class WorkerExited(Fact):
     """A worker's `run()` returned."""
 
     worker_id: str
@@ -54,7 +67,7 @@ class WorkerExited:
 
 
 @dataclass(frozen=True)
-class WorkerDied:
+class WorkerDied(Fact):
     """A worker's `run()` failed (actor died, node lost, placement failed)."""
 
     worker_id: str
@@ -63,51 +76,11 @@ class WorkerDied:
 
 
 @dataclass(frozen=True)
-class WorkerStartFailed:
+class WorkerStartFailed(Fact):
     """Ray refused to start a worker (its options): deterministic, so retrying cannot help."""
 
     worker_id: str
     reason: str
-
-
-@dataclass(frozen=True)
-class WorkerSynced:
-    worker_id: str
-    generation: int
-    at: float  # the worker's wall clock when its sync ended
-    commits: int | None = None  # commits the synced state has seen: where training resumes
-
-
-@dataclass(frozen=True)
-class WorkerResumed:
-    """Rank 0 loaded the durable checkpoint; `meta` is the checkpoint's own."""
-
-    worker_id: str
-    meta: Mapping[str, Any]
-
-
-@dataclass(frozen=True)
-class ResetRequested:
-    """A rank's ring broke; the core decides whether a death explains it."""
-
-    worker_id: str
-    generation: int
-    reason: str
-
-
-@dataclass(frozen=True)
-class TrainFnRaised:
-    """A rank's `train_fn` raised in `generation`; the rank stays, waiting to re-enter from the last commit.
-
-    Ray Train counts failures of the run, not exceptions of ranks: every
-    rank that raises in one generation (one attempt) is one failure of
-    `max_failures`, and nobody is killed for it.
-    """
-
-    worker_id: str
-    generation: int
-    error: str
-    traceback: str
 
 
 ACTIVITY_TIMEOUT = "timeout"  # no answer: none in time, or the query failed without a death (`replies.py`)
@@ -115,7 +88,7 @@ ACTIVITY_ERROR = "error"  # the member is dead (ActorDiedError): its death messa
 
 
 @dataclass(frozen=True)
-class ActivityReport:
+class ActivityReport(Fact):
     """The members' answers to `QueryActivity`: `{"idle_s", "in_collective"}`, or one of the two markers."""
 
     generation: int
@@ -134,13 +107,16 @@ class CpuSample:
 
 
 @dataclass(frozen=True)
-class PingResults:
+class PingResults(Fact):
     """One liveness round: who answered, who did not answer within `liveness_timeout`.
 
     `sent_at` is when the pings went out; `samples` holds, for each worker
     that did not answer, its CPU use read on its node, or why no reading
     came back within `liveness_timeout` (a node cut off, a process gone).
     """
+
+    changes_plan: ClassVar[bool] = False
+    quiet: ClassVar[bool] = True  # unless a member missed it, or answers again (DurableChanges)
 
     answered: frozenset[str]
     timed_out: frozenset[str]
@@ -149,7 +125,7 @@ class PingResults:
 
 
 @dataclass(frozen=True)
-class CheckpointFound:
+class CheckpointFound(Fact):
     """Whether the durable checkpoint exists; `error`: the storage could not be asked (until elastic_timeout)."""
 
     exists: bool
@@ -157,66 +133,56 @@ class CheckpointFound:
 
 
 @dataclass(frozen=True)
-class PublishFailed:
+class PublishFailed(Fact):
     generation: int
     reason: str
 
 
 @dataclass(frozen=True)
-class KVLost:
+class KVLost(Fact):
     reason: str
 
 
 @dataclass(frozen=True)
-class KVRestarted:
+class KVRestarted(Fact):
     """The KV actor died and Ray restarted it, empty: it must learn the current generation again."""
 
     reason: str
 
 
 @dataclass(frozen=True)
-class PacesReported:
+class PacesReported(Fact):
     """A rank's pace summaries (compute and wait per step, per interval), shipped with its metrics."""
+
+    changes_plan: ClassVar[bool] = False
+    quiet: ClassVar[bool] = True
 
     worker_id: str
     paces: tuple[PaceSummary, ...]
 
 
 @dataclass(frozen=True)
-class DataSlow:
-    """A dataset's block came only after a wait as long as a starved pipeline would fail in, its pipeline running."""
-
-    dataset: str
-    block: int
-    seconds: float
-
-
-@dataclass(frozen=True)
-class BackendNote:
-    """Rank 0's ring runs another backend than the run asked for (ranks sharing a GPU), and why."""
-
-    reason: str
-
-
-@dataclass(frozen=True)
-class Tick:
+class Tick(Fact):
     """Periodic: deadlines, cool-downs ending."""
 
+    changes_plan: ClassVar[bool] = False
+    quiet: ClassVar[bool] = True
+
 
 @dataclass(frozen=True)
-class Stop:
+class Stop(Fact):
     reason: str
 
 
 @dataclass(frozen=True)
-class DriverFailed:
+class DriverFailed(Fact):
     """The shell's own error ends the run (a snapshot the GCS did not take, a restart that could not resume)."""
 
     reason: str
 
 
 @dataclass(frozen=True)
-class SnapshotRefused:
+class SnapshotRefused(Fact):
     """A restarted driver refused its snapshot (older than the run's): an event says why, and the run fails."""
 
     why: str

@@ -107,9 +107,6 @@ class MetricSeqs:
         return len(self._seen)
 
 
-_QUIET = (m.Tick, m.PacesReported, m.PingResults)
-
-
 class DurableChanges:
     """Whether a batch changed anything a restarted driver needs, so the core must be written again.
 
@@ -137,7 +134,7 @@ class DurableChanges:
                 if msg.hosts != self._offered:
                     changed = True
                     self._offered = msg.hosts
-            elif not isinstance(msg, _QUIET):
+            elif not msg.quiet:
                 changed = True
         return changed
 
