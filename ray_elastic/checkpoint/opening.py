@@ -36,7 +36,7 @@ def load_checkpoint(source: Any, allow_pickle: bool = False) -> dict[str, Any]:
         path = store.latest()
         if path is None:
             raise CheckpointError(f"no complete ray-elastic checkpoint in {os.fspath(source)!r}")
-    entries, _ = store.read(path, allow_pickle=allow_pickle)
+    entries, _ = store.read_at(path, allow_pickle=allow_pickle)
     return entries
 
 

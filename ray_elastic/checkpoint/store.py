@@ -37,10 +37,8 @@ read in its place (`CheckpointError` naming it: state never goes backwards).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
-import math
 import os
 import re
 import time
@@ -50,9 +48,11 @@ from typing import TYPE_CHECKING, Any, cast
 
 from ray_elastic.checkpoint import files as plain_files
 from ray_elastic.checkpoint.bounded import CheckpointError
+from ray_elastic.checkpoint.pins import Pins
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterator
+    from collections.abc import Callable
+    from contextlib import AbstractContextManager
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +61,6 @@ FORMAT = 2
 OLD_FILE = "ray_elastic_checkpoint.pkl"  # format 1: one pickle of the handlers' snapshots, no longer read
 # earlier releases numbered the directories (checkpoint_000042); they are still read, ordered by their manifest
 _NAME = re.compile(r"^checkpoint_(?:\d+|r(\d+)-g(\d+)-c(\d+)-[0-9a-f]+)$")
-_PIN = re.compile(r"^\.pin-(\d+)s-[0-9a-f]+-(checkpoint_[0-9a-z-]+)$")  # how long it lasts, not until when
 
 Key = tuple[int, int, int]  # (run, generation, commit): the order of checkpoints, newest last
 
@@ -123,13 +122,12 @@ class CheckpointStore:
 
         self.url = url
         self.keep = keep
-        self._clock = clock
-        self._pins_seen: dict[str, float] = {}  # pin file -> when this store first saw it, on `clock`
         try:
             self.fs, root = fsspec.core.url_to_fs(url)
         except (ImportError, ValueError) as e:
             raise CheckpointError(f"checkpoint_dir={url!r}: fsspec cannot open it: {e}") from e
         self.root = root.rstrip("/") or "/"
+        self._pins = Pins(self.fs, self.root, clock)
 
     def check_writable(self) -> None:
         """Create the directory and prove a file can be written and removed there."""
@@ -315,7 +313,7 @@ class CheckpointStore:
         complete = self._complete(found)
         if not complete:
             return
-        pinned = self._pinned(names)
+        pinned = self._pins.active(names)
         newest = order_key(complete[-1].meta or {})
         doomed = complete[: max(len(complete) - self.keep, 0)]
         torn = [f for f in found if f.meta is None and f.unreadable is None]
@@ -324,38 +322,10 @@ class CheckpointStore:
             if f.name not in pinned:
                 self._remove(f.path)
 
-    # ---- pins -----------------------------------------------------------------
-    def _pinned(self, names: list[str]) -> set[str]:
-        """The checkpoints pinned now: a pin lasts its seconds from when this store first saw it, on its own clock."""
-        now = self._clock()
-        seen, pinned = {}, set()
-        for m in map(_PIN.match, names):
-            if m is not None:
-                first = seen[m.group(0)] = self._pins_seen.get(m.group(0), now)
-                if now - first < int(m.group(1)):
-                    pinned.add(m.group(2))
-        self._pins_seen = seen  # pins removed by their owners are forgotten
-        return pinned
-
-    @contextlib.contextmanager
-    def pinned(self, path: str, seconds: float) -> Iterator[None]:
-        """Keep the checkpoint at `path` from being pruned, by any writer, for the block (at most `seconds`).
-
-        The pin is a file beside the checkpoints naming it and how long it
-        lasts, not until when: a writer counts that time on its own
-        monotonic clock from when it first sees the pin, so no two
-        machines' clocks are compared (a skewed one neither lapses a pin
-        early nor keeps it forever), and a process killed inside the block
-        pins nothing for longer than `seconds` after a writer sees its pin.
-        """
-        name = path.rstrip("/").rsplit("/", 1)[-1]
-        pin = f"{self.root}/.pin-{math.ceil(seconds)}s-{uuid.uuid4().hex[:8]}-{name}"
-        with self.fs.open(pin, "wb") as f:
-            f.write(b"")
-        try:
-            yield
-        finally:
-            self._remove(pin)
+    def pinned(self, path: str, seconds: float) -> AbstractContextManager[None]:
+        """Keep the checkpoint at `path` from being pruned, by any writer, for the block (at most `seconds`
+        after a writer first sees the pin: see `pins.py`)."""
+        return self._pins.hold(path.rstrip("/").rsplit("/", 1)[-1], seconds)
 
     def is_complete(self, path: str) -> bool:
         return self._manifest(path)[0] is not None
@@ -368,8 +338,10 @@ class CheckpointStore:
         code): only for a directory the caller trusts as its own.
         """
         path = path or self.latest()
-        if path is None:
-            return None
+        return None if path is None else self.read_at(path, allow_pickle)
+
+    def read_at(self, path: str, allow_pickle: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
+        """`(entries, meta)` of the checkpoint at `path`; `allow_pickle` as in `read`."""
         meta = self._meta_of(path)
         names = plain_files.pickled(meta["files"])
         if names and not allow_pickle:
