@@ -92,27 +92,30 @@ def _refuse(cls_name: str, method: str) -> PermissionError:
 
 def _checked(fn: Callable[..., Any], cls_name: str) -> Callable[..., Any]:
     name = fn.__name__
+    checked: Callable[..., Any]
     if inspect.iscoroutinefunction(fn):
 
-        async def checked(self: Any, token: Any, *args: Any, **kwargs: Any) -> Any:
+        async def checked_async(self: Any, token: Any, *args: Any, **kwargs: Any) -> Any:
             if not self._run_token.admits(token):
                 raise _refuse(cls_name, name)
             return await fn(self, *args, **kwargs)
 
+        checked = checked_async
     else:
 
-        def checked(self: Any, token: Any, *args: Any, **kwargs: Any) -> Any:
+        def checked_sync(self: Any, token: Any, *args: Any, **kwargs: Any) -> Any:
             if not self._run_token.admits(token):
                 raise _refuse(cls_name, name)
             return fn(self, *args, **kwargs)
 
+        checked = checked_sync
     checked.__name__ = checked.__qualname__ = name
     checked.__doc__ = fn.__doc__
     checked.__dict__.update(fn.__dict__)  # Ray's per-method options (concurrency group, num_returns)
     return checked
 
 
-def with_token_check(cls: type, exempt: Iterable[str] = ()) -> type:
+def with_token_check(cls: type[object], exempt: Iterable[str] = ()) -> type:
     """`cls` with every public method taking the run's token first, and refusing calls without it.
 
     The subclass's constructor takes the `RunToken` first, then `cls`'s

@@ -127,7 +127,10 @@ def resolve_hosts(
     for host, slots in raw.items():
         node = by_id.get(host)
         if node is None:
-            matches = by_ip.get(host) or by_ip.get(_address_of(host), [])
+            matches = by_ip.get(host) or []
+            if not matches:
+                address = _address_of(host)
+                matches = by_ip.get(address, []) if address is not None else []
             if len(matches) > 1:
                 raise DiscoveryError(
                     f"host {host!r} is the IP of {len(matches)} Ray nodes; name them by node ID instead"
@@ -252,8 +255,9 @@ class ScriptDiscovery:
             try:
                 proc.communicate(timeout=_REAP_S)
             except subprocess.TimeoutExpired:  # a process that left the script's session holds its output open
-                proc.stdout.close()
-                proc.stderr.close()
+                for pipe in (proc.stdout, proc.stderr):  # both PIPEs: never None here
+                    if pipe is not None:
+                        pipe.close()
                 proc.wait(_REAP_S)
             raise DiscoveryError(f"discovery script {self.path} did not finish within {self.timeout:g} s") from None
         if proc.returncode != 0:

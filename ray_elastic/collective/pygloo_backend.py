@@ -127,7 +127,7 @@ class PyglooGroup(CollectiveGroup):
     ) -> None:
         super().__init__(rank, size)
         # pygloo keeps raw pointers into these: they live exactly as long as the group
-        self._py_store = KVGlooStore(kv, generation, timeout)
+        self._py_store: KVGlooStore | None = KVGlooStore(kv, generation, timeout)
         self._store = pygloo.rendezvous.CustomStore(self._py_store)
         self._device = pygloo.transport.tcp.CreateDevice(_device_attr(binding))
         self._context = pygloo.rendezvous.Context(rank, size)

@@ -143,6 +143,7 @@ class SharedRing:
             flags = np.array([int(ok)], dtype=np.int64)
             ok = bool(group.allreduce_(flags, Min)[0])  # every rank mapped and dialled, or nobody uses it
             if ok:
+                assert listener is not None  # every rank gave a socket path, this one too: it listens
                 peers.update(_accept_higher(listener, group.rank, group.size, timeout_s))  # queued already
         except OSError as e:  # a rank that said it was ready is gone
             ok = False
@@ -161,6 +162,7 @@ class SharedRing:
                     segment.close()
         if not ok:
             return None
+        assert segment is not None  # every rank mapped it, this one too
         for s in peers.values():
             s.settimeout(POLL_S)
         return cls(group, segment, slot, peers, timeout_s)
@@ -226,7 +228,7 @@ class SharedRing:
             s.close()
         self._peers = []
         self._slots = {}
-        self._memory = None  # type: ignore[assignment]
+        self._memory = None
         try:
             self._segment.close()
         except BufferError:  # a tensor view still exported (a failed step's): the mapping goes with the process

@@ -49,7 +49,7 @@ class KVTorchStore(dist.Store):
         self._client = client
         self._generation = generation
         self._timeout_s = timeout
-        self._world_size = world_size
+        self._world_size = world_size or 0  # 0: no per-rank families
         self._per_rank: dict[str, bytes] = {}
         self._held: tuple[str, bytes] | None = None  # a per-rank key's write, sent with the next family read
 
@@ -114,12 +114,13 @@ class KVTorchStore(dist.Store):
         if not missing:
             return
         families = {self._family(k) for k in missing}
-        if None in families:
+        prefixes = {f for f in families if f is not None}
+        if prefixes != families:  # a key outside every per-rank family: the actor waits for them all
             self._send_held()
             self._client.wait(self._generation, missing, seconds)
             return
-        for family in families:
-            self._fetch_family(family, seconds)
+        for prefix in prefixes:
+            self._fetch_family(prefix, seconds)
 
     def check(self, keys: list[str]) -> bool:
         self._send_held()

@@ -140,9 +140,9 @@ def build(pl: Any) -> SimpleNamespace:
 
     pkg = pl.__name__
     fabric = "lightning.fabric" if pkg == "lightning.pytorch" else "lightning_fabric"
-    ClusterEnvironment = import_module(f"{fabric}.plugins.environments").ClusterEnvironment  # noqa: N806
-    DDPStrategy = import_module(f"{pkg}.strategies").DDPStrategy  # noqa: N806
-    Callback = import_module(f"{pkg}.callbacks").Callback  # noqa: N806
+    ClusterEnvironment: Any = import_module(f"{fabric}.plugins.environments").ClusterEnvironment  # noqa: N806
+    DDPStrategy: Any = import_module(f"{pkg}.strategies").DDPStrategy  # noqa: N806
+    Callback: Any = import_module(f"{pkg}.callbacks").Callback  # noqa: N806
     update_dataloader = import_module(f"{pkg}.utilities.data")._update_dataloader
     rank_zero_modules = [sys.modules[DDPStrategy.__module__], import_module(f"{fabric}.utilities.rank_zero")]
 
@@ -259,6 +259,7 @@ def build(pl: Any) -> SimpleNamespace:
         """
 
         strategy_name = "elastic_ddp"
+        model: Any  # DDPStrategy's property: the wrapped module while fitting (an annotation only, no attribute)
 
         def __init__(self, commit_every: int = 10, scale_lr: bool = True, **kwargs: Any) -> None:
             if not isinstance(commit_every, int) or isinstance(commit_every, bool) or commit_every < 1:

@@ -112,6 +112,7 @@ class RayExecutor:
     ) -> None:
         self.settings = settings
         self.elastic = min_workers is not None
+        self.plan: _StaticPlan | _ElasticPlan
         self.resources = s.worker_resources("RayExecutor", cpus_per_worker, use_gpu, gpus_per_worker, "gpus_per_worker")
         self.use_current_placement_group = use_current_placement_group
         if max_workers is not None and not min_workers:
@@ -169,11 +170,12 @@ class RayExecutor:
         executable = (executable_cls, list(executable_args or []), dict(executable_kwargs or {}))
         ensure_ray()
         self._warn_placement_group()
-        if self.elastic:
+        plan = self.plan
+        if isinstance(plan, _ElasticPlan):
             self._started = (env, executable)
             return
         timeout = self.settings.placement_group_timeout_s + self.settings.timeout_s
-        discovery = _ExactlyPerHost(self.plan.per_host, self.resources) if self.plan.per_host else None
+        discovery = _ExactlyPerHost(plan.per_host, self.resources) if plan.per_host else None
         trainer_kwargs = {
             **from_horovod(self.settings),
             "resources_per_worker": self.resources,
@@ -181,16 +183,16 @@ class RayExecutor:
             "elastic_timeout": timeout,
             "verbose": int(bool(self.settings.verbose)),
         }
-        self._session = StaticSession(self.plan.num_workers, env, executable, trainer_kwargs)
+        self._session = StaticSession(plan.num_workers, env, executable, trainer_kwargs)
         try:
             self._session.wait_started(timeout)
         except TimeoutError as e:
-            if not self.plan.per_host:
+            if not plan.per_host:
                 raise
             raise TimeoutError(
-                f"{e}; num_hosts={self.plan.num_workers // self.plan.per_host} with "
-                f"num_workers_per_host={self.plan.per_host} needs that many nodes each holding "
-                f"{self.plan.per_host} workers of {self.resources}, free"
+                f"{e}; num_hosts={plan.num_workers // plan.per_host} with "
+                f"num_workers_per_host={plan.per_host} needs that many nodes each holding "
+                f"{plan.per_host} workers of {self.resources}, free"
             ) from e
 
     def run(
@@ -237,15 +239,15 @@ class RayExecutor:
             session.stop()
 
     def _call(self, fn: Callable[[Any], Any], ranks: frozenset[int] | None, callbacks: Any) -> list[Any]:
-        if not self.elastic:
+        plan = self.plan
+        if isinstance(plan, _StaticPlan):
             return self._live_session().call(fn, ranks, callbacks)
         if self._started is None:
             raise RuntimeError("call start() before run() or execute()")
         env, executable = self._started
-        return run_elastic(fn, env, executable, callbacks, self._elastic_trainer_kwargs())
+        return run_elastic(fn, env, executable, callbacks, self._elastic_trainer_kwargs(plan))
 
-    def _elastic_trainer_kwargs(self) -> dict[str, Any]:
-        plan = self.plan
+    def _elastic_trainer_kwargs(self, plan: _ElasticPlan) -> dict[str, Any]:
         max_workers = plan.max_workers
         if max_workers is None:  # "unbounded": what the cluster holds now (the autoscaler is asked for no more)
             max_workers = max(plan.min_workers, sum(RayClusterDiscovery(self.resources)().values()))
