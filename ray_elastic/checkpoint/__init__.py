@@ -12,7 +12,8 @@ before it counts), `files.py` (one checkpoint as plain files: `.pt` for
 `torch.load`, JSON, pickles), `entries.py` (a state's commit as plain entries,
 and back; `torch/checkpoint_form.py` registers state dicts for torch objects),
 `writer.py` (rank 0's background writer), `opening.py` (`load_checkpoint`
-for users), `bounded.py` (storage calls with a deadline).
+for users), `bounded.py` (storage calls with a deadline), `pins.py` (keeping a
+checkpoint from pruning while it is copied).
 """
 
 from ray_elastic.checkpoint.bounded import CheckpointError, bounded_call
