@@ -18,13 +18,8 @@ import time
 from typing import TYPE_CHECKING
 
 from ray.autoscaler.sdk import request_resources
-from ray.experimental.internal_kv import (
-    _internal_kv_del,
-    _internal_kv_exists,
-    _internal_kv_get,
-    _internal_kv_list,
-    _internal_kv_put,
-)
+
+from ray_elastic import ray_private
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -41,9 +36,9 @@ def set_share(run_id: str, bundle: Mapping[str, float], count: int) -> None:
     key = f"{_PREFIX}{run_id}"
     if count > 0:
         share = {"bundle": dict(bundle), "count": count, "expires": time.time() + SHARE_TTL_S}
-        _internal_kv_put(key, json.dumps(share), overwrite=True, namespace=_NAMESPACE)
+        ray_private.kv_put(key, json.dumps(share), overwrite=True, namespace=_NAMESPACE)
     else:
-        _internal_kv_del(key, namespace=_NAMESPACE)
+        ray_private.kv_del(key, namespace=_NAMESPACE)
     request_resources(bundles=all_bundles())
 
 
@@ -51,14 +46,14 @@ def all_bundles() -> list[dict[str, float]]:
     """Every live run's bundles; expired shares are deleted on the way."""
     bundles: list[dict[str, float]] = []
     now = time.time()
-    for key in sorted(_internal_kv_list(_PREFIX, namespace=_NAMESPACE)):
-        raw = _internal_kv_get(key, namespace=_NAMESPACE)
+    for key in sorted(ray_private.kv_list(_PREFIX, namespace=_NAMESPACE)):
+        raw = ray_private.kv_get(key, namespace=_NAMESPACE)
         if raw is None:
             continue
         share = json.loads(raw)
         if share["expires"] < now:
             logger.info("dropping the expired autoscaler share %s", key)
-            _internal_kv_del(key, namespace=_NAMESPACE)
+            ray_private.kv_del(key, namespace=_NAMESPACE)
             continue
         bundles.extend([share["bundle"]] * share["count"])
     return bundles
@@ -71,7 +66,7 @@ def withdraw(run_id: str) -> None:
     request somebody made outside ray-elastic.
     """
     try:
-        if _internal_kv_exists(f"{_PREFIX}{run_id}", namespace=_NAMESPACE):
+        if ray_private.kv_exists(f"{_PREFIX}{run_id}", namespace=_NAMESPACE):
             set_share(run_id, {}, 0)
     except Exception as e:  # noqa: BLE001 - a cluster without an autoscaler, or a GCS gone
         logger.debug("could not withdraw the autoscaler share of run %s: %s", run_id, e)

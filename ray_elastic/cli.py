@@ -353,8 +353,10 @@ def _print_script_lines_as_they_are() -> Any:
     place; where that handler is missing, Ray's own printing stays and this
     returns None.
     """
+    from ray_elastic import ray_private
+
     try:
-        from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
+        dispatcher = ray_private.stdstream_dispatcher()
     except ImportError:
         return None
     from ray_elastic.horovod.script import WorkerLinePrinter

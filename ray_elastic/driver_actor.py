@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
-from ray_elastic import metrics
+from ray_elastic import metrics, ray_private
 from ray_elastic.auth import Authed, RunToken, with_token_check
 from ray_elastic.discovery import DiscoveryError
 from ray_elastic.driver.core import messages as m
@@ -387,7 +387,7 @@ _RECORDERS: dict[str, Callable[[str, float], None]] = {
 
 def _restarted() -> bool:
     """Whether Ray restarted this actor (what `was_current_actor_reconstructed` reads, without its warning)."""
-    info = ray._private.state.actors(ray.get_runtime_context().get_actor_id())
+    info = ray_private.actor_record(ray.get_runtime_context().get_actor_id())
     return bool(info) and info.get("NumRestarts", 0) != 0
 
 

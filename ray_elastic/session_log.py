@@ -14,12 +14,14 @@ import os
 
 import ray
 
+from ray_elastic import ray_private
+
 _PACKAGE = "ray_elastic"
 
 
 def session_log_dir() -> str | None:
     """`<session>/logs/ray_elastic` of the Ray session this process is connected to, or None outside Ray."""
-    node = getattr(ray._private.worker, "_global_node", None)
+    node = ray_private.global_node()
     if node is None:
         return None
     return os.path.join(node.get_logs_dir_path(), _PACKAGE)
@@ -36,7 +38,7 @@ def keep_in_session_log(process: str) -> str | None:
     logging unchanged).
     Calling it again in the same process changes nothing.
     """
-    if ray._private.worker.global_worker.mode != ray.WORKER_MODE:
+    if ray_private.worker_mode() != ray.WORKER_MODE:
         return None  # fit()'s own process (a driver of Ray's): its logging is the user's
     logger = logging.getLogger(_PACKAGE)
     for handler in logger.handlers:

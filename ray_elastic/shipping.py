@@ -25,7 +25,8 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import cloudpickle
-import ray
+
+from ray_elastic import ray_private
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -73,7 +74,7 @@ def importable_from(module: ModuleType, roots: Iterable[str]) -> bool:
 def worker_import_roots() -> list[str]:
     """The directories Ray adds to the workers' path: the job's driver paths, else the working directory."""
     try:
-        job_config = ray._private.worker.global_worker.core_worker.get_job_config()
+        job_config = ray_private.job_config()
         roots = list(job_config.py_driver_sys_path)
     except Exception:  # noqa: BLE001 - not connected yet, or Ray's private API moved: Ray's documented default
         roots = []

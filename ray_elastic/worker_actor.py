@@ -30,6 +30,7 @@ from typing import Any
 import ray
 from ray import cloudpickle
 
+from ray_elastic import ray_private
 from ray_elastic.auth import with_token_check
 from ray_elastic.exceptions import (
     REPEATING,
@@ -73,9 +74,11 @@ class WorkerActor:
         set_current(self.ctx)
         self._outcome: WorkerOutcome | None = None
         self._run_id = settings.run_id
-        self._driver_id = driver.handle._actor_id.hex() if hasattr(driver, "handle") else None
-        if self._driver_id is not None:
-            threading.Thread(target=self._watch_driver, name="ray-elastic-orphan-watch", daemon=True).start()
+        driver_id = ray_private.actor_id_of(driver.handle) if hasattr(driver, "handle") else None
+        if driver_id is not None:
+            threading.Thread(
+                target=self._watch_driver, args=(driver_id,), name="ray-elastic-orphan-watch", daemon=True
+            ).start()
 
     def run(self, payload: bytes) -> WorkerOutcome:
         """Train; a second call (from a restarted driver) returns the first one's outcome."""
@@ -83,13 +86,13 @@ class WorkerActor:
             self._outcome = self._train(payload)
         return self._outcome
 
-    def _watch_driver(self) -> None:
+    def _watch_driver(self, driver_id: str) -> None:
         """Remove the run when its driver is dead for good (not restarting): `fit()`'s caller is gone."""
         misses = 0
         while True:
             time.sleep(_WATCH_S)
             try:
-                state = ray._private.state.actors(self._driver_id).get("State")
+                state = ray_private.actor_state(driver_id)
             except Exception:  # noqa: BLE001 - a GCS hiccup is no verdict
                 continue
             misses = misses + 1 if state == "DEAD" else 0

@@ -37,6 +37,8 @@ import re
 import threading
 from typing import TYPE_CHECKING, Any
 
+from ray_elastic import ray_private
+
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
@@ -67,10 +69,10 @@ def worker_death_dumps_hidden() -> Iterator[None]:
 
 def _install() -> None:
     try:
-        from ray._private.ray_logging import stderr_deduplicator, stdout_deduplicator
+        deduplicators = ray_private.output_deduplicators()
     except ImportError:  # a Ray without these deduplicators: its dumps show, nothing breaks
         return
-    for dedup in (stdout_deduplicator, stderr_deduplicator):
+    for dedup in deduplicators:
         theirs = getattr(dedup, "skip_re", None)
         if not hasattr(dedup, "skip_re"):
             continue

@@ -24,6 +24,8 @@ import logging
 import uuid
 from typing import TYPE_CHECKING, Any
 
+from ray_elastic import ray_private
+
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
@@ -119,7 +121,7 @@ class TrialSlots:
                 if named["name"] != "driver" or not named["namespace"].startswith("ray_elastic_"):
                     continue
                 try:
-                    if ray.get_actor("driver", namespace=named["namespace"])._actor_id.hex() == me:
+                    if ray_private.actor_id_of(ray.get_actor("driver", namespace=named["namespace"])) == me:
                         self._namespace = named["namespace"]
                         break
                 except ValueError:  # that run ended in between
@@ -129,7 +131,7 @@ class TrialSlots:
     def _grow(self, ray: Any) -> None:
         from ray.util.placement_group import placement_group
 
-        free = ray._private.state.available_resources_per_node()  # no public call gives a node's free resources
+        free = ray_private.available_resources_per_node()
         node = node_to_grow_on(free, self.per_worker)
         if node is None:
             return

@@ -14,6 +14,7 @@ import pickle
 import pytest
 from ray.exceptions import ActorDiedError, ActorUnavailableError
 
+from ray_elastic import ray_private
 from ray_elastic.auth import RunToken
 from ray_elastic.config import RunConfig
 from ray_elastic.driver.core import messages as m
@@ -91,7 +92,7 @@ def test_a_member_whose_activity_query_fails_without_dying_is_killed_so_the_ring
 
 
 class FakeGcsKv:
-    """The GCS key-value store `snapshot.py` writes to, as a dict."""
+    """The GCS key-value store `snapshot.py` writes to (through `ray_private`), as a dict."""
 
     def __init__(self) -> None:
         self.data: dict[bytes, bytes] = {}
@@ -116,8 +117,8 @@ class RunsCode:
 @pytest.fixture
 def gcs(monkeypatch) -> FakeGcsKv:
     kv = FakeGcsKv()
-    monkeypatch.setattr(snapshot.internal_kv, "_internal_kv_put", kv.put)
-    monkeypatch.setattr(snapshot.internal_kv, "_internal_kv_get", kv.get)
+    monkeypatch.setattr(ray_private, "kv_put", kv.put)
+    monkeypatch.setattr(ray_private, "kv_get", kv.get)
     return kv
 
 

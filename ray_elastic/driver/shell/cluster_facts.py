@@ -17,8 +17,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import ray
-
+from ray_elastic import ray_private
 from ray_elastic.checkpoint import CheckpointStore
 from ray_elastic.discovery import DiscoveryError, DiscoveryPoller, alive_ray_nodes, make_discovery
 from ray_elastic.driver.core import messages as m
@@ -80,7 +79,7 @@ async def drain_loop(config: RunConfig, report: Report) -> None:
     while True:
         try:
             raw = await asyncio.wait_for(
-                loop.run_in_executor(None, ray._private.state.state.get_draining_nodes), config.discovery_timeout
+                loop.run_in_executor(None, ray_private.draining_nodes), config.discovery_timeout
             )
         except Exception as e:  # noqa: BLE001 - a GCS hiccup: the next poll tries again
             logger.warning("could not read Ray's draining nodes: %s", e)

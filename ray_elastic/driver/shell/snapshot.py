@@ -36,7 +36,8 @@ import pickle
 from typing import TYPE_CHECKING, Any
 
 import cloudpickle
-from ray.experimental import internal_kv
+
+from ray_elastic import ray_private
 
 if TYPE_CHECKING:
     from ray_elastic.auth import RunToken
@@ -72,7 +73,7 @@ _COUNTER_BYTES = 8
 
 def _put(key: str, blob: bytes, token: RunToken) -> None:
     signed = token.sign(f"{_PURPOSE}/{key}", blob) + blob
-    internal_kv._internal_kv_put(key.encode(), signed, overwrite=True, namespace=_NAMESPACE)
+    ray_private.kv_put(key.encode(), signed, overwrite=True, namespace=_NAMESPACE)
 
 
 def _get(key: str, token: RunToken, what: str) -> Any:
@@ -82,7 +83,7 @@ def _get(key: str, token: RunToken, what: str) -> Any:
 
 def _verified(key: str, token: RunToken, what: str) -> bytes | None:
     """The signed bytes under `key`, or None if there are none; `ForgedSnapshotError` unless the run signed them."""
-    stored = internal_kv._internal_kv_get(key.encode(), namespace=_NAMESPACE)
+    stored = ray_private.kv_get(key.encode(), namespace=_NAMESPACE)
     if stored is None:
         return None
     signature, blob = stored[:_SIGNATURE_BYTES], stored[_SIGNATURE_BYTES:]
@@ -127,4 +128,4 @@ def load_start(run_id: str, token: RunToken) -> tuple[bytes, Any]:
 
 def delete(run_id: str) -> None:
     for key in (_key(run_id), _start_key(run_id)):
-        internal_kv._internal_kv_del(key.encode(), namespace=_NAMESPACE)
+        ray_private.kv_del(key.encode(), namespace=_NAMESPACE)

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import ray
 from ray import cloudpickle
 
-from ray_elastic import ElasticTrainer
+from ray_elastic import ElasticTrainer, ray_private
 from ray_elastic.horovod.ray.mailbox import STOP, create_mailbox
 from ray_elastic.horovod.ray.worker_loop import MARK, CallOnce, ServeCommands
 
@@ -234,7 +234,7 @@ class StaticSession:
 def _actor_state(actor_id: str) -> str | None:
     """The actor's state in Ray's GCS ("ALIVE", "DEAD", ...); None when it cannot be read now."""
     try:
-        return ray._private.state.actors(actor_id).get("State")
+        return ray_private.actor_state(actor_id)
     except Exception:  # noqa: BLE001 - a GCS hiccup is no verdict
         return None
 
