@@ -163,3 +163,17 @@ def output_deduplicators() -> tuple[Any, Any]:
     from ray._private.ray_logging import stderr_deduplicator, stdout_deduplicator
 
     return stdout_deduplicator, stderr_deduplicator
+
+
+# ---- Ray Train's DataConfig (`ray.train.DataConfig`) ----------------------------------------------------------
+# It keeps its arguments in private attributes: Ray 2.60 has no public getters for them.
+
+
+def datasets_to_split(config: Any) -> Any:
+    """`DataConfig(datasets_to_split=...)` as given: "all", or the names of the datasets split across workers."""
+    return config._datasets_to_split
+
+
+def execution_options_of(config: Any, name: str) -> Any:
+    """`DataConfig(execution_options=...)` for dataset `name` (one for all, or one per name), or None."""
+    return config._get_user_execution_options(name)

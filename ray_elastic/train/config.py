@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any
 from ray.train import BackendConfig, CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig
 
+from ray_elastic import ray_private
+
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
@@ -153,11 +155,10 @@ def split_datasets(dataset_config: Any, datasets: dict[str, Any]) -> tuple[dict[
             "the run's feed, exactly once per epoch through every membership change; use DataConfig("
             "datasets_to_split=..., execution_options=...) or preprocess the datasets before passing them"
         )
-    # Ray's DataConfig keeps its arguments in private attributes (no public getters in 2.60): read here only
-    to_split = config._datasets_to_split
+    to_split = ray_private.datasets_to_split(config)  # private attributes, no public getters in Ray 2.60
     split, whole = {}, {}
     for name, dataset in datasets.items():
-        options = config._get_user_execution_options(name)
+        options = ray_private.execution_options_of(config, name)
         if options is not None:
             # as configure() does (the copy shares the dataset's DataContext, so the dataset gets the options too)
             dataset = type(dataset).copy(dataset)
