@@ -1,7 +1,8 @@
 """Ray Train's TorchTrainer and `ray_elastic.train`'s, side by side on one script: a SIGKILL's cost.
 
-One training loop in Ray Train v2's documented shape (bench/recovery.py's; `ray.train.torch.
-prepare_model`, `ray.train.get_checkpoint()` at the top, `ray.train.report(...,
+One training loop in Ray Train v2's documented shape (bench/recovery.py's
+`raytrain_train_fn`, timed at each stage here; `ray.train.torch.prepare_model`,
+`ray.train.get_checkpoint()` at the top, `ray.train.report(...,
 checkpoint=...)` every `--every` steps, rank 0 writing the checkpoint), the
 small MLP of the other benchmarks. It runs under `ray.train.torch.TorchTrainer`
 (4 workers, `FailureConfig(max_failures=3)`: a failure restarts the whole
@@ -17,7 +18,7 @@ On a local cluster: a head without CPUs and 2 nodes of 2 CPUs. Needs
 `ray[train]` (the `bench` extra). Prints the medians and writes
 bench/results/ray_train_recovery.json. Reports, never asserts.
 
-    .venv/bin/python bench/ray_train_recovery.py [--reps 3] [--every 10] [--seed 0]
+    .venv/bin/python bench/ray_train_recovery.py [--reps 3] [--every 10] [--seed 0] [--no-ray-train]
 """
 
 from __future__ import annotations
@@ -32,8 +33,54 @@ import tempfile
 import time
 from pathlib import Path
 
-from recovery import raytrain_train_fn
+from recovery import KillOnce
 from results_file import write_results
+from small_mlp import make_mlp, raytrain_checkpoint, raytrain_resume, sgd_step
+
+# the phases of a re-entry, from the kill to the next step: (name, the mark that ends it)
+PHASES = (
+    ("unwind", "left"),
+    ("rejoin_sync", "called"),
+    ("gc", "collected"),
+    ("settle", "settled"),
+    ("to_loop", "entered"),
+    ("prepare_model", "prepared"),
+    ("load_checkpoint", "resumed"),
+    ("first_step", "time"),
+)
+
+
+def train_fn(config: dict) -> None:
+    """recovery.py's `raytrain_train_fn`, rank 0 logging the times of the entry's stages with each step."""
+    import ray.train
+    import ray.train.torch
+    import torch
+
+    entered = time.time()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    rank = ray.train.get_context().get_world_rank()
+    model = ray.train.torch.prepare_model(make_mlp())
+    prepared = time.time()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    step = raytrain_resume(model, opt)
+    marks = {"entered": entered, "prepared": prepared, "resumed": time.time()}
+    if config["elastic"]:  # the session's marks of this entry (rejoined, collected, settled)
+        from ray_elastic.train.session import current_session
+
+        marks |= current_session("train_fn").marks
+    g = torch.Generator().manual_seed(rank)
+    while step < config["steps"]:
+        sgd_step(model, opt, g)
+        step += 1
+        if rank == 0:
+            with open(config["log"], "a") as f:
+                f.write(json.dumps({"time": time.time(), "step": step, **marks}) + "\n")
+        if rank == config["kill_rank"] and step == config["kill_step"]:
+            KillOnce(rank, step, config["marker"]).fire(step)
+        time.sleep(0.005)
+        if step % config["every"] == 0:
+            raytrain_checkpoint(model, opt, step, rank)
 
 
 def wait_for_free_cpus(cpus: float, timeout: float) -> None:
@@ -50,7 +97,7 @@ def wait_for_free_cpus(cpus: float, timeout: float) -> None:
 def one_rep(which: str, kill_step: int, every: int, workdir: str, rep: int) -> dict:
     marker, log = os.path.join(workdir, f"{which}-killed-{rep}"), os.path.join(workdir, f"{which}-log-{rep}")
     config = {"steps": kill_step + 30, "every": every, "kill_step": kill_step, "kill_rank": 1}
-    config |= {"marker": marker, "log": log}
+    config |= {"marker": marker, "log": log, "elastic": which != "ray_train"}
     if which == "ray_train":
         from ray.train import FailureConfig, RunConfig, ScalingConfig
         from ray.train.torch import TorchTrainer
@@ -63,7 +110,7 @@ def one_rep(which: str, kill_step: int, every: int, workdir: str, rep: int) -> d
         workers = (3, 4)
     wait_for_free_cpus(4, 120)
     result = TorchTrainer(
-        raytrain_train_fn,
+        train_fn,
         train_loop_config=config,
         scaling_config=ScalingConfig(num_workers=workers),
         run_config=RunConfig(
@@ -76,9 +123,20 @@ def one_rep(which: str, kill_step: int, every: int, workdir: str, rep: int) -> d
     steps = [json.loads(line) for line in Path(log).read_text().splitlines()]
     first = next(s for s in steps if s["entered"] > killed)
     row = {"recovery_s": first["time"] - killed, "steps_redone": kill_step - (first["step"] - 1)}
-    if which != "ray_train":  # the membership events: the world sizes it trained at
+    if which != "ray_train":  # the membership events: the world sizes it trained at; the phases
         row["events"] = [f"{e.kind}:{e.world_size}" for e in result.elastic.events]
+        row["phases"] = phases(first, killed)
     return row
+
+
+def phases(first: dict, killed: float) -> dict[str, float]:
+    """Rank 0's re-entry: each phase's seconds, from the kill to its first step in the loop."""
+    out, start = {}, killed
+    for name, mark in PHASES:
+        if mark in first:
+            out[name] = first[mark] - start
+            start = first[mark]
+    return out
 
 
 def main() -> None:
@@ -86,6 +144,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--every", type=int, default=10, help="steps between reports with a checkpoint")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-ray-train", action="store_true", help="only ray_elastic.train (results not written)")
     args = parser.parse_args()
     import ray
     from ray.cluster_utils import Cluster
@@ -97,6 +156,8 @@ def main() -> None:
     cluster.wait_for_nodes()
     rng = random.Random(args.seed)
     rows: dict[str, list[dict]] = {"ray_train": [], "ray_elastic_train": []}
+    if args.no_ray_train:
+        del rows["ray_train"]
     with tempfile.TemporaryDirectory() as workdir:
         for rep in range(args.reps):
             kill_step = rng.randint(25, 60)
@@ -105,7 +166,8 @@ def main() -> None:
                 out.append(row)
                 print(
                     f"{which} rep {rep}: rank 1 killed after step {kill_step}: next step after "
-                    f"{row['recovery_s']:.3f} s, {row['steps_redone']} steps redone",
+                    f"{row['recovery_s']:.3f} s, {row['steps_redone']} steps redone"
+                    + ("".join(f", {k} {v:.3f}" for k, v in row["phases"].items()) if "phases" in row else ""),
                     flush=True,
                 )
     ray.shutdown()
@@ -120,6 +182,13 @@ def main() -> None:
     }
     for which, s in summary.items():
         print(f"{which}: " + ", ".join(f"{k} {v:.3f}" for k, v in s.items()))
+    medians = {
+        name: statistics.median(r["phases"].get(name, 0.0) for r in rows["ray_elastic_train"]) for name, _ in PHASES
+    }
+    summary["ray_elastic_train"]["median_phases_s"] = medians
+    print("ray_elastic_train re-entry, median s: " + ", ".join(f"{k} {v:.3f}" for k, v in medians.items()))
+    if args.no_ray_train:
+        return
     write_results(
         "ray_train_recovery",
         rows["ray_elastic_train"],

@@ -99,7 +99,7 @@ class Membership:
         self._join_preparations.append(weakref.WeakMethod(prepare))
 
     def run_join_preparations(self) -> None:
-        """Run (once) what `add_join_preparation` registered, then collect Python's garbage in full.
+        """Run (once) what `add_join_preparation` registered, then collect Python's garbage in full and freeze it.
 
         The collection is due anyway: a process that just imported torch and
         built a model holds a few hundred thousand new objects, and Python's
@@ -107,8 +107,15 @@ class Membership:
         fills up. That came in a newcomer's sync, while every rank waited for
         it: 0.15 s of a 0.57 s sync at 100M parameters. Collected here, during
         the boot the survivors train through, the next full collection waits
-        until a quarter as many objects again have piled up. A process whose
-        user switched the collector off is left as it is.
+        until a quarter as many objects again have piled up. Then
+        `gc.freeze()` takes what is alive (the imports, the runtime, the
+        state) out of every later collection: a later full collection (a
+        `ray_elastic.train` re-entry's, before each call of the loop) reads
+        only what was made since, milliseconds instead of 0.2-1.0 s on two
+        busy cores. It runs before the first ring forms, so nothing of a ring
+        or of `train_fn` is frozen (those must stay collectable: a ring's
+        sockets and threads end with its objects). A process whose user
+        switched the collector off is left as it is.
         """
         preparations, self._join_preparations = self._join_preparations, []
         for ref in preparations:
@@ -122,8 +129,12 @@ class Membership:
         if gc.isenabled():
             started = time.perf_counter()
             gc.collect()
+            gc.freeze()
             logger.debug(
-                "worker %s: collected garbage in %.3f s before joining", self.worker_id, time.perf_counter() - started
+                "worker %s: collected garbage in %.3f s before joining, %d objects frozen",
+                self.worker_id,
+                time.perf_counter() - started,
+                gc.get_freeze_count(),
             )
 
     def _join(self) -> None:

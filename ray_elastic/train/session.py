@@ -40,6 +40,7 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -122,28 +123,53 @@ class Session:
         self.loaders: list[Any] = []  # this call's prepared loaders, in the order it prepared them
         self.shard_names: set[str] = set()
         self._materialized: tuple[int, str] | None = None  # the checkpoint written out for get_checkpoint()
+        # wall-clock times (time.time()) of this call's re-entry: "left" (the previous call unwound out of the
+        # loop), "called" (rejoined and synced), "collected", "settled"; logged, and read by bench/ray_train_recovery.py
+        self.marks: dict[str, float] = {}
 
     # ---- the re-entry ----------------------------------------------------------------
+    def warm_up(self) -> None:
+        """Before the worker first joins (a join preparation): import what building a DDP imports on first use.
+
+        torch's `DistributedDataParallel` imports `torch._dynamo` the first time
+        one is built: some 50,000 objects, which every re-entry's full collect
+        would walk again. Imported here, they are in the boot's collection and
+        `gc.freeze()` (`Membership.run_join_preparations`), and a newcomer
+        imports them while the survivors train, not in its first call.
+        """
+        importlib.import_module("torch._dynamo")
+
     def begin_call(self) -> None:
         """Free what the previous call held (frames, loader iterators, cached GPU memory) before the next."""
+        self.marks["called"] = time.time()
         self.loaders = []
         self.shard_names = set()
         # what the interrupted call left in reference cycles: a DDP, loader iterators, their tensors. A full
-        # collect (0.2-0.5 s on two busy cores): gc.freeze() after it made the next one milliseconds, but then
-        # 5 recoveries in 19 took ~8 s, none in 8 without it (not diagnosed; bench/RESULTS.md)
+        # collect, which walks only what was made since the boot's gc.freeze() (Membership.run_join_preparations)
         gc.collect()
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.empty_cache()
+        self.marks["collected"] = time.time()
 
     def settle(self) -> None:
         """At an entry into the loop (every rank): gather the committed report's files where any rank lacks them."""
         layout = self.state.checkpoint
         if layout is None:  # every rank synced the same state, so every rank skips the collective alike
             self.store.keep_only(None)
-            return
-        everything = self.store.settle(current().joined_ring(), layout, current().joined_slot().host)
-        if everything is not None:
-            self._materialize(layout["index"], everything)
+        else:
+            everything = self.store.settle(current().joined_ring(), layout, current().joined_slot().host)
+            if everything is not None:
+                self._materialize(layout["index"], everything)
+        marks = self.marks
+        marks["settled"] = time.time()
+        if "left" in marks:
+            logger.info(
+                "rank %d re-entering the loop: rejoined and synced in %.3f s, collected in %.3f s, settled in %.3f s",
+                elastic.rank(),
+                marks["called"] - marks["left"],
+                marks["collected"] - marks["called"],
+                marks["settled"] - marks["collected"],
+            )
 
     def close(self) -> None:
         if self._materialized is not None:
@@ -366,6 +392,7 @@ class PerWorker:
     def __call__(self, _config: dict[str, Any]) -> Any:
         global _SESSION
         this = Session(self.experiment_name, self.initial, self.run_path, self.num_to_keep)
+        current().add_join_preparation(this.warm_up)
 
         @elastic.run
         def call(state: Any) -> Any:
@@ -377,7 +404,11 @@ class PerWorker:
                         self.loop(self.config if self.config is not None else {}) if self.takes_config else self.loop()
                     )
             except LoopInterrupt as interrupt:
+                this.marks = {"left": time.time()}
                 raise interrupt.cause from None  # the run loop rolls back (or keeps) and calls again
+            except BaseException:
+                this.marks = {"left": time.time()}
+                raise
             return value, state.durable  # rank 0's: the durable checkpoints kept, with their metrics
 
         _SESSION = this
