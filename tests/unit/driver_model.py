@@ -30,7 +30,7 @@ from ray_elastic.driver.core import messages as m
 from ray_elastic.driver.core.driver_core import DriverCore
 from ray_elastic.driver.core.roster import ALIVE, WorkerStatus
 from ray_elastic.driver.core.stragglers import WINDOW
-from ray_elastic.protocol import DriverState, EventKind, Finished, PaceSummary, Removed
+from ray_elastic.protocol import DriverState, EventKind, Finished, PaceSummary, Removed, UserError
 
 POOL = ("A", "B", "C", "D", "E")
 # what a worker itself sends
@@ -82,12 +82,12 @@ class Model:
             min_workers=min_workers,
             max_workers=rng.choice((min_workers, min_workers + 1, 4)),
             resources_per_worker={"CPU": 1.0},
-            elastic_timeout=60.0,
-            cooldown_range=(5.0, 40.0),
-            liveness_timeout=5.0,
-            collective_timeout=20.0,
+            elastic_timeout=rng.choice((60.0, 60.0, 15.0)),
+            cooldown_range=rng.choice(((5.0, 40.0), (5.0, 40.0), (1.0, 1.0), (20.0, 100.0))),
+            liveness_timeout=rng.choice((5.0, 5.0, 2.0)),
+            collective_timeout=rng.choice((20.0, 20.0, 6.0)),
             checkpoint_dir="file:///tmp/model-ckpt" if rng.random() < 0.5 else None,
-            max_failures=rng.choice((0, 2, 5)),
+            max_failures=rng.choice((0, 2, 5, -1)),
         )
         self.now = 100.0
         self.core = DriverCore(self.config, wall_offset=1000.0, started_at=self.now)
@@ -125,6 +125,10 @@ class Model:
                         self.pending.append(m.WorkerDied(action.worker_id, "killed by the driver", True))
             elif isinstance(action, m.Publish):
                 self._published(action)
+            elif isinstance(action, m.RestoreKV) and action.generation > self.generation:
+                # a restarted driver puts the generation whose publish was lost: the members learn it from the KV
+                # actor, the ones it leaves out at their next check
+                self._published(m.Publish(action.generation, action.plan, tuple(self.plan)))
             elif isinstance(action, m.QueryActivity):
                 self.queries.append(action)
             elif isinstance(action, m.LookForCheckpoint):
@@ -155,13 +159,13 @@ class Model:
             (self._paces, 2),
             (self._finish, 1),
             (self._ring_error, 1),
-            (self._raise, 1),
+            (self._raise, 0.5),
             (self._answer, 2),
             (self._hang, 1),
             (self._drain, 1),
             (self._kv_restart, 1),
             (self._note, 1),
-            (self._end, 0.1),
+            (self._end, 0.05),
         ]
         pick = rng.choices([c for c, _ in choices], weights=[w for _, w in choices])[0]
         pick()
@@ -285,7 +289,11 @@ class Model:
         """Members' train_fn raise in this generation (one, or several): they stay, waiting to re-enter."""
         members = [w for w in self.plan if self.workers[w].running and not self._finishing(w)]
         for w in self.rng.sample(members, min(len(members), self.rng.choice((1, 1, 2)))):
-            self.pending.append(m.TrainFnRaised(w, self.generation, "RuntimeError: intended", "Traceback ..."))
+            if self.rng.random() < 0.8:  # inside @elastic.run: it stays to re-enter
+                self.pending.append(m.TrainFnRaised(w, self.generation, "RuntimeError: intended", "Traceback ..."))
+            else:  # out of train_fn itself: its run() returns the error, the driver replaces it if retries allow
+                self.workers[w].exited = True
+                self.pending.append(m.WorkerExited(w, UserError("RuntimeError: intended", "Traceback ...")))
 
     def _note(self) -> None:
         """What the shell or a rank tells that changes no membership: a slow dataset block, another backend."""
@@ -318,7 +326,17 @@ class Model:
             activity: dict[str, Any] = {}
             for w in q.worker_ids:
                 rec = self.workers[w]
-                activity[w] = {"idle_s": 0.1, "in_collective": True} if rec.running else m.ACTIVITY_ERROR
+                if not rec.running:
+                    activity[w] = m.ACTIVITY_ERROR if not rec.alive or rng.random() < 0.7 else m.ACTIVITY_TIMEOUT
+                else:  # in a collective, stuck outside one (user code), or too busy to answer in time
+                    activity[w] = rng.choice(
+                        (
+                            {"idle_s": 0.1, "in_collective": True},
+                            {"idle_s": 0.1, "in_collective": True},
+                            {"idle_s": 30.0, "in_collective": False},
+                            m.ACTIVITY_TIMEOUT,
+                        )
+                    )
             self.pending.append(m.ActivityReport(q.generation, q.requester, q.reason, activity))
         elif self.lookups:
             self.lookups -= 1
@@ -332,16 +350,28 @@ class Model:
         members = [w for w in self.plan if self.workers[w].running and not self._finishing(w)]
         if not members:
             return
-        w = self.rng.choice(members)
-        self.workers[w].hung = True
+        rng = self.rng
+        w = rng.choice(members)
         answered = frozenset(x for x in self._running() if x != w)
-        sample = m.CpuSample(0.0, 0.5, "S")
+        kind = rng.choice(("hung", "hung", "busy", "unreadable", "cut off"))
+        if kind == "busy":  # a long C call holding the GIL: it computes, and answers the next round
+            sample: m.CpuSample | str = m.CpuSample(0.5, 0.5, "R")
+        else:
+            self.workers[w].hung = True
+            sample = {"hung": m.CpuSample(0.0, 0.5, "S"), "unreadable": "the reading timed out"}.get(
+                kind, "its node did not answer (cut off)"
+            )
         self.pending.append(m.PingResults(answered, frozenset({w}), self.now - 5.0, {w: sample}))
+        if kind == "busy":
+            self.pending.append(m.PingResults(frozenset(self._running()), frozenset(), self.now, {}))
 
     def _drain(self) -> None:
         """Ray drains a node (a preemption notice): its workers leave gracefully; discovery may drop it later."""
         hosts = sorted({self.workers[w].host for w in self._running()} - self.draining)
-        if hosts:
+        if self.draining and self.rng.random() < 0.25:  # a drain cancelled (`ray drain-node` undone)
+            self.draining.discard(self.rng.choice(sorted(self.draining)))
+            self.pending.append(m.NodesDraining(dict.fromkeys(sorted(self.draining), 0.0)))
+        elif hosts:
             self.draining.add(self.rng.choice(hosts))
             self.pending.append(m.NodesDraining(dict.fromkeys(sorted(self.draining), 0.0)))
 
@@ -360,37 +390,74 @@ class Model:
         out = [self.pending[i] for i in picked]
         for i in sorted(picked, reverse=True):
             del self.pending[i]
-        if self.delivered and rng.random() < 0.1:
-            out.insert(rng.randrange(len(out) + 1), rng.choice(self.delivered[-20:]))
+        # the shell's liveness rounds come one after another, each once: the earliest pending ones first, in order
+        rounds = [x for x in out if isinstance(x, m.PingResults)]
+        if rounds:
+            waiting = sorted((x for x in self.pending + rounds if isinstance(x, m.PingResults)), key=_sent_at)
+            taken, self.pending = waiting[: len(rounds)], [x for x in self.pending if x not in waiting[: len(rounds)]]
+            self.pending += [x for x in rounds if x not in taken]
+            slots = iter(taken)
+            out = [next(slots) if isinstance(x, m.PingResults) else x for x in out]
+        if self.delivered and rng.random() < 0.1:  # Ray may deliver a call twice (not the shell's own rounds)
+            again = [x for x in self.delivered[-20:] if not isinstance(x, m.PingResults)]
+            if again:
+                out.insert(rng.randrange(len(out) + 1), rng.choice(again))
         if rng.random() < 0.3:
             out.append(m.Tick())
         return out
 
-    def deliver(self, messages: list[m.Message], after: float) -> list[m.Action]:
+    def deliver(self, messages: list[m.Message], after: float, may_die: bool = True) -> list[m.Action]:
         core = self.core
         self.now += after
         # the stragglers let go that were already on their way out before this batch
-        evicted = {w for w in core.record.evicted if core.workers[w].status is WorkerStatus.LEAVING}
+        evicted = {w for w in core.record.evicted if _status(core, w) is WorkerStatus.LEAVING}
         final = core.state.is_final
         self.log.append(f"t={self.now:.2f} {[_short(x) for x in messages]}")
         self.raised_in.update(x.generation for x in messages if isinstance(x, m.TrainFnRaised))
+        # a raise out of train_fn counts for the generation current when its word arrives
+        if any(isinstance(x, m.WorkerExited) and isinstance(x.outcome, UserError) for x in messages):
+            self.raised_in.add(core.generation)
         actions = core.handle(messages, self.now)
         self.log.append(f"  -> {actions}")
         self.final_before = final
         self.delivered.extend(x for x in messages if not isinstance(x, m.Tick))
         self.kinds_delivered.update(type(x) for x in messages)
-        self.act(actions)
+        dies = may_die and not core.state.is_final and self.rng.random() < 0.03
+        # the driver may die after its snapshot, having carried out some, all or none of the batch's actions
+        self.act(actions[: self.rng.randint(0, len(actions))] if dies else actions)
         self.check_batch(messages, actions, evicted)
+        if dies:
+            self.restart_driver(reattach=True)
         return actions
 
-    def restart_driver(self) -> None:
-        """The driver actor restarts from its snapshot: the round trip changes nothing, and it asks again."""
+    def restart_driver(self, reattach: bool = False) -> None:
+        """The driver actor restarts from its snapshot: the round trip changes nothing, and it asks again.
+
+        With `reattach` (it died before carrying out all of its last actions),
+        its shell finds the workers again as `WorkerPool.reattach` does: a
+        start cut short is started now, a worker gone is reported dead, and
+        one the core no longer counts (a kill that never happened) is removed.
+        """
         copy = pickle.loads(pickle.dumps(self.core))
         self.require(fingerprint(copy) == fingerprint(self.core), "the snapshot round trip changed the core")
         self.core = copy
         self.now += 2.0
-        self.log.append(f"t={self.now:.2f} driver restarted")
-        self.act(self.core.restarted(self.now, "model"))
+        self.log.append(f"t={self.now:.2f} driver restarted" + (" before its last actions" if reattach else ""))
+        actions = self.core.restarted(self.now, "model")
+        if reattach:
+            alive = set(self.core.alive_ids())
+            for w in sorted(alive):
+                rec = self.core.workers[w]
+                if w not in self.workers:
+                    if rec.status is WorkerStatus.STARTING:
+                        actions.append(m.Spawn(w, rec.host))
+                    else:
+                        self.pending.append(m.WorkerDied(w, "gone when the restarted driver looked", True))
+            for w, truth in self.workers.items():
+                if w not in alive and truth.alive:
+                    truth.alive = False  # the run's actors the core no longer counts are removed
+        self.act(actions)
+        self.deliver([m.Tick()], after=0.0, may_die=False)  # the restarted loop's first batch, at its own time
 
     def stale_word(self) -> None:
         """A void worker (dead, killed, let go) speaks: nothing it says may change the run."""
@@ -446,8 +513,15 @@ class Model:
         rank0 = next(w for w, slot in publish.plan.items() if slot.rank == 0)
         progress = self.workers[rank0].progress
         held = -1 if progress is None else progress  # never received the run's state
+        # a generation that resumes from the durable checkpoint (its publish may be carried out only later, by a
+        # restarted driver, when the one that decided it died first)
+        resumes = (
+            publish.generation in self.resumed
+            or any(e.kind is EventKind.RESTARTED and e.generation == publish.generation for e in self.core.events)
+            or (self.generation in self.resumed and self.generation not in self.ring_synced)  # carried on
+        )
         self.require(
-            held == self.run_progress or publish.generation in self.resumed or self.run_progress <= 0 <= held + 1,
+            held == self.run_progress or resumes or self.run_progress <= 0 <= held + 1,
             f"generation {publish.generation}'s rank 0 {rank0} holds commit {held}, the run's newest is "
             f"{self.run_progress}",
         )
@@ -474,7 +548,7 @@ class Model:
         failure = self.core.failure
         if failure is not None and failure.startswith("train_fn raised in worker") and "Traceback ..." in failure:
             self.require(
-                len(self.raised_in) > self.config.max_failures or self.finish is not None,
+                0 <= self.config.max_failures < len(self.raised_in) or self.finish is not None,
                 f"a raise failed the run after {len(self.raised_in)} raising attempts, "
                 f"max_failures={self.config.max_failures}",
             )
@@ -497,7 +571,7 @@ class Model:
         evicted = {
             w
             for w in core.record.evicted - leaving_before
-            if core.workers[w].host in core.record.hosts and core.workers[w].status is WorkerStatus.LEAVING
+            if _status(core, w) is WorkerStatus.LEAVING and core.workers[w].host in core.record.hosts
         }
         if evicted and not core.state.is_final and not core.finishing.active:
             staying = [
@@ -560,7 +634,14 @@ class Model:
             self._sync()
             while self.queries or self.lookups:
                 self._answer()
+            # the shell's liveness round goes on: a hung worker misses every one, using no CPU
+            hung = frozenset(w for w, r in self.workers.items() if r.alive and r.hung and not r.exited)
+            answered = frozenset(self._running())
+            silent = dict.fromkeys(hung, m.CpuSample(0.0, 0.5, "S"))
+            self.pending.append(m.PingResults(answered, hung, self.now, silent))
             batch, self.pending = self.pending + [m.Tick()], []
+            rounds = sorted((x for x in batch if isinstance(x, m.PingResults)), key=_sent_at)
+            batch = rounds + [x for x in batch if not isinstance(x, m.PingResults)]
             self.deliver(batch, after=5.0)
         core = self.core
         self.require(core.state is DriverState.RUNNING, f"the run still waits in {core.state.value}")
@@ -570,6 +651,16 @@ class Model:
             set(core.plan) == ready,
             f"workers wait to be admitted for ever: plan {sorted(core.plan)}, ready {sorted(ready)}",
         )
+
+
+def _status(core: DriverCore, worker_id: str) -> WorkerStatus | None:
+    """A worker's status, or None once the core forgot it (a durable restart drops the old roster)."""
+    rec = core.workers.get(worker_id)
+    return None if rec is None else rec.status
+
+
+def _sent_at(msg: m.PingResults) -> float:
+    return msg.sent_at
 
 
 def _short(msg: m.Message) -> str:

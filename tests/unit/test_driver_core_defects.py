@@ -79,3 +79,15 @@ def test_a_straggler_let_go_is_kept_while_the_only_other_member_stays_just_to_ha
     plans += [set(a.plan) for a in s.actions if isinstance(a, m.Publish)]
     assert plans and plans[-1] == {"w3", spawn.worker_id}, "w2 leaves; the world stays at min_workers"
     assert s.core.state is DriverState.RESETTING or s.core.state is DriverState.RUNNING
+
+
+def test_a_liveness_round_older_than_one_taken_changes_nothing():
+    """Found by the model once it generated busy members: a round delivered late (after a newer one in which the
+    member answered) made the member silent since the old round, and, past collective_timeout, killed it."""
+    s = Script(min_workers=1, collective_timeout=20.0)
+    s.start({"A": 1, "B": 1})
+    busy = m.CpuSample(0.5, 0.5, "R")
+    old = m.PingResults(frozenset({"w1"}), frozenset({"w2"}), s.now - 5.0, {"w2": busy})
+    s.send(m.PingResults(frozenset({"w1", "w2"}), frozenset(), s.now, {}), after=1.0)  # the newer round: it answers
+    s.send(old, after=60.0)  # the older round, delivered last
+    assert s.of(m.Kill) == [] and s.core.workers["w2"].status.value == "member"

@@ -40,6 +40,7 @@ class BrokenRings:
         self.finishing = finishing
         self.failures = failures
         self._last_timeout_reset: float | None = None  # when a ring last broke with everyone alive
+        self._newest_round = float("-inf")  # when the newest liveness round taken was sent
         self._querying: int | None = None  # the generation whose members' activity is being asked
         self._query: m.QueryActivity | None = None  # that question, asked again by a restarted driver
         # what each rank raised when its ring broke, for the current and the previous broken generation
@@ -60,6 +61,9 @@ class BrokenRings:
     def on_pings(self, msg: m.PingResults, now: float) -> None:
         """Kill the members that stopped answering, unless their CPU time shows them computing (`judge_missed_ping`)."""
         roster, config = self.record.roster, self.record.config
+        if msg.sent_at < self._newest_round:
+            return  # an older round than one already taken (delivered late, or twice): the newer one tells more
+        self._newest_round = msg.sent_at
         # only an answer from a worker not yet heard from, or silent, changes its record
         for worker_id in roster.unsettled.intersection(msg.answered):
             rec = roster.get(worker_id)
