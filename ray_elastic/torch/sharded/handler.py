@@ -28,6 +28,8 @@ do not apply. Here:
   `train_fn` built and sharded the model on the new world, receive exactly
   their rows.
 
+The flat layout of the rows and their movement by a plan are `rows.py`'s.
+
 A commit cut short by a failure (a rank died between its copy and the
 replica exchange), or a shard lost with its replica, leaves rows with no
 holder of the commit rank 0 holds: `reshard` then raises `ShardLostError`,
@@ -40,82 +42,29 @@ from __future__ import annotations
 import copy
 import logging
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed.tensor import DTensor, Shard
 
 from ray_elastic.runtime.process import maybe_current
-from ray_elastic.state.reshard_plan import ReshardPlan, plan_reshard, replica_holder, rows_of, wards_of
+from ray_elastic.state.reshard_plan import ReshardPlan, plan_reshard, replica_holder, wards_of
 from ray_elastic.torch.handler import StateHandler
 from ray_elastic.torch.sharded import dcp_files, fsdp2
+from ray_elastic.torch.sharded.rows import (
+    Key,
+    Layout,
+    Shard_,
+    as_bytes,
+    held_as,
+    move_rows,
+    rows_of_layout,
+)
 
 if TYPE_CHECKING:
     from ray_elastic.collective.base import CollectiveGroup
 
 logger = logging.getLogger(__name__)
-
-Key = tuple[int, str | None]  # (parameter number, optimizer state key or None for the parameter itself)
-
-
-@dataclass(frozen=True)
-class Layout:
-    """The sharded tensors of the state, in one order on every rank: their keys, global shapes and dtypes."""
-
-    keys: tuple[Key, ...]
-    shapes: tuple[tuple[int, ...], ...]
-    dtypes: tuple[torch.dtype, ...]
-
-    @property
-    def itemsizes(self) -> list[int]:
-        return [d.itemsize for d in self.dtypes]
-
-    def offsets(self, world: int, rank: int) -> list[tuple[int, int]]:
-        """(byte offset, bytes) of each tensor's rows in the flat buffer of `rank` of `world`."""
-        spans, at = [], 0
-        for shape, size in zip(self.shapes, self.itemsizes, strict=True):
-            start, stop = rows_of(shape[0], world, rank)
-            nbytes = (stop - start) * size * _row_numel(shape)
-            spans.append((at, nbytes))
-            at += nbytes
-        return spans
-
-
-@dataclass
-class Shard_:
-    """A committed shard: the flat rows of old rank `rank` of `world`, as of commit `stamp`."""
-
-    world: int
-    rank: int
-    stamp: int
-    flat: torch.Tensor  # uint8, on the host
-
-
-def _row_numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape[1:]:
-        n *= d
-    return n
-
-
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().reshape(-1).view(torch.uint8)
-
-
-def _held(shard: Shard_ | None) -> tuple[int, int, int] | None:
-    """(world, rank, commit) of a shard whose copy is whole, for the other ranks' plans."""
-    return None if shard is None or not shard.stamp else (shard.world, shard.rank, shard.stamp)
-
-
-def _rows_of_layout(layout: Layout, world: int, rank: int) -> list[torch.Tensor]:
-    """Host tensors for `rank`'s rows of every tensor of `layout` at `world` ranks (uninitialized)."""
-    out = []
-    for shape, dtype in zip(layout.shapes, layout.dtypes, strict=True):
-        start, stop = rows_of(shape[0], world, rank)
-        out.append(torch.empty((stop - start, *shape[1:]), dtype=dtype))
-    return out
-
 
 def _host() -> str:
     ctx = maybe_current()
@@ -202,7 +151,7 @@ class ShardedHandler(StateHandler):
             own = Shard_(world, rank, 0, torch.empty(total, dtype=torch.uint8))
         own.stamp = 0  # torn until the copy is whole
         for (at, nbytes), t in zip(layout.offsets(world, rank), live, strict=True):
-            own.flat[at : at + nbytes].copy_(_bytes(t))
+            own.flat[at : at + nbytes].copy_(as_bytes(t))
         self._own = own
         self._layout = layout
         self._plain = self._plain_values()
@@ -234,7 +183,7 @@ class ShardedHandler(StateHandler):
         if layout.keys != self._layout.keys or self._world_rank() != (own.world, own.rank):
             return  # the live tensors are another world's (a reshard was cut short): the next reshard sets them
         for (at, nbytes), t in zip(layout.offsets(own.world, own.rank), self._live(layout), strict=True):
-            _bytes(t).copy_(own.flat[at : at + nbytes])
+            as_bytes(t).copy_(own.flat[at : at + nbytes])
         for (i, key), value in self._plain.items():
             state = self._optimizer_of(params[i]).state[params[i]]
             if isinstance(value, torch.Tensor):
@@ -339,8 +288,8 @@ class ShardedHandler(StateHandler):
             "initial": self.initial,
             "sharding": self._sharding(),
             "commit": commit,
-            "own": _held(self._own),
-            "replicas": [_held(r) for r in self._replicas],
+            "own": held_as(self._own),
+            "replicas": [held_as(r) for r in self._replicas],
         }
         holdings = ring.allgather_object(mine)
         differ = [r for r, h in enumerate(holdings) if h["sharding"] != holdings[0]["sharding"]]
@@ -356,7 +305,7 @@ class ShardedHandler(StateHandler):
         root = holdings[0]
         if resume is not None:
             # onto this ring's mesh first (a survivor's model is still on the old one), then DCP fills the rows
-            self._rebind(ring, layout, _rows_of_layout(layout, ring.size, ring.rank), plain)
+            self._rebind(ring, layout, rows_of_layout(layout, ring.size, ring.rank), plain)
             self._reorder(order)
             self._resume_from(ring, resume, root["commit"], started)
             return
@@ -373,7 +322,7 @@ class ShardedHandler(StateHandler):
             r: h["own"][1] for r, h in enumerate(holdings) if h["own"] is not None and h["own"][1] in held.get(r, ())
         }
         plan = plan_reshard(layout.shapes, layout.itemsizes, old_world, ring.size, held, owned)
-        fresh = self._move(ring, layout, plan, old_world)
+        fresh = move_rows(ring, layout, plan, self._source)
         self._rebind(ring, layout, fresh, plain)
         self._reorder(order)
         self._apply_hyper(hyper)
@@ -407,49 +356,11 @@ class ShardedHandler(StateHandler):
         logger.info("loaded the sharded checkpoint %s on %d ranks in %.3f s", directory, ring.size, self.last_reshard_s)
 
     def _source(self, owner: int) -> tuple[torch.Tensor, int]:
+        """The committed rows of old rank `owner` this rank holds (its own, or a ward's replica), and their world."""
         for shard in (self._own, *self._replicas):
             if shard is not None and shard.rank == owner:
                 return shard.flat, shard.world
         raise RuntimeError(f"this rank holds no shard of old rank {owner}")
-
-    def _move(self, ring: CollectiveGroup, layout: Layout, plan: ReshardPlan, old_world: int) -> list[torch.Tensor]:
-        """This rank's new rows of every tensor, on the host: copied, sent and received as `plan` says.
-
-        Every send and receive is posted first and the local copies run while
-        they are on the wire: a copy before a send would hold back the
-        rank waiting for it.
-        """
-        me = ring.rank
-        fresh = _rows_of_layout(layout, ring.size, me)
-        itemsizes = layout.itemsizes
-        spans: dict[tuple[int, int], list[tuple[int, int]]] = {}
-        works, local = [], []
-        for piece in plan.pieces:
-            if piece.src != me and piece.dst != me:
-                continue
-            shape = layout.shapes[piece.tensor]
-            row = itemsizes[piece.tensor] * _row_numel(shape)
-            if piece.src == me:
-                flat, world = self._source(piece.owner)
-                if (world, piece.owner) not in spans:
-                    spans[world, piece.owner] = layout.offsets(world, piece.owner)
-                at, _ = spans[world, piece.owner][piece.tensor]
-                first = rows_of(shape[0], world, piece.owner)[0]
-                data = flat[at + (piece.start - first) * row : at + (piece.stop - first) * row]
-            if piece.dst == me:
-                mine = rows_of(shape[0], ring.size, me)[0]
-                into = _bytes(fresh[piece.tensor])[(piece.start - mine) * row : (piece.stop - mine) * row]
-                if piece.local:
-                    local.append((into, data))
-                else:
-                    works.append(ring.recv_async(into, piece.src))
-            elif piece.src == me:
-                works.append(ring.send_async(data, piece.dst))
-        for into, data in local:
-            into.copy_(data)
-        for w in works:
-            w.wait()
-        return fresh
 
     def _rebind(self, ring: CollectiveGroup, layout: Layout, fresh: list[torch.Tensor], plain: dict[Key, Any]) -> None:
         from torch.distributed.device_mesh import init_device_mesh
