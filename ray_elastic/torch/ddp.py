@@ -375,6 +375,9 @@ class _AbandonableGroup(dist.ProcessGroup):
         self._pending: list[dist.Work] = []  # this backward's allreduces, until its final callback
         # the ranks share one machine: gradient sums go through shared memory instead of Gloo (see shm.py)
         self._shared = group.shared_ring() if hasattr(group, "shared_ring") else None
+        # a shared-memory sum failed: a peer is gone and this backward raises, so no notice allreduce starts on
+        # the Gloo ring any more (one started as a peer died could outlive the ring's cut: 8 s to the next step)
+        self._shared_failed = False
 
     def getBackendName(self) -> str:  # noqa: N802 - torch's name
         # not "gloo": for a known name DDP's logger asks this group for that backend's object, which it lacks
@@ -404,7 +407,7 @@ class _AbandonableGroup(dist.ProcessGroup):
                 torch.autograd.Variable._execution_engine.queue_callback(self._raise_if_failed)
         self._pending.append(work)
         carrier = self._owner._carrier
-        if carrier is not None and carrier.work is None:
+        if carrier is not None and carrier.work is None and not self._shared_failed:
             carrier.work = self._group.start(
                 "check_host_updates", lambda: self._inner.allreduce([carrier.tensor], dist.AllreduceOptions())
             )
@@ -420,6 +423,7 @@ class _AbandonableGroup(dist.ProcessGroup):
         try:
             self._shared.allreduce_sum_(tensors[0])
         except HorovodInternalError as e:
+            self._shared_failed = True
             ring = torch.futures.Future()
             ring.set_exception(e)
         PACE.waited(time.perf_counter() - waiting)  # the sum waits for every rank's bucket: that is the wait
