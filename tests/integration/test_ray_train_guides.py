@@ -110,3 +110,30 @@ def test_without_retries_the_guides_error_fails_the_run_as_ray_trains_does(clust
     import ray_elastic
 
     assert isinstance(info.value, ray_elastic.TrainingFailedError)
+
+
+def test_a_plain_loop_under_data_parallel_trainer_reads_an_unsplit_dataset_whole_through_a_kill(
+    cluster, no_leaks, tmp_path
+):
+    """The key-concepts page's generic trainer: "valid", left out of `datasets_to_split`, is read whole by every
+    rank, before and after a SIGKILL; the survivor re-enters in its process and sees the checkpoints kept."""
+    from ray_train_guides import fit_key_concepts
+
+    log, marker = tmp_path / "log.jsonl", tmp_path / "killed"
+    config = {"epochs": 4, "step_sleep": 0.05, "log": str(log), "kill": {"epoch": 2, "rank": 1, "marker": str(marker)}}
+    result = fit_key_concepts(config, 2, str(tmp_path / "runs"))
+    records = _records(log)
+    assert marker.exists()
+    entries = [r for r in records if r.get("entry")]
+    killed_pid = int(marker.read_text())
+    first = {e["pid"] for e in entries if e["start_epoch"] == 0}
+    again = [e for e in entries if e["start_epoch"] == 2]
+    assert {e["pid"] for e in again} & first - {killed_pid}, f"the survivor re-entered in its own process: {entries}"
+    assert all(len(e["kept"]) == 2 for e in again), f"get_all_reported_checkpoints after the re-entry: {again}"
+    valid = [r for r in records if "valid" in r]
+    assert valid and all(r["valid"] == list(range(16)) for r in valid), "every rank reads the unsplit dataset whole"
+    for epoch in range(config["epochs"]):  # the split dataset: each epoch's rows once over the ranks (no kill there)
+        if epoch != 2:
+            ids = sorted(i for r in records if r.get("epoch") == epoch and "ids" in r for i in r["ids"])
+            assert ids == list(range(ROWS)), f"epoch {epoch}: {ids}"
+    assert result.metrics["epoch"] == config["epochs"] - 1

@@ -115,3 +115,54 @@ def fit_checkpoint_guide(config: dict, num_workers, storage_path: str, name: str
         run_config=RunConfig(name=name, storage_path=storage_path, failure_config=FailureConfig(max_failures)),
         datasets={"train": ray.data.from_pandas(regression_frame())},
     ).fit()
+
+
+def key_concepts_loop(config: dict) -> None:
+    """The key-concepts page's plain loop under `DataParallelTrainer`: no framework, a JSON checkpoint.
+
+    It trains a running sum over the split dataset "train", reads the whole
+    dataset "valid" (left unsplit by `DataConfig(datasets_to_split=["train"])`)
+    on every rank, and reports `get_all_reported_checkpoints()` after a
+    re-entry.
+    """
+    ctx = ray.train.get_context()
+    start, total = 0, 0.0
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint:
+        with checkpoint.as_directory() as d, open(os.path.join(d, "state.json")) as f:
+            saved = json.load(f)
+        start, total = saved["epoch"] + 1, saved["total"]
+    kept = [c.checkpoint.path for c in ray.train.get_all_reported_checkpoints()] if checkpoint else []
+    _log(config, entry=True, start_epoch=start, rank=ctx.get_world_rank(), kept=kept)
+    for epoch in range(start, config["epochs"]):
+        for batch in ray.train.get_dataset_shard("train").iter_batches(batch_size=4):
+            total += float(batch["id"].sum())
+            _log(config, epoch=epoch, ids=batch["id"].tolist(), rank=ctx.get_world_rank())
+            kill = config.get("kill")
+            if kill and epoch == kill["epoch"] and ctx.get_world_rank() == kill["rank"]:
+                if not os.path.exists(kill["marker"]):
+                    with open(kill["marker"], "w") as f:
+                        f.write(str(os.getpid()))
+                    os.kill(os.getpid(), signal.SIGKILL)
+            time.sleep(config.get("step_sleep", 0.0))
+        valid = sorted(int(i) for b in ray.train.get_dataset_shard("valid").iter_batches(batch_size=8) for i in b["id"])
+        _log(config, epoch=epoch, valid=valid, rank=ctx.get_world_rank())
+        with tempfile.TemporaryDirectory() as tmp:
+            with open(os.path.join(tmp, "state.json"), "w") as f:
+                json.dump({"epoch": epoch, "total": total}, f)
+            ray.train.report({"epoch": epoch, "total": total}, checkpoint=ray.train.Checkpoint.from_directory(tmp))
+
+
+def fit_key_concepts(config: dict, num_workers, storage_path: str, name: str = "concepts"):
+    import ray.data
+
+    from ray_elastic.train import DataConfig, DataParallelTrainer
+
+    return DataParallelTrainer(
+        key_concepts_loop,
+        train_loop_config=config,
+        scaling_config=ScalingConfig(num_workers=num_workers),
+        run_config=RunConfig(name=name, storage_path=storage_path),
+        datasets={"train": ray.data.range(ROWS), "valid": ray.data.range(16)},
+        dataset_config=DataConfig(datasets_to_split=["train"]),
+    ).fit()
