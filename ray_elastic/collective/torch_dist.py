@@ -333,6 +333,7 @@ class TorchDistGroup(CollectiveGroup):
             out = _allgather_rows(self, t)
         if isinstance(value, np.ndarray):
             return out.cpu().numpy()
+        assert isinstance(value, torch.Tensor)  # `_stage` took a tensor or an array: nothing else comes here
         return out.to(value.device)
 
     def broadcast_object(self, obj: Any, root_rank: int = 0) -> Any:
