@@ -17,14 +17,17 @@
 
 from __future__ import annotations
 
+import pickle
+from bisect import bisect_left
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import partial
 from itertools import repeat
 from operator import attrgetter
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:
-    from collections.abc import Collection, Mapping, Sequence
+    from collections.abc import Callable, Collection, Iterator, Sequence
 
 
 # NamedTuples, not frozen dataclasses: the driver builds one per worker per decision, and at
@@ -52,7 +55,7 @@ class WorkerSlot(NamedTuple):
     cross_size: int
 
 
-def assign_ranks(workers: Sequence[LiveWorker]) -> dict[str, WorkerSlot]:
+def assign_ranks(workers: Sequence[LiveWorker]) -> Plan:
     """Ranks for `workers`: holders of the trained state before newcomers, each oldest first.
 
     Hosts come in the order of their first worker in that order, so rank 0
@@ -69,26 +72,199 @@ def assign_ranks(workers: Sequence[LiveWorker]) -> dict[str, WorkerSlot]:
     for w in ordered:
         by_host.setdefault(w.host, []).append(w.worker_id)
     # dicts keep insertion order: hosts come in the order of their oldest worker
-    size = len(workers)
+    ids: list[str] = []
+    hosts: list[str] = []
+    for host, members in by_host.items():
+        ids += members
+        hosts += repeat(host, len(members))
+    return Plan(ids, hosts)
+
+
+def _slots(ids: list[str], hosts: list[str]) -> dict[str, WorkerSlot]:
+    """The slots of workers in rank order, each host's contiguous (`Plan`'s rule, as `assign_ranks` orders)."""
+    by_host: dict[str, list[str]] = {}
+    for worker_id, host in zip(ids, hosts, strict=True):
+        by_host.setdefault(host, []).append(worker_id)
+    size = len(ids)
     widest = max(map(len, by_host.values()), default=0)
     cross_sizes = [0] * widest  # per local rank: how many hosts have a worker there
-    for ids in by_host.values():
-        for local_rank in range(len(ids)):
+    for members in by_host.values():
+        for local_rank in range(len(members)):
             cross_sizes[local_rank] += 1
     slots: dict[str, WorkerSlot] = {}
     rank = 0
     cross_seen = [0] * widest
     make = partial(tuple.__new__, WorkerSlot)  # a C call per slot, not WorkerSlot._make's Python frame
-    # one host's slots are built by zip and map, in C: this runs for every worker at every reset
-    for host, ids in by_host.items():
-        n = len(ids)
+    # one host's slots are built by zip and map, in C
+    for host, members in by_host.items():
+        n = len(members)
         ranks = range(rank, rank + n)
-        rows = zip(ids, repeat(host), ranks, repeat(size), range(n), repeat(n), cross_seen, cross_sizes, strict=False)
-        slots.update(zip(ids, map(make, rows), strict=True))
+        rows = zip(
+            members, repeat(host), ranks, repeat(size), range(n), repeat(n), cross_seen, cross_sizes, strict=False
+        )
+        slots.update(zip(members, map(make, rows), strict=True))
         for local_rank in range(n):
             cross_seen[local_rank] += 1
         rank += n
     return slots
+
+
+class Plan(Mapping[str, WorkerSlot]):
+    """One generation: each member's slot, by worker id, in rank order (read-only).
+
+    Kept as the members in rank order and their hosts (each host's workers
+    contiguous); a slot's ranks are built when one is first read (`_slots`),
+    once per plan. So a plan that loses members (`without`) costs the
+    driver copies of two lists, not a slot per member: at thousands of
+    workers building the slots is milliseconds, and a death publishes a
+    plan whose every slot changed (its `size`). Membership, a member's rank
+    and iteration never build them. A plan made by `without` pickles as the
+    plan it came from (pickled once, then reused as bytes) and the
+    positions it dropped, so the driver's snapshot after a death re-pickles
+    what the death changed.
+    """
+
+    __slots__ = ("_ids", "_hosts", "_at", "_root", "_drop", "_gone", "_built", "_blob")
+
+    def __init__(self, ids: list[str], hosts: list[str]) -> None:
+        """`ids` in rank order, `hosts[i]` the host of `ids[i]`, each host's workers contiguous."""
+        self._ids = ids
+        self._hosts = hosts
+        self._at = dict(zip(ids, range(len(ids)), strict=True))  # position in the root plan
+        self._root: Plan = self  # the plan whose positions `_at` gives
+        self._drop: list[int] = []  # the root's positions this plan dropped, ascending
+        self._gone: frozenset[str] = frozenset()  # the root's members this plan dropped
+        self._built: dict[str, WorkerSlot] | None = None
+        self._blob: bytes | None = None  # a root's ids and hosts, pickled once
+
+    # ---- the mapping -------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._ids)
+
+    def __contains__(self, worker_id: object) -> bool:
+        return worker_id in self._at and worker_id not in self._gone
+
+    def __getitem__(self, worker_id: str) -> WorkerSlot:
+        if self._built is None:
+            self._built = _slots(self._ids, self._hosts)
+        return self._built[worker_id]
+
+    def __repr__(self) -> str:
+        return f"Plan({dict(self)!r})"
+
+    def rank(self, worker_id: str) -> int | None:
+        """`worker_id`'s rank, or None if it is not a member; without building any slot."""
+        at = self._at.get(worker_id)
+        if at is None or worker_id in self._gone:
+            return None
+        return at - bisect_left(self._drop, at)
+
+    def ids_except(self, skip: Collection[str]) -> list[str]:
+        """The members in rank order, less those of `skip` (by position: no pass over every member in Python)."""
+        ids = self._ids.copy()
+        for p in sorted((p for p in map(self.rank, skip) if p is not None), reverse=True):
+            del ids[p]
+        return ids
+
+    def host(self, worker_id: str) -> str:
+        """A member's host."""
+        rank = self.rank(worker_id)
+        if rank is None:
+            raise KeyError(worker_id)
+        return self._hosts[rank]
+
+    # ---- a plan less some members ---------------------------------------------------------
+    def without(self, gone: Collection[str], key: Callable[[str], Any], rekeyed: Collection[str] = ()) -> Plan | None:
+        """This plan less the members `gone`, the others in the same order, if that is the plan `assign_ranks`
+        gives them; else None (plan them whole).
+
+        `key(w)` is member `w`'s place in `assign_ranks`' order now
+        (`order_key`), and `rekeyed` the members whose key changed since this
+        plan was made (a newcomer that synced since holds the state): only
+        the neighbours a removal or a new key brought together are compared,
+        so the cost is two lists' copies and a few comparisons.
+        """
+        positions = {w: p for w in gone if (p := self.rank(w)) is not None}
+        drop = sorted(positions.values())
+        ids, hosts = self._ids, self._hosts
+        if drop:
+            ids, hosts = ids.copy(), hosts.copy()
+            for p in reversed(drop):
+                del ids[p], hosts[p]
+        touched: set[int] = set()
+        for i, p in enumerate(drop):
+            touched.update((p - i - 1, p - i))  # the survivors on each side of it are neighbours now
+        for w in rekeyed:
+            p = self.rank(w)
+            if p is not None and w not in positions:
+                touched.add(p - bisect_left(drop, p))
+        n = len(ids)
+        if not all(_in_order(ids, hosts, p, key) for p in touched if 0 <= p < n):
+            return None
+        if not drop:
+            return self
+        root = self._root
+        in_root = sorted([*self._drop, *(root._at[w] for w in positions)])
+        if len(in_root) > max(16, len(root._ids) // 8):
+            return Plan(ids, hosts)  # a new root: the dropped positions would cost more than they save
+        return root._dropping(ids, hosts, in_root)
+
+    def _dropping(self, ids: list[str], hosts: list[str], drop: list[int]) -> Plan:
+        """A root's plan less its positions `drop` (ascending): `ids` and `hosts` are what is left."""
+        plan = Plan.__new__(Plan)
+        plan._ids, plan._hosts, plan._at, plan._root = ids, hosts, self._at, self
+        plan._drop, plan._gone = drop, frozenset(self._ids[p] for p in drop)
+        plan._built = plan._blob = None
+        return plan
+
+    # ---- pickled as its root (pickled once, then reused as bytes) and the positions dropped ------------
+    def __reduce__(self) -> tuple[Any, ...]:
+        root = self._root
+        if root._blob is None:
+            root._blob = pickle.dumps((root._ids, root._hosts), protocol=pickle.HIGHEST_PROTOCOL)
+        return (_load_plan, (root._blob, self._drop))
+
+
+def _load_plan(blob: bytes, drop: list[int]) -> Plan:
+    ids, hosts = pickle.loads(blob)  # the driver's own snapshot, signed (`driver/shell/snapshot.py`)
+    root = Plan(ids, hosts)
+    root._blob = blob
+    if not drop:
+        return root
+    dropped = set(drop)
+    kept = [p for p in range(len(ids)) if p not in dropped]
+    return root._dropping([ids[p] for p in kept], [hosts[p] for p in kept], list(drop))
+
+
+def _in_order(ids: list[str], hosts: list[str], p: int, key: Callable[[str], Any]) -> bool:
+    """Whether position `p` sits where `assign_ranks` puts it: after its host's previous worker, and its host's
+    first worker between the previous and the next host's first."""
+    host = hosts[p]
+    if p > 0 and hosts[p - 1] == host and not key(ids[p - 1]) < key(ids[p]):
+        return False
+    if p + 1 < len(ids) and hosts[p + 1] == host and not key(ids[p]) < key(ids[p + 1]):
+        return False
+    start = p
+    while start > 0 and hosts[start - 1] == host:
+        start -= 1
+    if start > 0:
+        before = start - 1
+        while before > 0 and hosts[before - 1] == hosts[start - 1]:
+            before -= 1
+        if not key(ids[before]) < key(ids[start]):
+            return False
+    end = p
+    while end + 1 < len(ids) and hosts[end + 1] == host:
+        end += 1
+    return end + 1 >= len(ids) or key(ids[start]) < key(ids[end + 1])
+
+
+def order_key(worker: LiveWorker) -> tuple[bool, int]:
+    """`assign_ranks`' order: holders of the trained state first, each oldest first."""
+    return (not worker.holds, worker.seq)
 
 
 _BY_AGE = attrgetter("seq")  # oldest first; seq is unique, so no tie-break is needed

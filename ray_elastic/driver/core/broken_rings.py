@@ -88,7 +88,7 @@ class BrokenRings:
             if busy:
                 if not rec.spared:
                     logger.warning("worker %s on node %s %s", worker_id, rec.host[:8], reason)
-                rec.spared = True
+                rec.spare()
                 continue
             logger.warning("worker %s on node %s %s; killing it", worker_id, rec.host[:8], reason)
             self.failures.fence(rec, reason, now)
@@ -118,10 +118,10 @@ class BrokenRings:
             return  # a word about a ring already re-formed, or dropped whole (a durable restart empties the plan)
         if self.failures.raised_in(msg.generation):
             return  # a rank's train_fn raised and left the ring: that re-forms it, nobody is to blame
-        slot = gens.plan.get(msg.worker_id)
-        if slot is not None:
+        rank = gens.plan.rank(msg.worker_id)
+        if rank is not None:
             told = self._errors.setdefault(msg.generation, {})
-            told.setdefault(msg.worker_id, RingError(slot.rank, msg.worker_id, msg.reason))
+            told.setdefault(msg.worker_id, RingError(rank, msg.worker_id, msg.reason))
             for old in [g for g in self._errors if g < msg.generation - 1]:
                 del self._errors[old]
         if self.finishing.active:

@@ -50,6 +50,7 @@ from ray_elastic.protocol import DriverState, EventKind, RunOutcome, UserError
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable
 
+    from ray_elastic.assignment import Plan
     from ray_elastic.config import RunConfig
     from ray_elastic.driver.core.phase import PhaseChange
 
@@ -98,7 +99,7 @@ class DriverCore:
         return self.generations.generation
 
     @property
-    def plan(self) -> dict:
+    def plan(self) -> Plan:
         return self.generations.plan
 
     @property
@@ -229,9 +230,9 @@ class DriverCore:
         all the same, `is_void`); a host leaves once it is neither offered
         nor hosting a worker on record; a cool-down, once it is forgotten.
         """
-        self.record.roster.prune(self.generations.names)
+        forgotten = self.record.roster.prune(self.generations.names)
         self.scaling.prune(now)
-        self.paces.prune(now)
+        self.paces.prune(now, forgotten)
 
     def _apply(self, msg: m.Message, now: float) -> None:
         """One message, to the part that decides on it (`_HANDLERS`); a void worker's word changes nothing."""

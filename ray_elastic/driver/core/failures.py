@@ -26,6 +26,7 @@ from ray_elastic.protocol import EventKind, UserError
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
+    from ray_elastic.assignment import Plan
     from ray_elastic.driver.core.finishing import Finishing
     from ray_elastic.driver.core.generations import Generations
     from ray_elastic.driver.core.run_record import RunRecord
@@ -53,7 +54,22 @@ class Failures:
         self.failure_places: list[int] = []  # per failure-driven reset: the commit training resumed from
         self._failure_reasons: list[str] = []
         self.last_abandon: m.Abandon | None = None  # the newest generation declared dead to its live members
+        # what `last_abandon` names, when it was a plan's members less a few: so it pickles as that plan (whose
+        # bytes the snapshot holds anyway) and the few, not as thousands of names
+        self._abandoned: tuple[Plan, frozenset[str]] | None = None
         self._checkpoint_lookup: int | None = None  # the generation whose holders were lost, while a lookup is out
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        if self._abandoned is not None and self.last_abandon is not None:
+            state["last_abandon"] = self.last_abandon._replace(worker_ids=())
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        if self._abandoned is not None and self.last_abandon is not None:
+            plan, skip = self._abandoned
+            self.last_abandon = self.last_abandon._replace(worker_ids=tuple(plan.ids_except(skip)))
 
     def note_cause(self, cause: str) -> None:
         """What broke the ring, named if the failures repeat (a crash loop) or every member is lost."""
@@ -71,8 +87,8 @@ class Failures:
         return retry, reason
 
     def _describe_raise(self, worker_id: str, host: str, error: str, retryable: bool = True) -> str:
-        slot = self.generations.plan.get(worker_id)
-        where = f"rank {slot.rank} " if slot is not None else ""
+        rank = self.generations.plan.rank(worker_id)
+        where = f"rank {rank} " if rank is not None else ""
         said = _RAISED if retryable else "worker"
         return f"{said} {worker_id} ({where}on node {host[:8]}): {error}"
 
@@ -122,6 +138,7 @@ class Failures:
         others = tuple(w for w in gens.plan if w != rec.worker_id and record.roster[w].status in ALIVE)
         if others:
             self.last_abandon = m.Abandon(gens.generation, others, f"{text} ({reason})")
+            self._abandoned = None
             record.act(self.last_abandon)
         self.note_cause(text)
         detail = f"{text} ({reason}): every rank re-enters train_fn from the last commit"
@@ -179,10 +196,10 @@ class Failures:
         else:
             record.hosts.pop(rec.host, None)
             note = "; its node is gone"
-        slot = gens.plan.get(worker_id)
-        where = f"rank {slot.rank}" if slot is not None else "newcomer"
+        rank = gens.plan.rank(worker_id)
+        where = f"rank {rank}" if rank is not None else "newcomer"
         logger.warning("worker %s (%s) on node %s died: %s%s", worker_id, where, rec.host[:8], reason, note)
-        if slot is not None and slot.rank == 0 and self.finishing.rank0_lost(rec, reason):
+        if rank == 0 and self.finishing.rank0_lost(rec, reason):
             return
         why = f": {because}" if because else ""
         if was_member:
@@ -205,13 +222,15 @@ class Failures:
         `collective_timeout`. Once per generation.
         """
         gens, roster = self.generations, self.record.roster
-        slot = gens.plan.get(lost.worker_id)
-        if slot is None or (self.last_abandon is not None and self.last_abandon.generation >= gens.generation):
+        rank = gens.plan.rank(lost.worker_id)
+        if rank is None or (self.last_abandon is not None and self.last_abandon.generation >= gens.generation):
             return
         ended = roster.ids(WorkerStatus.GONE, WorkerStatus.FINISHED)  # a plan's members are never starting
-        others = tuple(w for w in gens.plan if w != lost.worker_id and w not in ended)
-        reason = f"worker {lost.worker_id} (rank {slot.rank}) of generation {gens.generation} {what}"
+        skip = frozenset({lost.worker_id, *ended})
+        others = tuple(gens.plan.ids_except(skip))
+        reason = f"worker {lost.worker_id} (rank {rank}) of generation {gens.generation} {what}"
         self.last_abandon = m.Abandon(gens.generation, others, reason)
+        self._abandoned = (gens.plan, skip)
         if others:
             self.record.act(self.last_abandon)
 

@@ -13,9 +13,10 @@ ends when its last member synced: that is each event's `reset_duration`.
 from __future__ import annotations
 
 import logging
+from collections.abc import Collection
 from typing import TYPE_CHECKING, NamedTuple
 
-from ray_elastic.assignment import WorkerSlot, assign_ranks
+from ray_elastic.assignment import Plan, assign_ranks, order_key
 from ray_elastic.driver.core import messages as m
 from ray_elastic.driver.core.phase import RESETTING, RUNNING, WAITING
 from ray_elastic.driver.core.policies import PublishVerdict, decide_publish
@@ -23,7 +24,7 @@ from ray_elastic.driver.core.roster import ALIVE, WorkerRecord, WorkerStatus
 from ray_elastic.protocol import DriverState, EventKind
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Iterator, Sequence
 
     from ray_elastic.driver.core.run_record import RunRecord
     from ray_elastic.events import Event
@@ -38,29 +39,56 @@ class Published(NamedTuple):
     membership_changed: bool = False  # it absorbed a change other than a ring re-formed as it was
 
 
+class Syncing(Collection[str]):
+    """The members of the newest generation still syncing: its plan less the members that synced.
+
+    Not a set of the members: at thousands of them, a new generation would
+    build one, and the snapshot after it pickle one, at every reset.
+    """
+
+    def __init__(self, plan: Plan) -> None:
+        self._plan = plan
+        self._synced: set[str] = set()
+
+    def __contains__(self, worker_id: object) -> bool:
+        return worker_id in self._plan and worker_id not in self._synced
+
+    def __len__(self) -> int:
+        return len(self._plan) - len(self._synced)
+
+    def __iter__(self) -> Iterator[str]:
+        return (w for w in self._plan if w not in self._synced)
+
+    def __repr__(self) -> str:
+        return f"Syncing({sorted(self)!r})"
+
+    def discard(self, worker_id: str) -> None:
+        """`worker_id` synced (or needs not): once every member has, the plan is let go."""
+        if worker_id in self:
+            self._synced.add(worker_id)
+            if len(self._synced) == len(self._plan):
+                self._plan, self._synced = Plan([], []), set()
+
+
 class Generations:
     """The current generation, the one being synced, and the events waiting for the next."""
 
     def __init__(self, record: RunRecord) -> None:
         self.record = record
         self.generation = 0
-        self.plan: dict[str, WorkerSlot] = {}
-        self.syncing: set[str] = set()  # members of the newest generation still syncing
+        self.plan = Plan([], [])
+        self.syncing = Syncing(self.plan)  # members of the newest generation still syncing
         self._unbound: list[Event] = []  # changes not yet absorbed by a generation
         # hosts_added events and the newcomers each announces: bound to the generation that admits one of them
         self._booting: list[tuple[Event, frozenset[str]]] = []
         self._synced_commits: int | None = None  # the newest generation's commits, as its ranks synced
         self._force = False  # re-form the ring at the end of this batch even with the same members
         self._dropped: list[str] = []  # the members of a generation given up for a durable restart: told the next
+        self._mark: tuple[int, int] | None = None  # the roster's journal when the plan was published
 
     def __getstate__(self) -> dict:
-        # the plan as plain tuples: pickle writes those in C, a NamedTuple per slot through Python, which at
-        # thousands of slots would be most of the snapshot's time
-        return {**self.__dict__, "plan": [tuple(slot) for slot in self.plan.values()]}
-
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
-        self.plan = {row[0]: WorkerSlot._make(row) for row in state["plan"]}
+        # the journal is not pickled: a restarted driver plans its next generation whole
+        return {**self.__dict__, "_mark": None}
 
     @property
     def resets(self) -> int:
@@ -129,7 +157,7 @@ class Generations:
 
     def restart_from_checkpoint(self, now: float) -> None:
         """Every member was lost: fresh workers form the next generation from the durable checkpoint."""
-        self._dropped, self.plan = list(self.plan), {}
+        self._dropped, self.plan = list(self.plan), Plan([], [])
         self.start_waiting(now, "every member was lost: fresh workers resume from the durable checkpoint")
 
     def check_wait(self, now: float, cooling: int) -> bool:
@@ -158,14 +186,20 @@ class Generations:
         if finishing:
             return Published(None)  # a member finished: the others finish the same generation
         roster = self.record.roster
-        ready_records = roster.live(WorkerStatus.READY, WorkerStatus.MEMBER)
-        ready = [r.worker_id for r in ready_records]
+        following = self._following()
+        ready: Sequence[str] | Plan
+        if following is None:
+            ready_records = roster.live(WorkerStatus.READY, WorkerStatus.MEMBER)
+            ready = [r.worker_id for r in ready_records]
+            starting = self._booting_with(roster.live(WorkerStatus.READY))
+        else:
+            ready, starting = following, roster.count(WorkerStatus.STARTING)  # none ready: as _booting_with([])
         verdict, reason = decide_publish(
             current=self.plan,
             ready=ready,
-            alive=roster.ids(*ALIVE),
+            alive=roster.in_status(*ALIVE),
             leaving=[r.worker_id for r in roster.live(WorkerStatus.LEAVING)],
-            starting=self._booting_with(roster.live(WorkerStatus.READY)),
+            starting=starting,
             min_workers=self.record.config.min_workers,
             force=force,
             holds=lambda w: roster[w].holds_state,
@@ -182,8 +216,35 @@ class Generations:
             logger.error("driver: not publishing: %s (the hand-over keeps one; a bug if this repeats)", reason)
         elif verdict is PublishVerdict.NOW:
             logger.info("driver: publishing generation %d (%s)", self.generation + 1, reason)
-            return Published(verdict, self._publish(ready_records, now, reason))
+            plan = following if following is not None else assign_ranks([r.live for r in ready_records])
+            return Published(verdict, self._publish(plan, now, reason))
         return Published(verdict)
+
+    def _following(self) -> Plan | None:
+        """The next generation's plan when members only left since this one was published (a death, a leaver):
+        this plan less them, found from the roster's journal, not by a pass over every worker.
+
+        None when it must be planned whole: a newcomer is ready, the order
+        of the ranks would change (`Plan.without`), or the journal does not
+        reach back to the publish (a restarted driver, a long stretch of
+        changes).
+        """
+        roster, plan = self.record.roster, self.plan
+        moved = roster.journal.since(self._mark)
+        if moved is None or not plan or roster.any(WorkerStatus.READY):
+            return None
+        gone, rekeyed = set(), set()
+        for worker_id, before, after in moved:
+            if worker_id not in plan:
+                continue
+            if before is after:
+                rekeyed.add(worker_id)  # it took the state: its place in the order may change
+            elif roster[worker_id].status is not WorkerStatus.MEMBER:
+                gone.add(worker_id)
+        # every member was MEMBER when the plan was published; each that is not any more moved since
+        if len(plan) - len(gone) != roster.count(WorkerStatus.MEMBER):
+            return None
+        return plan.without(gone, lambda w: order_key(roster[w].live), rekeyed)
 
     def _booting_with(self, ready: Sequence[WorkerRecord]) -> int:
         """The newcomers still booting that the ready ones wait for: those started with them or before.
@@ -199,24 +260,29 @@ class Generations:
             return roster.count(WorkerStatus.STARTING)
         return sum(1 for r in roster.live(WorkerStatus.STARTING) if r.started_at <= latest)
 
-    def _publish(self, ready: Sequence[WorkerRecord], now: float, reason: str) -> bool:
-        """Form the next generation of `ready`; whether it absorbed a change other than a ring re-formed."""
+    def _publish(self, plan: Plan, now: float, reason: str) -> bool:
+        """Publish `plan` as the next generation; whether it absorbed a change other than a ring re-formed."""
         record, roster = self.record, self.record.roster
         self._tell_leavers(now)
-        # after a durable restart the plan was emptied: its members still alive (leaving) are told all the same
-        previous, self._dropped = list(self.plan) or self._dropped, []
-        old_size = len(self.plan)
+        old, dropped, self._dropped = self.plan, self._dropped, []
+        old_size = len(old)
         self.generation += 1
-        self.plan = assign_ranks([r.live for r in ready])
-        record.evicted.intersection_update(self.plan)  # the stragglers it leaves out are gone; one held over stays
-        for rec in roster.live(WorkerStatus.READY):  # the others of `ready` are members already
+        self.plan = plan
+        # the stragglers it leaves out are gone; one held over stays
+        for worker_id in [w for w in record.evicted if w not in plan]:
+            record.evicted.discard(worker_id)
+        for rec in roster.live(WorkerStatus.READY):  # the others of the plan are members already
             roster.move(rec, WorkerStatus.MEMBER, f"admitted to generation {self.generation}")
-            rec.admitted_in = self.generation
+            rec.admit(self.generation)
         ended = roster.ids(WorkerStatus.GONE, WorkerStatus.FINISHED)  # a plan's members are never starting
-        notify = tuple(w for w in previous if w not in ended and w in roster.workers)
+        if old:  # a plan's members stay on record while it is current
+            notify = tuple(old.ids_except(ended))
+        else:  # after a durable restart the plan was emptied: its members still alive (leaving) are told all the same
+            notify = tuple(w for w in dropped if w not in ended and w in roster.workers)
         # the plan and who must sync are recorded before the shell publishes: a sync that
         # arrives right after the publish finds them
-        self.syncing = set(self.plan)
+        self.syncing = Syncing(plan)
+        self._mark = roster.journal.mark()  # every member is MEMBER now: what changes from here is journaled
         self._synced_commits = None
         record.phase.move(self._trained_phase(), f"generation {self.generation} published ({reason})", now)
         record.act(m.Publish(self.generation, self.plan, notify))
@@ -267,7 +333,7 @@ class Generations:
         roster = self.record.roster
         booting = []
         for ev, newcomers in self._booting:
-            if newcomers & set(self.plan):
+            if any(w in self.plan for w in newcomers):
                 # the others' pause starts now; the boot before it cost them nothing
                 ev.detail += f", admitted after booting {wall - ev.time:.1f} s"
                 ev.time = wall

@@ -37,6 +37,8 @@ from ray_elastic.protocol import PACE_INTERVAL_S as INTERVAL_S
 from ray_elastic.protocol import EventKind, PaceSummary
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     from ray_elastic.driver.core import messages as m
     from ray_elastic.driver.core.generations import Generations
     from ray_elastic.driver.core.run_record import RunRecord
@@ -176,10 +178,11 @@ class PaceWatch:
             for host in self.record.benched.release(now):
                 logger.info("node %s's straggler cool-down ended: offered again, on probation", host[:8])
 
-    def prune(self, now: float) -> None:
-        """Forget the paces of workers no longer on record, old reports, and probations that ended."""
-        for worker_id in self.paces.keys() - self.record.roster.workers.keys():
-            del self.paces[worker_id], self._sums[worker_id]
+    def prune(self, now: float, forgotten: Iterable[str]) -> None:
+        """Forget the paces of the workers the roster just forgot, old reports, and probations that ended."""
+        for worker_id in forgotten:
+            if worker_id in self.paces:
+                del self.paces[worker_id], self._sums[worker_id]
         generation = self.generations.generation
         self._told = {t for t in self._told if t[1] == generation}
         self.probation.forget(now)

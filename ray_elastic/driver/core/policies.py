@@ -59,7 +59,8 @@ def decide_publish(
     untrained state to everyone: that is `ALL_LOST` when no holder lives,
     `HOLDER_LEAVING` when the holders that live all leave; never `NOW`.
     """
-    if not force and set(ready) == set(current):
+    # the sizes first: at thousands of workers most changes are told by them, without building two sets
+    if not force and (ready is current or (len(ready) == len(current) and set(ready) == set(current))):
         return PublishVerdict.UNCHANGED, "the membership is unchanged"
     if current and not any(w in alive for w in current):
         return PublishVerdict.ALL_LOST, f"all {len(current)} workers of the current generation were lost"
@@ -70,8 +71,8 @@ def decide_publish(
     if any(map(holds, current)) and not any(map(holds, ready)):
         held = ", ".join(w for w in current if holds(w) and w in alive)
         return PublishVerdict.HOLDER_LEAVING, f"every worker holding the trained state is leaving ({held})"
-    lost = any(w not in alive for w in current)
-    if starting and not (lost or force or any(w in leaving for w in current)):
+    # a member lost or leaving: asked only while newcomers boot (a scan of the members)
+    if starting and not (force or any(w not in alive for w in current) or any(w in current for w in leaving)):
         return PublishVerdict.WAIT_FOR_BOOT, f"{starting} newcomer(s) still booting; they are admitted together"
     if len(ready) < min_workers:
         return PublishVerdict.BELOW_MIN, f"{len(ready)} ready worker(s), fewer than min_workers={min_workers}"

@@ -12,20 +12,26 @@ At thousands of workers the roster is on the driver's hot path: each batch
 asks who is starting, ready or gone, and the driver's snapshot pickles it
 after every batch. So the workers are also kept by status (a status change
 moves the record between buckets, and bumps `version`, which tells the core
-that something it plans from changed), and the roster pickles as columns,
-not as one object per worker.
+that something it plans from changed); every move is also written to a
+short journal (`Journal`), from which the planners tell what changed since
+they last planned (a death: one member gone) without a pass over every
+worker; and the roster pickles as columns, written whole now and then
+(`_BASE`) and otherwise as the rows changed since, so a snapshot after a
+death re-pickles the few records it changed.
 """
 
 from __future__ import annotations
 
 import enum
+import pickle
+from collections.abc import Collection
 from operator import attrgetter
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ray_elastic.assignment import LiveWorker
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Iterator
 
 
 class WorkerStatus(enum.Enum):
@@ -103,12 +109,24 @@ class WorkerRecord:
         """It answered (a ping, or said it is ready): its process is up, and any silence is over."""
         self.answered, self.silent_since, self.spared = True, None, False
         self._roster.unsettled.discard(self.worker_id)
+        self._roster.changed[self.worker_id] = None
 
     def went_silent(self, since: float) -> None:
         """It missed a ping; its silence counts from `since` until it answers again."""
         if self.silent_since is None:
             self.silent_since = since
         self._roster.unsettled.add(self.worker_id)
+        self._roster.changed[self.worker_id] = None
+
+    def spare(self) -> None:
+        """It is silent but computing: the liveness check spares it (until `collective_timeout`)."""
+        self.spared = True
+        self._roster.changed[self.worker_id] = None
+
+    def admit(self, generation: int) -> None:
+        """`generation` made it a member."""
+        self.admitted_in = generation
+        self._roster.changed[self.worker_id] = None
 
     @property
     def holds_state(self) -> bool:
@@ -119,9 +137,71 @@ class WorkerRecord:
         """It finished a sync: from now on it ranks before every newcomer (`assignment.assign_ranks`)."""
         if not self.live.holds:
             self.live = self.live._replace(holds=True)
+            self._roster.changed[self.worker_id] = None
+            self._roster.journal.note(self.worker_id, self._status, self._status)
 
     def __repr__(self) -> str:
         return f"WorkerRecord({self.worker_id!r}, {self.host[:8]!r}, seq={self.seq}, {self._status.value})"
+
+
+class Moved(NamedTuple):
+    """One entry of the journal: a worker's status before and after (`before is after`: it took the state;
+    `before` None: it was recorded)."""
+
+    worker_id: str
+    before: WorkerStatus | None
+    after: WorkerStatus
+
+
+class Journal:
+    """The roster's changes, in order, for the planners to tell what changed since they last planned.
+
+    A planner keeps a `mark` and asks `since(mark)` for what changed after
+    it: None when the journal was cleared in between (it grew past `LIMIT`:
+    then the planner plans whole, as it does after a restart, when no mark
+    exists). Never pickled.
+    """
+
+    LIMIT = 4096
+
+    def __init__(self) -> None:
+        self.entries: list[Moved] = []
+        self.epoch = 0
+
+    def note(self, worker_id: str, before: WorkerStatus | None, after: WorkerStatus) -> None:
+        if len(self.entries) >= self.LIMIT:
+            self.entries = []
+            self.epoch += 1
+        self.entries.append(Moved(worker_id, before, after))
+
+    def mark(self) -> tuple[int, int]:
+        return self.epoch, len(self.entries)
+
+    def since(self, mark: tuple[int, int] | None) -> list[Moved] | None:
+        if mark is None or mark[0] != self.epoch:
+            return None
+        return self.entries[mark[1] :]
+
+
+class InStatus(Collection[str]):
+    """The workers in some statuses, as a collection that asks each one's status (no set of every id built)."""
+
+    def __init__(self, roster: Roster, statuses: frozenset[WorkerStatus]) -> None:
+        self._roster, self._statuses = roster, statuses
+
+    def __contains__(self, worker_id: object) -> bool:
+        rec = self._roster.workers.get(worker_id)  # type: ignore[call-overload]
+        return rec is not None and rec.status in self._statuses
+
+    def __len__(self) -> int:
+        return self._roster.count(*self._statuses)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._roster.ids(*self._statuses))
+
+
+# the roster's columns are pickled whole again once this share of its workers changed since (else as rows)
+_BASE = 8
 
 
 class Roster:
@@ -137,6 +217,10 @@ class Roster:
         self.unsettled: set[str] = set()
         self._seq = 0
         self.version = 0  # bumped by every change the core plans from
+        self.journal = Journal()
+        # the workers whose record changed since `_base` (the columns last pickled whole); None: pruned
+        self.changed: dict[str, None] = {}
+        self._base: bytes | None = None
 
     def new(self, host: str, now: float) -> WorkerRecord:
         """Record a worker about to be started on `host`; ids and seqs grow with spawn order."""
@@ -146,6 +230,8 @@ class Roster:
         self._by_status[WorkerStatus.STARTING][rec.worker_id] = rec
         self.unsettled.add(rec.worker_id)
         self.version += 1
+        self.changed[rec.worker_id] = None
+        self.journal.note(rec.worker_id, None, WorkerStatus.STARTING)
         return rec
 
     def move(self, rec: WorkerRecord, to: WorkerStatus, reason: str) -> None:
@@ -160,6 +246,8 @@ class Roster:
         self._by_status[to][rec.worker_id] = rec
         rec._status, rec.reason = to, reason
         self.version += 1
+        self.changed[rec.worker_id] = None
+        self.journal.note(rec.worker_id, old, to)
 
     def get(self, worker_id: str) -> WorkerRecord | None:
         return self.workers.get(worker_id)
@@ -186,6 +274,10 @@ class Roster:
         """The ids of the workers in `statuses` (a set: for membership tests against a plan)."""
         return {w for s in statuses for w in self._by_status[s]}
 
+    def in_status(self, *statuses: WorkerStatus) -> InStatus:
+        """The workers in `statuses`, for membership tests, without building a set of them."""
+        return InStatus(self, frozenset(statuses))
+
     def alive_ids(self) -> list[str]:
         return [r.worker_id for r in self.live(*ALIVE)]
 
@@ -196,55 +288,113 @@ class Roster:
     def hosts_in_use(self) -> set[str]:
         return {r.host for r in self.workers.values()}
 
-    def prune(self, named: Callable[[str], bool]) -> bool:
+    def prune(self, named: Callable[[str], bool]) -> list[str]:
         """Forget the workers that are gone and that no generation, sync or boot announcement names (`named`).
 
-        Returns whether any was forgotten. Only the gone are looked at: a few, at any size.
+        Returns the workers forgotten. Only the gone are looked at: a few, at any size.
         """
         gone = [w for w in self._by_status[WorkerStatus.GONE] if not named(w)]
         for worker_id in gone:
             del self.workers[worker_id], self._by_status[WorkerStatus.GONE][worker_id]
             self.fenced.discard(worker_id)
             self.unsettled.discard(worker_id)
-        return bool(gone)
+            self.changed[worker_id] = None
+        return gone
 
     # ---- the snapshot: columns, not one pickled object per worker ---------------------
     def __getstate__(self) -> dict[str, Any]:
-        recs = list(self.workers.values())
-        return {
-            "ids": [r.worker_id for r in recs],
-            "hosts": [r.host for r in recs],
-            "seqs": [r.seq for r in recs],
-            "statuses": bytes(_STATUSES.index(r._status) for r in recs),
-            "started": [r.started_at for r in recs],
-            "answered": bytes(r.answered for r in recs),
-            "silent": {r.worker_id: r.silent_since for r in recs if r.silent_since is not None},
-            "spared": [r.worker_id for r in recs if r.spared],
-            "holds": bytes(r.live.holds for r in recs),
-            "admitted": [r.admitted_in for r in recs],
-            "reasons": [r.reason for r in recs],
-            "fenced": self.fenced,
-            "seq": self._seq,
-            "version": self.version,
-        }
+        """The columns as last pickled whole (bytes, reused) and the rows changed since; whole again once
+        more than 1/`_BASE` of the workers changed, so a batch pickles about what it changed."""
+        if self._base is None or len(self.changed) > max(64, len(self.workers) // _BASE):
+            self._base = pickle.dumps(_columns(list(self.workers.values())), protocol=pickle.HIGHEST_PROTOCOL)
+            self.changed = {}
+        rows = {w: _row(self.workers[w]) if w in self.workers else None for w in self.changed}
+        return {"base": self._base, "rows": rows, "fenced": self.fenced, "seq": self._seq, "version": self.version}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         Roster.__init__(self)
         self.fenced, self._seq, self.version = state["fenced"], state["seq"], state["version"]
-        reasons = dict(zip(state["ids"], state["reasons"], strict=True))
-        columns = zip(state["ids"], state["hosts"], state["seqs"], state["statuses"], state["started"], strict=True)
-        flags = zip(state["answered"], state["holds"], state["admitted"], strict=True)
-        for (worker_id, host, seq, status, started), (answered, holds, admitted) in zip(columns, flags, strict=True):
-            rec = WorkerRecord(self, worker_id, host, seq, _STATUSES[status], started)
-            rec.answered = bool(answered)
-            rec.admitted_in = admitted
-            rec.reason = reasons[worker_id]
-            if not answered or worker_id in state["silent"]:
-                self.unsettled.add(worker_id)
-            if holds:
-                rec.took_state()
-            rec.silent_since = state["silent"].get(worker_id)
-            self.workers[worker_id] = rec
-            self._by_status[rec.status][worker_id] = rec
-        for worker_id in state["spared"]:
-            self.workers[worker_id].spared = True
+        columns = pickle.loads(state["base"])  # the driver's own snapshot, signed (`driver/shell/snapshot.py`)
+        rows = dict(zip(columns["ids"], _rows(columns), strict=True))
+        for worker_id, row in state["rows"].items():
+            if row is None:
+                rows.pop(worker_id, None)
+            else:
+                rows[worker_id] = row  # a changed one in place, a new one last: the record's order
+        for worker_id, row in rows.items():
+            self._add(worker_id, row)
+        self._base = state["base"] if not state["rows"] else None
+
+    def _add(self, worker_id: str, row: tuple[Any, ...]) -> None:
+        host, seq, status, started, answered, silent, spared, holds, admitted, reason = row
+        rec = WorkerRecord(self, worker_id, host, seq, _STATUSES[status], started)
+        rec.answered, rec.silent_since, rec.spared = bool(answered), silent, bool(spared)
+        rec.admitted_in, rec.reason = admitted, reason
+        if holds:
+            rec.live = rec.live._replace(holds=True)
+        if not answered or silent is not None:
+            self.unsettled.add(worker_id)
+        self.workers[worker_id] = rec
+        self._by_status[rec.status][worker_id] = rec
+
+
+def _row(r: WorkerRecord) -> tuple[Any, ...]:
+    """One worker's record as a row of the snapshot (the columns' order)."""
+    status = _STATUSES.index(r._status)
+    return (
+        r.host,
+        r.seq,
+        status,
+        r.started_at,
+        r.answered,
+        r.silent_since,
+        r.spared,
+        r.live.holds,
+        r.admitted_in,
+        r.reason,
+    )
+
+
+def _rows(columns: dict[str, Any]) -> Iterator[tuple[Any, ...]]:
+    silent, spared = columns["silent"], set(columns["spared"])
+    for worker_id, host, seq, status, started, answered, holds, admitted, reason in zip(
+        columns["ids"],
+        columns["hosts"],
+        columns["seqs"],
+        columns["statuses"],
+        columns["started"],
+        columns["answered"],
+        columns["holds"],
+        columns["admitted"],
+        columns["reasons"],
+        strict=True,
+    ):
+        yield (
+            host,
+            seq,
+            status,
+            started,
+            answered,
+            silent.get(worker_id),
+            worker_id in spared,
+            holds,
+            admitted,
+            reason,
+        )
+
+
+def _columns(recs: list[WorkerRecord]) -> dict[str, Any]:
+    """The workers as columns: pickle writes a list of strings or a bytes in C, a record per worker in Python."""
+    return {
+        "ids": [r.worker_id for r in recs],
+        "hosts": [r.host for r in recs],
+        "seqs": [r.seq for r in recs],
+        "statuses": bytes(_STATUSES.index(r._status) for r in recs),
+        "started": [r.started_at for r in recs],
+        "answered": bytes(r.answered for r in recs),
+        "silent": {r.worker_id: r.silent_since for r in recs if r.silent_since is not None},
+        "spared": [r.worker_id for r in recs if r.spared],
+        "holds": bytes(r.live.holds for r in recs),
+        "admitted": [r.admitted_in for r in recs],
+        "reasons": [r.reason for r in recs],
+    }

@@ -18,8 +18,9 @@ A straggler let go also stays while the next generation would be below
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from operator import attrgetter
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from ray_elastic.assignment import Cooldown, plan_scaling
 from ray_elastic.driver.core import messages as m
@@ -35,6 +36,18 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _BY_SEQ = attrgetter("seq")
+_STAYING = frozenset({WorkerStatus.STARTING, WorkerStatus.READY, WorkerStatus.MEMBER})
+
+
+class _Steady(NamedTuple):
+    """What the last plan left, for telling the slots that deaths since then freed (`Scaling._after_deaths`)."""
+
+    mark: tuple[int, int]  # the roster's journal after it
+    hosts: dict[str, int]  # the hosts it planned with (the record's dict: a new view is a new dict)
+    host_count: int  # their number (a node that died is popped from the same dict)
+    draining: dict[str, float]
+    free: dict[str, int]  # the hosts with free usable slots, and how many
+    room: int  # max_workers less the workers staying
 
 
 class Scaling:
@@ -48,6 +61,10 @@ class Scaling:
         self._missing_once: set[str] = set()  # hosts the last poll did not offer, kept for one more poll
         self._holding: str | None = None  # the withdrawn member kept to hand the trained state over
         self._autoscale_requested = 0
+        self._steady: _Steady | None = None  # not pickled: a restarted driver plans whole
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_steady": None}
 
     # ---- what the cluster says ---------------------------------------------------------
     def update_hosts(self, offered: Mapping[str, int], now: float) -> bool:
@@ -78,15 +95,75 @@ class Scaling:
     # ---- bringing the workers in line -------------------------------------------------
     def reconcile(self, now: float) -> None:
         """Bring the workers in line with the hosts: start newcomers, let leavers go."""
+        add = self._after_deaths(now)
+        steady = add is not None
+        if add is None:
+            add, steady = self._plan_whole(now)
+        added = [self._spawn(host, now) for host, count in add.items() for _ in range(count)]
+        gens = self.generations
+        if added and gens.generation > 0:
+            detail = f"{len(added)} new worker(s) {self._where(add)}"
+            gens.announce(gens.event(EventKind.HOSTS_ADDED, detail, now), frozenset(added))
+        self._request_autoscale()
+        if steady and self._steady is not None:
+            free = {h: n - add.get(h, 0) for h, n in self._steady.free.items()}
+            free = {h: n for h, n in free.items() if n > 0}
+            room = self._steady.room - len(added)
+            self._steady = self._steady._replace(mark=self.record.roster.journal.mark(), free=free, room=room)
+        else:
+            self._steady = None
+
+    def _after_deaths(self, now: float) -> dict[str, int] | None:
+        """The newcomers to start when workers only died since the last plan, which left everyone in place:
+        `plan_scaling`'s answer from the slots the dead freed (`_Steady`), without a pass over every worker or
+        host. None: plan whole (anything else changed, or the journal does not reach back)."""
+        steady, record = self._steady, self.record
+        if (
+            steady is None
+            or record.hosts is not steady.hosts
+            or len(record.hosts) != steady.host_count
+            or record.draining != steady.draining
+            or record.evicted
+            or record.benched
+            or self._missing_once
+        ):
+            return None
+        moved = record.roster.journal.since(steady.mark)
+        if moved is None:
+            return None
+        free, room = dict(steady.free), steady.room
+        for worker_id, before, after in moved:
+            if before is after or (before in _STAYING and after in _STAYING):
+                continue  # it took the state, said it is ready or was admitted: the counts stay
+            rec = record.roster.get(worker_id)
+            if rec is None or before not in _STAYING or after is not WorkerStatus.GONE:
+                return None
+            free[rec.host] = free.get(rec.host, 0) + 1
+            room += 1
+        self._steady = steady._replace(free=free, room=room)
+        cooling = self.cooldown.cooling(now)
+        add: dict[str, int] = {}
+        for host in sorted(free, key=lambda h: (self.host_first_seen.get(h, float("inf")), h)):
+            if room <= 0:
+                break
+            if host not in cooling:
+                add[host] = min(free[host], room)
+                room -= add[host]
+        return add
+
+    def _plan_whole(self, now: float) -> tuple[dict[str, int], bool]:
+        """`plan_scaling` over every worker: the newcomers to start, and whether its plan left everyone in place
+        (then `_Steady` keeps what the next batch needs to tell the slots deaths free)."""
         record, config = self.record, self.record.config
         roster, evicted = record.roster, record.evicted
         # stragglers let go leave whatever the hosts offer: their slots are held out of the plan (`record.benched`)
         leavers = [r for r in self.generations.pending_leavers() if r.worker_id not in evicted]
         live = roster.live(WorkerStatus.STARTING, WorkerStatus.READY, WorkerStatus.MEMBER)
         staying = [r for r in live if r.worker_id not in evicted] + leavers
+        usable = self._usable_hosts(staying)
         decision = plan_scaling(
             [r.live for r in staying],
-            self._usable_hosts(staying),
+            usable,
             self.host_first_seen,
             self.cooldown.cooling(now),
             config.max_workers,
@@ -104,23 +181,28 @@ class Scaling:
                 roster.move(rec, WorkerStatus.MEMBER, "its host is offered again")
         kept = self._keep_stragglers(held, remove)
         add = self._room_for(held, staying, remove, dict(decision.add), len(kept - {held}))
-        added = [self._spawn(host, now) for host, count in add.items() for _ in range(count)]
-        gens = self.generations
-        if added and gens.generation > 0:
-            detail = f"{len(added)} new worker(s) {self._where(add)}"
-            gens.announce(gens.event(EventKind.HOSTS_ADDED, detail, now), frozenset(added))
-        self._request_autoscale()
+        in_place = not (remove or held or kept or leavers or evicted or record.benched or self._missing_once)
+        if in_place and not roster.any(WorkerStatus.LEAVING):
+            counts = Counter(r.host for r in staying)
+            free = {h: n - counts[h] for h, n in usable.items() if n > counts[h]}
+            self._steady = _Steady(
+                (0, 0), record.hosts, len(record.hosts), dict(record.draining), free, config.max_workers - len(staying)
+            )
+            return add, True
+        return add, False
 
     def _keep_stragglers(self, held: str | None, remove: set[str]) -> set[str]:
         """The stragglers let go that stay for now: the one holding the state over, and as many as the next
         generation needs to reach min_workers (members died or were withdrawn after they were let go)."""
         gens, roster, evicted = self.generations, self.record.roster, self.record.evicted
+        kept = {held} if held is not None else set()
+        if not evicted:
+            return kept
         # the members that stay: not the one held over, which leaves once it has handed the state on
         members = [
             w for w in gens.plan if roster[w].status in IN_RING and w not in evicted and w not in remove and w != held
         ]
         short = self.record.config.min_workers - len(members) - roster.count(WorkerStatus.READY)
-        kept = {held} if held is not None else set()
         for worker_id in sorted(evicted, key=lambda w: roster[w].seq if w in roster.workers else 0):
             straggler = roster.get(worker_id)
             if straggler is None or straggler.status not in IN_RING or worker_id not in gens.plan:
@@ -203,6 +285,8 @@ class Scaling:
         lives: its untrained state would be handed to everyone.
         """
         gens, roster, evicted = self.generations, self.record.roster, self.record.evicted
+        if not remove and not evicted:
+            return None  # nobody leaves: no pass over the members
         in_ring = [w for w in gens.plan if roster[w].status in IN_RING]
         leaving = [roster[w] for w in in_ring if w in remove or w in evicted]
         if not leaving:
@@ -261,7 +345,7 @@ class Scaling:
         roster = self.record.roster
         if self._holding is not None and self._holding not in roster.workers:
             self._holding = None
-        offered_no_more = [h for h in self.host_first_seen if h not in self.record.hosts]
+        offered_no_more = self.host_first_seen.keys() - self.record.hosts.keys()
         if offered_no_more:  # rare: a scan of every worker's host only then
             in_use = roster.hosts_in_use()
             for host in offered_no_more:
