@@ -8,7 +8,9 @@ slots each, with every rank's pace window full (10 summaries each, as after
 15 s of training) and rank 0's reports flowing, in the batches a run sends:
 
 - a death: `WorkerDied` of a member, which re-forms the ring (`handle`),
-  and the snapshot written after it;
+  and the snapshot written after it; beside them, the shell's copy of the
+  plan it publishes to the KV actor (`kv_link`: `dict(plan)`, where a
+  plan's slots are built once per generation);
 - a liveness round where every member answered (`PingResults`): the core's
   handling plus the snapshot the shell decides on, as one batch;
 - a pace message (`PacesReported`, one summary): per message, once the
@@ -263,7 +265,7 @@ def median_max(values: list[float], scale: float = 1000) -> tuple[float, float]:
 
 def measure(workers: int, rounds: int, flow_s: float) -> dict:
     run = Run(workers)
-    deaths, death_snapshots, pings, ping_batches = [], [], [], []
+    deaths, death_snapshots, publishes, pings, ping_batches = [], [], [], [], []
     paces_full, paces_filling, judges = [], [], []
     for _ in range(rounds):
         victim = list(run.core.plan)[len(run.core.plan) // 2]
@@ -271,6 +273,10 @@ def measure(workers: int, rounds: int, flow_s: float) -> dict:
         spent, actions = run.timed(*batch)
         deaths.append(spent)
         death_snapshots.append(run.persist_s(batch, actions))
+        for publish in [a for a in actions if isinstance(a, m.Publish)]:
+            started = time.perf_counter()
+            dict(publish.plan)
+            publishes.append(time.perf_counter() - started)
         run.settle(actions)
         run.now += INTERVAL_S  # the last judgement is an interval old: every message may judge again
         paces_filling.extend(run.pace_us(20))  # the new generation's windows are filling
@@ -287,10 +293,18 @@ def measure(workers: int, rounds: int, flow_s: float) -> dict:
     # the size the snapshot has now, written whole
     run.persist_s([m.WorkerReady("nobody")], [m.Kill("nobody")])
     blob = len(run.shell.ledger._snapshot or b"")
-    row = {"workers": workers, "hosts": workers // 8, "snapshot_kb": round(blob / 1024, 1)}
+    # the large parts the GCS holds under keys of their own, written once (none in an older tree)
+    parts = sum(len(obj) for _, obj in getattr(run.shell.ledger, "_parts", {}).values())
+    row = {
+        "workers": workers,
+        "hosts": workers // 8,
+        "snapshot_kb": round(blob / 1024, 1),
+        "snapshot_parts_kb": round(parts / 1024, 1),
+    }
     for name, values in [
         ("death_ms", deaths),
         ("death_snapshot_ms", death_snapshots),
+        ("publish_plan_ms", publishes),
         ("ping_round_ms", pings),
         ("ping_batch_ms", ping_batches),
         ("judge_ms", judges),
@@ -314,8 +328,8 @@ def main() -> None:
     gc.collect()
     gc.freeze()  # as the driver actor does once it started (driver_actor.py)
     rows = [measure(int(n), args.rounds, args.flow_s) for n in args.workers.split(",")]
-    cols = ["workers", "death_ms", "death_max_ms", "death_snapshot_ms", "ping_batch_ms", "pace_us"]
-    cols += ["pace_filling_us", "judge_ms", "busy_fraction", "snapshot_kb"]
+    cols = ["workers", "death_ms", "death_max_ms", "death_snapshot_ms", "publish_plan_ms", "ping_batch_ms", "pace_us"]
+    cols += ["pace_filling_us", "judge_ms", "busy_fraction", "snapshot_kb", "snapshot_parts_kb"]
     print(" ".join(f"{c:>17}" for c in cols))
     for row in rows:
         print(" ".join(f"{row[c]:>17}" for c in cols))

@@ -221,17 +221,20 @@ class Plan(Mapping[str, WorkerSlot]):
         return plan
 
     # ---- pickled as its root (pickled once, then reused as bytes) and the positions dropped ------------
-    def __reduce__(self) -> tuple[Any, ...]:
+    def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
+        """The root's bytes go out of band where the pickler takes buffers (the driver's snapshot: a part of
+        its own in the GCS, written once)."""
         root = self._root
         if root._blob is None:
             root._blob = pickle.dumps((root._ids, root._hosts), protocol=pickle.HIGHEST_PROTOCOL)
-        return (_load_plan, (root._blob, self._drop))
+        blob = pickle.PickleBuffer(root._blob) if protocol >= 5 and len(root._blob) >= OUT_OF_BAND else root._blob
+        return (_load_plan, (blob, self._drop))
 
 
-def _load_plan(blob: bytes, drop: list[int]) -> Plan:
+def _load_plan(blob: bytes | memoryview, drop: list[int]) -> Plan:
     ids, hosts = pickle.loads(blob)  # the driver's own snapshot, signed (`driver/shell/snapshot.py`)
     root = Plan(ids, hosts)
-    root._blob = blob
+    root._blob = bytes(blob)
     if not drop:
         return root
     dropped = set(drop)
@@ -266,6 +269,8 @@ def order_key(worker: LiveWorker) -> tuple[bool, int]:
     """`assign_ranks`' order: holders of the trained state first, each oldest first."""
     return (not worker.holds, worker.seq)
 
+
+OUT_OF_BAND = 16 * 1024  # bytes kept and pickled out of band from this size on (smaller go with the rest)
 
 _BY_AGE = attrgetter("seq")  # oldest first; seq is unique, so no tie-break is needed
 

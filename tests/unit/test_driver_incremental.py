@@ -221,3 +221,90 @@ def test_the_core_decides_as_it_does_planning_whole(seed, monkeypatch):
         _whole(patched)
         whole = _drive(DriverCore(config), seed, hosts)
     assert fast == whole
+
+
+# ---- the snapshot in the GCS: the core's small remainder, and its large parts under keys of their own ------------
+class FakeGcs:
+    """The GCS's key-value store, as `ray_private` reaches it."""
+
+    def __init__(self) -> None:
+        self.data: dict[bytes, bytes] = {}
+        self.puts: list[bytes] = []
+
+    def put(self, key, value, overwrite=True, namespace=None):
+        self.data[key] = value
+        self.puts.append(key)
+
+    def get(self, key, namespace=None):
+        return self.data.get(key)
+
+    def delete(self, key, namespace=None):
+        return int(self.data.pop(key, None) is not None)
+
+    def list(self, prefix, namespace=None):
+        prefix = prefix.encode() if isinstance(prefix, str) else prefix
+        return [k for k in self.data if k.startswith(prefix)]
+
+
+@pytest.fixture
+def gcs(monkeypatch) -> FakeGcs:
+    from ray_elastic import ray_private
+
+    kv = FakeGcs()
+    for name, fake in (("kv_put", kv.put), ("kv_get", kv.get), ("kv_del", kv.delete), ("kv_list", kv.list)):
+        monkeypatch.setattr(ray_private, name, fake)
+    return kv
+
+
+def _fingerprint(core: DriverCore) -> tuple:
+    workers = tuple((w, r.status, r.holds_state, r.host, r.reason) for w, r in sorted(core.workers.items()))
+    return (core.state, core.generation, tuple(sorted(core.plan.items())), workers, len(core.events))
+
+
+def test_after_a_death_the_gcs_takes_what_changed_and_a_restarted_driver_loads_it_whole(gcs):
+    """A death's snapshot writes the core's remainder and no large part again; a restart loads every part."""
+    import asyncio
+
+    from ray_elastic.auth import RunToken
+    from ray_elastic.driver.shell import snapshot
+    from ray_elastic.driver.shell.durability import CallLedger
+
+    config = RunConfig(min_workers=1, max_workers=2048, resources_per_worker={"CPU": 1.0})
+    core, token = DriverCore(config), RunToken()
+    spawned = [a.worker_id for a in core.handle([m.HostsDiscovered({f"n{i}": 8 for i in range(256)})], 1.0)]
+    publish = next(a for a in core.handle([m.WorkerReady(w) for w in spawned], 2.0) if isinstance(a, m.Publish))
+    core.handle([m.WorkerSynced(w, publish.generation, 3.0) for w in publish.plan], 3.0)
+    ledger = CallLedger("run1", token)
+
+    def persist() -> list[bytes]:
+        gcs.puts.clear()
+        assert asyncio.run(ledger.persist(core, ())) is None
+        return list(gcs.puts)
+
+    first = persist()
+    parts = [k for k in first if k != b"driver/run1"]
+    assert parts and first[-1] == b"driver/run1", "the large parts (the roster), then the snapshot naming them"
+    # the first death plans whole (the journal does not reach back past 2048 admissions and syncs): a new plan
+    core.handle([m.WorkerDied(spawned[50], "SIGKILL", node_alive=True)], 3.5)
+    persist()
+    core.handle([m.WorkerDied(spawned[100], "SIGKILL", node_alive=True)], 4.0)
+    assert persist() == [b"driver/run1"], "a death writes no large part again"
+    parts = [k for k in gcs.data if k != b"driver/run1"]
+    assert len(gcs.data[b"driver/run1"]) < sum(len(gcs.data[k]) for k in parts) / 4
+
+    restarted = CallLedger("run1", token)
+    loaded, *_ = asyncio.run(restarted.load())
+    assert _fingerprint(loaded) == _fingerprint(core)
+    assert loaded.handle([m.WorkerDied(spawned[200], "SIGKILL", node_alive=True)], 5.0) == core.handle(
+        [m.WorkerDied(spawned[200], "SIGKILL", node_alive=True)], 5.0
+    )
+    asyncio.run(restarted.persist(loaded, ()))  # its own parts; the loaded ones go
+    assert all(k not in gcs.data for k in parts)
+    assert asyncio.run(CallLedger("run1", token).load()) is not None
+
+    forged = next(k for k in gcs.data if k != b"driver/run1")
+    gcs.data[forged] = b"\0" * 32 + gcs.data[forged][32:]
+    with pytest.raises(snapshot.ForgedSnapshotError, match="not signed"):
+        asyncio.run(CallLedger("run1", token).load())
+    snapshot.delete("run1")
+    assert not gcs.data, "the run's clean-up takes its parts too"

@@ -211,7 +211,7 @@ class RestartedDriver(DriverActor):
 
 def test_a_restarted_drivers_loop_runs_when_resent_worker_calls_fill_every_slot_before_fits_run(monkeypatch):
     """Issue 34: 1000 resent worker calls took every slot of the restarted driver, all waiting on run()'s loop."""
-    monkeypatch.setattr(snapshot, "save", lambda run_id, counter, blob, token: None)
+    monkeypatch.setattr(snapshot, "save", lambda run_id, counter, blob, token, parts=None, stale=(): None)
 
     async def scenario():
         driver = RestartedDriver()

@@ -22,13 +22,14 @@ death re-pickles the few records it changed.
 
 from __future__ import annotations
 
+import copyreg
 import enum
 import pickle
 from collections.abc import Collection
 from operator import attrgetter
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from ray_elastic.assignment import LiveWorker
+from ray_elastic.assignment import OUT_OF_BAND, LiveWorker
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
@@ -311,6 +312,14 @@ class Roster:
         rows = {w: _row(self.workers[w]) if w in self.workers else None for w in self.changed}
         return {"base": self._base, "rows": rows, "fenced": self.fenced, "seq": self._seq, "version": self.version}
 
+    def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
+        """The columns' bytes go out of band where the pickler takes buffers (the driver's snapshot: a part of
+        its own in the GCS, written once per base)."""
+        state = self.__getstate__()
+        if protocol >= 5 and len(state["base"]) >= OUT_OF_BAND:
+            state["base"] = pickle.PickleBuffer(state["base"])
+        return (copyreg.__newobj__, (Roster,), state)  # type: ignore[attr-defined]
+
     def __setstate__(self, state: dict[str, Any]) -> None:
         Roster.__init__(self)
         self.fenced, self._seq, self.version = state["fenced"], state["seq"], state["version"]
@@ -323,7 +332,7 @@ class Roster:
                 rows[worker_id] = row  # a changed one in place, a new one last: the record's order
         for worker_id, row in rows.items():
             self._add(worker_id, row)
-        self._base = state["base"] if not state["rows"] else None
+        self._base = bytes(state["base"]) if not state["rows"] else None
 
     def _add(self, worker_id: str, row: tuple[Any, ...]) -> None:
         host, seq, status, started, answered, silent, spared, holds, admitted, reason = row

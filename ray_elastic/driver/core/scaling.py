@@ -62,9 +62,10 @@ class Scaling:
         self._holding: str | None = None  # the withdrawn member kept to hand the trained state over
         self._autoscale_requested = 0
         self._steady: _Steady | None = None  # not pickled: a restarted driver plans whole
+        self._all_offered: tuple[dict[str, int], int] | None = None  # the hosts, and their number, then
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "_steady": None}
+        return {**self.__dict__, "_steady": None, "_all_offered": None}
 
     # ---- what the cluster says ---------------------------------------------------------
     def update_hosts(self, offered: Mapping[str, int], now: float) -> bool:
@@ -345,10 +346,15 @@ class Scaling:
         roster = self.record.roster
         if self._holding is not None and self._holding not in roster.workers:
             self._holding = None
-        offered_no_more = self.host_first_seen.keys() - self.record.hosts.keys()
-        if offered_no_more:  # rare: a scan of every worker's host only then
-            in_use = roster.hosts_in_use()
-            for host in offered_no_more:
-                if host not in in_use:
-                    del self.host_first_seen[host]
+        hosts = self.record.hosts
+        # every host seen was offered when these hosts were taken (a node that died is popped from them)
+        if self._all_offered is None or self._all_offered != (hosts, len(hosts)):
+            offered_no_more = self.host_first_seen.keys() - hosts.keys()
+            if offered_no_more:  # rare: a scan of every worker's host only then
+                in_use = roster.hosts_in_use()
+                for host in offered_no_more:
+                    if host not in in_use:
+                        del self.host_first_seen[host]
+            else:
+                self._all_offered = (hosts, len(hosts))
         self.cooldown.forget(now)

@@ -17,6 +17,7 @@ names what it waited for (`NoAnswerError`).
 from __future__ import annotations
 
 import asyncio
+import functools
 import pickle
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -157,7 +158,10 @@ class CallLedger:
         self.durable = 0  # the newest of them a snapshot holds
         self.answers: list[tuple[int, asyncio.Future]] = []  # calls waiting for their message's snapshot
         self._snapshot: bytes | None = None
-        self._core_blob: bytes | None = None  # the core as last pickled: reused while it has not changed
+        # the core as last pickled, reused while it has not changed: the pickle, and its large parts out of band
+        self._core_blob: tuple[bytes, list[memoryview]] | None = None
+        self._parts: dict[int, tuple[str, bytes]] = {}  # the parts the GCS holds, by their bytes' id: name, bytes
+        self._stale: set[str] = set()  # parts of a loaded snapshot: deleted once one of this driver is written
         self.written = 0  # the write counter of the newest snapshot (a restarted driver goes on from its own)
         # told each counter written (the driver sends it to the KV actor, which a restart asks: `judge_snapshot`)
         self.confirm: Callable[[int], None] | None = None
@@ -187,33 +191,55 @@ class CallLedger:
         """Write the core and `rest` (if they changed), then answer the calls they hold; or why the GCS refused.
 
         Pickled on the loop, so it is one moment's state: the core only when
-        it changed (milliseconds at the event log's cap), the rest (the
-        metrics: a few reports) when it changed; a thread would not help,
-        pickling holds the GIL. When neither changed nothing is written:
-        the last snapshot holds every call's effect. Written to the GCS off
-        the loop, within `KV_BACK_S`.
+        it changed, the rest (the metrics: a few reports) when it changed; a
+        thread would not help, pickling holds the GIL. The core's large parts
+        (the roster's columns, a plan's members: bytes it keeps while they do
+        not change) go out of band: the loop neither copies them nor, once
+        the GCS holds one, writes it again (`snapshot.save`'s parts). When
+        nothing changed nothing is written: the last snapshot holds every
+        call's effect. Written to the GCS off the loop, within `KV_BACK_S`.
         """
         durable = self.in_batch
         if not core_changed and not rest_changed and self._snapshot is not None:
             self._answer(durable)
             return None
         if core_changed or self._core_blob is None:
-            self._core_blob = pickle.dumps(core, protocol=pickle.HIGHEST_PROTOCOL)
-        blob = pickle.dumps((self._core_blob, *rest), protocol=pickle.HIGHEST_PROTOCOL)
+            buffers: list[pickle.PickleBuffer] = []
+            main = pickle.dumps(core, protocol=pickle.HIGHEST_PROTOCOL, buffer_callback=buffers.append)
+            self._core_blob = (main, [b.raw() for b in buffers])
+        main, parts = self._core_blob
+        counter = self.written + 1
+        names, new = self._name_parts(parts, counter)
+        blob = pickle.dumps((main, names, *rest), protocol=pickle.HIGHEST_PROTOCOL)
         if blob != self._snapshot:
             loop = asyncio.get_running_loop()
-            counter = self.written + 1
+            kept = {id(p.obj) for p in parts}
+            stale = self._stale | {name for key, (name, _) in self._parts.items() if key not in kept}
+            save = functools.partial(snapshot.save, self.run_id, counter, blob, self.token, new, stale)
             try:
-                await asyncio.wait_for(
-                    loop.run_in_executor(None, snapshot.save, self.run_id, counter, blob, self.token), KV_BACK_S
-                )
+                await asyncio.wait_for(loop.run_in_executor(None, save), KV_BACK_S)
             except Exception as e:  # noqa: BLE001 - a GCS that is down or slow: the run cannot be made durable
                 return f"no answer within {KV_BACK_S:g} s" if isinstance(e, asyncio.TimeoutError) else first_line(e)
-            self._snapshot, self.written = blob, counter
+            self._snapshot, self.written, self._stale = blob, counter, set()
+            self._parts = {id(p.obj): (names[i], p.obj) for i, p in enumerate(parts)}  # type: ignore[misc]
             if self.confirm is not None:
                 self.confirm(counter)
         self._answer(durable)
         return None
+
+    def _name_parts(self, parts: list[memoryview], counter: int) -> tuple[list[str], dict[str, memoryview]]:
+        """Each part's name (the one the GCS holds it under, or a new one for write `counter`), and the new ones."""
+        names: list[str] = []
+        new: dict[str, memoryview] = {}
+        for part in parts:
+            held = self._parts.get(id(part.obj))
+            if held is not None and held[1] is part.obj:
+                names.append(held[0])
+                continue
+            name = next((n for n, p in new.items() if p.obj is part.obj), None) or f"{counter}.{len(new)}"
+            new[name] = part
+            names.append(name)
+        return names, new
 
     def _answer(self, durable: int) -> None:
         """The calls whose messages are up to `durable`, which a snapshot now holds."""
@@ -244,8 +270,13 @@ class CallLedger:
         )
         if saved is None:
             return None
-        self.written, (core_blob, *rest) = saved
-        return (pickle.loads(core_blob), *rest)  # covered by the snapshot's signature
+        self.written, (main, names, *rest) = saved
+        parts = await within(
+            "load its snapshot's parts from the GCS",
+            loop.run_in_executor(None, lambda: {n: snapshot.load_part(self.run_id, n, self.token) for n in set(names)}),
+        )
+        self._stale = set(names)  # this driver writes its own parts: the loaded ones go with its first snapshot
+        return (pickle.loads(main, buffers=[parts[n] for n in names]), *rest)  # covered by the signatures
 
 
 def judge_snapshot(counter: int, generation: int, confirmed: int, kv_generation: int) -> str | None:

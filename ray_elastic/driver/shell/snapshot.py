@@ -23,6 +23,14 @@ HMAC under the run's secret (`RunToken.sign`), and `load` unpickles only a
 snapshot whose signature verifies; any other is refused with
 `ForgedSnapshotError`, unread. The start arguments are signed the same way.
 
+A snapshot is written as what changed: its large parts (the roster's
+columns, a plan's members: bytes the core keeps and reuses while they do
+not change) lie under keys of their own (`driver/<run_id>/<name>`, each
+signed), written once, and the snapshot names the parts it needs; a part
+no snapshot names any more is deleted after the next write. So after a
+death the GCS takes the core's small remainder and the rows that changed,
+not every worker again.
+
 A signature proves who wrote a snapshot, not when: an old snapshot of the
 same run, written back, verifies too. So each snapshot also carries its
 write counter, under the signature, and the driver confirms every counter
@@ -40,7 +48,11 @@ import cloudpickle
 from ray_elastic import ray_private
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable, Mapping
+
     from ray_elastic.auth import RunToken
+
+    Buffer = bytes | memoryview
 
 _NAMESPACE = "ray_elastic"
 _PURPOSE = "driver snapshot"
@@ -62,6 +74,10 @@ class StartMissingError(StartError):
 
 def _key(run_id: str) -> str:
     return f"driver/{run_id}"
+
+
+def _part_key(run_id: str, name: str) -> str:
+    return f"driver/{run_id}/{name}"
 
 
 def _start_key(run_id: str) -> str:
@@ -95,9 +111,33 @@ def _verified(key: str, token: RunToken, what: str) -> bytes | None:
     return blob
 
 
-def save(run_id: str, counter: int, blob: bytes, token: RunToken) -> None:
-    """Store `blob` (a pickle), the run's `counter`-th snapshot, under the run's key, signed with its secret."""
+def save(
+    run_id: str,
+    counter: int,
+    blob: bytes,
+    token: RunToken,
+    parts: Mapping[str, Buffer] | None = None,
+    stale: Iterable[str] = (),
+) -> None:
+    """Store `blob` (a pickle), the run's `counter`-th snapshot, under the run's key, signed with its secret.
+
+    `parts`, the large parts it names that no key holds yet, are written
+    first, each under its own key; `stale`, parts no snapshot names any
+    more, are deleted once the snapshot is written.
+    """
+    for name, part in (parts or {}).items():
+        _put(_part_key(run_id, name), bytes(part), token)
     _put(_key(run_id), counter.to_bytes(_COUNTER_BYTES, "big") + blob, token)
+    for name in stale:
+        ray_private.kv_del(_part_key(run_id, name).encode(), namespace=_NAMESPACE)
+
+
+def load_part(run_id: str, name: str, token: RunToken) -> bytes:
+    """A part a snapshot names; `ForgedSnapshotError` unless the run signed it, `StartError` if it is gone."""
+    part = _verified(_part_key(run_id, name), token, f"part {name} of the driver's snapshot")
+    if part is None:
+        raise StartError(f"part {name} of the driver's snapshot is not in the GCS (key {_part_key(run_id, name)})")
+    return part
 
 
 def load(run_id: str, token: RunToken) -> tuple[int, Any] | None:
@@ -127,5 +167,6 @@ def load_start(run_id: str, token: RunToken) -> tuple[bytes, Any]:
 
 
 def delete(run_id: str) -> None:
-    for key in (_key(run_id), _start_key(run_id)):
-        ray_private.kv_del(key.encode(), namespace=_NAMESPACE)
+    parts = ray_private.kv_list(_part_key(run_id, ""), namespace=_NAMESPACE)
+    for key in [_key(run_id).encode(), _start_key(run_id).encode(), *parts]:
+        ray_private.kv_del(key, namespace=_NAMESPACE)
