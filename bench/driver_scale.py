@@ -24,7 +24,9 @@ slots each, with every rank's pace window full (10 summaries each, as after
   spends on it the real time the shell's call handling, `handle` and
   `persist` take; busy is that time over the span.
 
-Each figure is the median (and max) of `--rounds` batches. Prints a table
+Each figure is the median (and max) of `--rounds` batches; a death's also
+in the process's CPU time (`death_cpu_ms`), which a loaded machine does
+not inflate. Prints a table
 and writes bench/results/driver_scale.json (or `--out`). Reports, never
 asserts. Run it against an older tree with `PYTHONPATH=that/tree` to compare
 side by side: the shell's call handling is taken from
@@ -155,8 +157,9 @@ class Run:
 
     def timed(self, *messages: m.Message) -> tuple[float, list[m.Action]]:
         self.now += 0.01
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.process_time()
         actions = self.core.handle(list(messages), self.now)
+        self.cpu_s = time.process_time() - cpu  # the process's CPU time: what a loaded machine does not inflate
         return time.perf_counter() - started, actions
 
     def persist_s(self, batch: list, actions: list) -> float:
@@ -265,13 +268,14 @@ def median_max(values: list[float], scale: float = 1000) -> tuple[float, float]:
 
 def measure(workers: int, rounds: int, flow_s: float) -> dict:
     run = Run(workers)
-    deaths, death_snapshots, publishes, pings, ping_batches = [], [], [], [], []
+    deaths, death_cpus, death_snapshots, publishes, pings, ping_batches = [], [], [], [], [], []
     paces_full, paces_filling, judges = [], [], []
     for _ in range(rounds):
         victim = list(run.core.plan)[len(run.core.plan) // 2]
         batch = [m.WorkerDied(victim, "SIGKILL", node_alive=True)]
         spent, actions = run.timed(*batch)
         deaths.append(spent)
+        death_cpus.append(run.cpu_s)
         death_snapshots.append(run.persist_s(batch, actions))
         for publish in [a for a in actions if isinstance(a, m.Publish)]:
             started = time.perf_counter()
@@ -303,6 +307,7 @@ def measure(workers: int, rounds: int, flow_s: float) -> dict:
     }
     for name, values in [
         ("death_ms", deaths),
+        ("death_cpu_ms", death_cpus),
         ("death_snapshot_ms", death_snapshots),
         ("publish_plan_ms", publishes),
         ("ping_round_ms", pings),
@@ -328,7 +333,8 @@ def main() -> None:
     gc.collect()
     gc.freeze()  # as the driver actor does once it started (driver_actor.py)
     rows = [measure(int(n), args.rounds, args.flow_s) for n in args.workers.split(",")]
-    cols = ["workers", "death_ms", "death_max_ms", "death_snapshot_ms", "publish_plan_ms", "ping_batch_ms", "pace_us"]
+    cols = ["workers", "death_ms", "death_max_ms", "death_cpu_ms", "death_snapshot_ms", "publish_plan_ms"]
+    cols += ["ping_batch_ms", "pace_us"]
     cols += ["pace_filling_us", "judge_ms", "busy_fraction", "snapshot_kb", "snapshot_parts_kb"]
     print(" ".join(f"{c:>17}" for c in cols))
     for row in rows:

@@ -162,6 +162,15 @@ class Plan(Mapping[str, WorkerSlot]):
             return None
         return at - bisect_left(self._drop, at)
 
+    def view(self) -> Plan:
+        """The same plan as another object, whose slots, once read, are its own: the plan a publish hands the
+        shell, so that the slots the shell reads are freed with its action, not when the core moves on."""
+        plan = Plan.__new__(Plan)
+        plan._ids, plan._hosts, plan._at, plan._root = self._ids, self._hosts, self._at, self._root
+        plan._drop, plan._gone = self._drop, self._gone
+        plan._built = plan._blob = None
+        return plan
+
     def ids_except(self, skip: Collection[str]) -> list[str]:
         """The members in rank order, less those of `skip` (by position: no pass over every member in Python)."""
         ids = self._ids.copy()

@@ -102,7 +102,7 @@ class Finishing:
         if not self.active or self.returned:
             return False
         plan, roster = self.generations.plan, self.record.roster
-        done = ", ".join(f"rank {plan[w].rank} ({w})" for w in plan if roster[w].status is WorkerStatus.FINISHED)
+        done = ", ".join(f"rank {plan.rank(w)} ({w})" for w in plan if roster[w].status is WorkerStatus.FINISHED)
         self.record.fail(
             f"rank 0 (worker {rank0.worker_id} on node {rank0.host[:8]}) was lost after {done} returned from "
             f"train_fn: {reason}. train_fn's return value on rank 0, the run's result, is lost with it; no other "
@@ -113,8 +113,8 @@ class Finishing:
     def fail_uneven(self, worker_id: str, reason: str) -> None:
         """A rank's ring broke after another rank returned from train_fn: the ranks did not finish together."""
         plan, roster = self.generations.plan, self.record.roster
-        done = [f"rank {plan[w].rank} ({w})" for w in plan if roster[w].status is WorkerStatus.FINISHED]
-        running = [f"rank {plan[w].rank} ({w})" for w in plan if roster[w].status in IN_RING]
+        done = [f"rank {plan.rank(w)} ({w})" for w in plan if roster[w].status is WorkerStatus.FINISHED]
+        running = [f"rank {plan.rank(w)} ({w})" for w in plan if roster[w].status in IN_RING]
         self.record.fail(
             f"{', '.join(done)} returned from train_fn while {', '.join(running) or 'others'} still ran collectives "
             f"with it (worker {worker_id}: {reason}). Every rank must leave train_fn at the same step: "

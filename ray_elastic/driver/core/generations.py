@@ -285,7 +285,7 @@ class Generations:
         self._mark = roster.journal.mark()  # every member is MEMBER now: what changes from here is journaled
         self._synced_commits = None
         record.phase.move(self._trained_phase(), f"generation {self.generation} published ({reason})", now)
-        record.act(m.Publish(self.generation, self.plan, notify))
+        record.act(m.Publish(self.generation, self.plan.view(), notify))
         size = len(self.plan)
         record.act(m.RecordMetric("world_size", size))
         if self.generation == 1:
