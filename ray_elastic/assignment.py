@@ -22,7 +22,7 @@ from bisect import bisect_left
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import partial
-from itertools import repeat
+from itertools import groupby, repeat
 from operator import attrgetter
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -81,32 +81,32 @@ def assign_ranks(workers: Sequence[LiveWorker]) -> Plan:
 
 
 def _slots(ids: list[str], hosts: list[str]) -> dict[str, WorkerSlot]:
-    """The slots of workers in rank order, each host's contiguous (`Plan`'s rule, as `assign_ranks` orders)."""
-    by_host: dict[str, list[str]] = {}
-    for worker_id, host in zip(ids, hosts, strict=True):
-        by_host.setdefault(host, []).append(worker_id)
-    size = len(ids)
-    widest = max(map(len, by_host.values()), default=0)
+    """The slots of workers in rank order, each host's contiguous (`Plan`'s rule, as `assign_ranks` orders).
+
+    Built as columns, a host at a time, then every slot at once by zip and
+    map, in C: a publish at thousands of workers reads them all.
+    """
+    runs = [len(list(run)) for _, run in groupby(hosts)]  # each host's workers, in host order
+    widest = max(runs, default=0)
     cross_sizes = [0] * widest  # per local rank: how many hosts have a worker there
-    for members in by_host.values():
-        for local_rank in range(len(members)):
-            cross_sizes[local_rank] += 1
-    slots: dict[str, WorkerSlot] = {}
-    rank = 0
-    cross_seen = [0] * widest
-    make = partial(tuple.__new__, WorkerSlot)  # a C call per slot, not WorkerSlot._make's Python frame
-    # one host's slots are built by zip and map, in C
-    for host, members in by_host.items():
-        n = len(members)
-        ranks = range(rank, rank + n)
-        rows = zip(
-            members, repeat(host), ranks, repeat(size), range(n), repeat(n), cross_seen, cross_sizes, strict=False
-        )
-        slots.update(zip(members, map(make, rows), strict=True))
+    for n in runs:
         for local_rank in range(n):
-            cross_seen[local_rank] += 1
-        rank += n
-    return slots
+            cross_sizes[local_rank] += 1
+    local_ranks: list[int] = []
+    local_sizes: list[int] = []
+    cross_ranks: list[int] = []
+    seen = [0] * widest
+    for n in runs:
+        local_ranks += range(n)
+        local_sizes += repeat(n, n)
+        cross_ranks += seen[:n]
+        for local_rank in range(n):
+            seen[local_rank] += 1
+    cross = [cross_sizes[local_rank] for local_rank in local_ranks]
+    size = len(ids)
+    make = partial(tuple.__new__, WorkerSlot)  # a C call per slot, not WorkerSlot._make's Python frame
+    rows = zip(ids, hosts, range(size), repeat(size), local_ranks, local_sizes, cross_ranks, cross, strict=False)
+    return dict(zip(ids, map(make, rows), strict=True))
 
 
 class Plan(Mapping[str, WorkerSlot]):
