@@ -1,7 +1,7 @@
 """Ray Train's TorchTrainer and `ray_elastic.train`'s, side by side on one script: a SIGKILL's cost.
 
 One training loop in Ray Train v2's documented shape (bench/recovery.py's
-`raytrain_train_fn`, timed at each stage here; `ray.train.torch.prepare_model`,
+`raytrain_train_fn`, which logs the times of each entry's stages; `ray.train.torch.prepare_model`,
 `ray.train.get_checkpoint()` at the top, `ray.train.report(...,
 checkpoint=...)` every `--every` steps, rank 0 writing the checkpoint), the
 small MLP of the other benchmarks. It runs under `ray.train.torch.TorchTrainer`
@@ -33,9 +33,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from recovery import KillOnce
+from recovery import raytrain_train_fn
 from results_file import write_results
-from small_mlp import make_mlp, raytrain_checkpoint, raytrain_resume, sgd_step
 
 # the phases of a re-entry, from the kill to the next step: (name, the mark that ends it)
 PHASES = (
@@ -48,39 +47,6 @@ PHASES = (
     ("load_checkpoint", "resumed"),
     ("first_step", "time"),
 )
-
-
-def train_fn(config: dict) -> None:
-    """recovery.py's `raytrain_train_fn`, rank 0 logging the times of the entry's stages with each step."""
-    import ray.train
-    import ray.train.torch
-    import torch
-
-    entered = time.time()
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    rank = ray.train.get_context().get_world_rank()
-    model = ray.train.torch.prepare_model(make_mlp())
-    prepared = time.time()
-    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    step = raytrain_resume(model, opt)
-    marks = {"entered": entered, "prepared": prepared, "resumed": time.time()}
-    if config["elastic"]:  # the session's marks of this entry (rejoined, collected, settled)
-        from ray_elastic.train.session import current_session
-
-        marks |= current_session("train_fn").marks
-    g = torch.Generator().manual_seed(rank)
-    while step < config["steps"]:
-        sgd_step(model, opt, g)
-        step += 1
-        if rank == 0:
-            with open(config["log"], "a") as f:
-                f.write(json.dumps({"time": time.time(), "step": step, **marks}) + "\n")
-        if rank == config["kill_rank"] and step == config["kill_step"]:
-            KillOnce(rank, step, config["marker"]).fire(step)
-        time.sleep(0.005)
-        if step % config["every"] == 0:
-            raytrain_checkpoint(model, opt, step, rank)
 
 
 def wait_for_free_cpus(cpus: float, timeout: float) -> None:
@@ -110,7 +76,7 @@ def one_rep(which: str, kill_step: int, every: int, workdir: str, rep: int) -> d
         workers = (3, 4)
     wait_for_free_cpus(4, 120)
     result = TorchTrainer(
-        train_fn,
+        raytrain_train_fn,
         train_loop_config=config,
         scaling_config=ScalingConfig(num_workers=workers),
         run_config=RunConfig(

@@ -194,8 +194,11 @@ SCALE_KEYS = ("up_first_step_s", "up_pause_s", "up_steps_lost", "down_to_world2_
 def raytrain_train_fn(config: dict) -> None:
     """Ray Train's loop: the same MLP under DDP, a checkpoint every `every` steps, rank 0 logs each step.
 
-    Each log line carries the time this loop was entered: after a kill, the first step of a loop entered
-    later is where training went on (bench/ray_train_recovery.py runs this loop under both TorchTrainers).
+    Each log line carries the times of this entry's stages: the loop entered,
+    the model prepared, the checkpoint loaded (and, with `config["elastic"]`,
+    `ray_elastic.train`'s own marks of the re-entry): after a kill, the first
+    step of a loop entered later is where training went on
+    (bench/ray_train_recovery.py runs this loop under both TorchTrainers).
     """
     import ray.train
     import ray.train.torch
@@ -205,15 +208,21 @@ def raytrain_train_fn(config: dict) -> None:
     torch.manual_seed(0)
     rank = ray.train.get_context().get_world_rank()
     model = ray.train.torch.prepare_model(make_mlp())
+    prepared = time.time()
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     step = raytrain_resume(model, opt)
+    marks = {"entered": entered, "prepared": prepared, "resumed": time.time()}
+    if config.get("elastic"):  # the session's marks of this entry (rejoined, collected, settled)
+        from ray_elastic.train.session import current_session
+
+        marks |= current_session("train_fn").marks
     g = torch.Generator().manual_seed(rank)
     while step < config["steps"]:
         sgd_step(model, opt, g)
         step += 1
         if rank == 0:
             with open(config["log"], "a") as f:
-                f.write(json.dumps({"time": time.time(), "step": step, "entered": entered}) + "\n")
+                f.write(json.dumps({"time": time.time(), "step": step, **marks}) + "\n")
         if rank == config["kill_rank"] and step == config["kill_step"]:
             KillOnce(rank, step, config["marker"]).fire(step)
         time.sleep(0.005)
