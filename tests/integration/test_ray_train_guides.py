@@ -10,8 +10,6 @@ added. A second, short run with `max_failures=0` fails as Ray's does, caught as 
 from __future__ import annotations
 
 import json
-import threading
-from concurrent.futures import Future
 
 import pytest
 from conftest import wait_until
@@ -20,7 +18,8 @@ pytest.importorskip("ray.train")
 pytest.importorskip("ray.data")
 
 import ray.train  # noqa: E402
-from ray_train_guides import FEATURES, ROWS, fit_checkpoint_guide  # noqa: E402
+from ray_train_guides import FEATURES, ROWS, checkpoint_guide_trainer  # noqa: E402
+from runs import fit_in_thread  # noqa: E402
 
 
 def _records(path) -> list[dict]:
@@ -33,15 +32,7 @@ def test_the_checkpoint_guides_error_on_every_rank_is_one_failure_then_a_kill_an
     log, marker = tmp_path / "log.jsonl", tmp_path / "killed"
     config = {"lr": 0.05, "epochs": 10, "batch_size": 4, "raise_after_epoch": 1, "step_sleep": 0.15, "log": str(log)}
     config["kill"] = {"at": [2, 3], "rank": 1, "marker": str(marker)}
-    fut: Future = Future()
-
-    def target() -> None:
-        try:
-            fut.set_result(fit_checkpoint_guide(config, (2, 4), str(tmp_path / "runs"), name="guide"))
-        except BaseException as e:  # noqa: BLE001 - handed to the test
-            fut.set_exception(e)
-
-    threading.Thread(target=target, daemon=True).start()
+    fut = fit_in_thread(checkpoint_guide_trainer(config, (2, 4), str(tmp_path / "runs"), name="guide"))
     node = None
     try:
         wait_until(lambda: marker.exists() or fut.done(), 120, "rank 1 to SIGKILL itself in epoch 2")
@@ -106,7 +97,7 @@ def test_the_checkpoint_guides_error_on_every_rank_is_one_failure_then_a_kill_an
 def test_without_retries_the_guides_error_fails_the_run_as_ray_trains_does(cluster, no_leaks, tmp_path):
     config = {"lr": 0.05, "epochs": 3, "batch_size": 8, "raise_after_epoch": 0, "log": str(tmp_path / "log.jsonl")}
     with pytest.raises(ray.train.TrainingFailedError, match="Intentional error to showcase restoration") as info:
-        fit_checkpoint_guide(config, 2, str(tmp_path / "runs"), name="no-retries", max_failures=0)
+        checkpoint_guide_trainer(config, 2, str(tmp_path / "runs"), name="no-retries", max_failures=0).fit()
     import ray_elastic
 
     assert isinstance(info.value, ray_elastic.TrainingFailedError)

@@ -105,7 +105,8 @@ def checkpoint_guide_loop(config: dict) -> None:
             raise RuntimeError(f"Intentional error to showcase restoration (rank {ctx.get_world_rank()})")
 
 
-def fit_checkpoint_guide(config: dict, num_workers, storage_path: str, name: str = "guide", max_failures: int = 1):
+def checkpoint_guide_trainer(config: dict, num_workers, storage_path: str, name: str = "guide", max_failures: int = 1):
+    """The guide's `TorchTrainer` over the regression frame, not yet fitted."""
     import ray.data
 
     return TorchTrainer(
@@ -114,7 +115,7 @@ def fit_checkpoint_guide(config: dict, num_workers, storage_path: str, name: str
         scaling_config=ScalingConfig(num_workers=num_workers),
         run_config=RunConfig(name=name, storage_path=storage_path, failure_config=FailureConfig(max_failures)),
         datasets={"train": ray.data.from_pandas(regression_frame())},
-    ).fit()
+    )
 
 
 def key_concepts_loop(config: dict) -> None:

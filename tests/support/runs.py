@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import Future
+from typing import Any
 
 from conftest import wait_until
 from workloads import counting_train_fn
@@ -23,7 +24,8 @@ def sizes(result) -> list[int]:
     return out
 
 
-def fit_in_thread(trainer: ElasticTrainer) -> Future:
+def fit_in_thread(trainer: ElasticTrainer | Any) -> Future:
+    """`trainer.fit()` in a thread (an `ElasticTrainer`, or `ray_elastic.train`'s trainers): its result or error."""
     fut: Future = Future()
 
     def target() -> None:
