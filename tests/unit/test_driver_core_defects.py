@@ -91,3 +91,25 @@ def test_a_liveness_round_older_than_one_taken_changes_nothing():
     s.send(m.PingResults(frozenset({"w1", "w2"}), frozenset(), s.now, {}), after=1.0)  # the newer round: it answers
     s.send(old, after=60.0)  # the older round, delivered last
     assert s.of(m.Kill) == [] and s.core.workers["w2"].status.value == "member"
+
+
+def test_a_newcomer_stopped_before_its_first_answer_is_killed_in_a_round_not_after_elastic_timeout():
+    """The chaos soak's unreported hang: it stopped a newcomer (w27) whose process was up but had not answered
+    a ping yet. The core skipped every never-answered worker, so only the boot deadline (`elastic_timeout`,
+    600 s by default) bounded it: the run finished around it, and no event ever named it. A reading of its
+    process now judges it as any member; one that could not be taken (no process yet) still waits for the
+    deadline."""
+    s = Script(min_workers=2, max_workers=3)
+    s.start({"A": 1, "B": 1})
+    s.send(m.HostsDiscovered({"A": 1, "B": 1, "C": 1}))
+    [spawn] = s.of(m.Spawn)
+    starting = spawn.worker_id
+    s.send(m.PingResults(frozenset(), frozenset({starting}), s.now, {starting: "its process id is not known yet"}))
+    assert s.of(m.Kill) == [], "no process to read yet: the boot deadline bounds it"
+    stopped = m.CpuSample(0.0, 0.5, "T")
+    s.send(m.PingResults(frozenset(), frozenset({starting}), s.now, {starting: stopped}), after=2.0)
+    assert m.Kill(starting, failed=True) in s.actions
+    failed = [e for e in s.core.events if e.kind.value == "newcomer_failed"]
+    assert failed and f"worker {starting} " in failed[-1].detail and "hung" in failed[-1].detail
+    s.send(m.Tick(), after=11.0)
+    assert [a.host for a in s.of(m.Spawn)] == ["C"], "a replacement starts once its node's cool-down ends"

@@ -74,13 +74,15 @@ class BrokenRings:
                 rec.heard()
         for worker_id in sorted(msg.timed_out):
             rec = roster.get(worker_id)
-            # a process still starting (runtime env, imports) is bounded by the boot deadline instead
-            if rec is None or rec.status not in ALIVE or not rec.answered:
+            sample = msg.samples.get(worker_id, "no reading was taken")
+            # a process still starting (runtime env, imports) is bounded by the boot deadline instead, unless
+            # its process is up and a reading of it came back: stopped or frozen before its first answer
+            if rec is None or rec.status not in ALIVE or not (rec.answered or isinstance(sample, m.CpuSample)):
                 continue
             rec.went_silent(msg.sent_at)
             silent_since = msg.sent_at if rec.silent_since is None else rec.silent_since
             busy, reason = judge_missed_ping(
-                msg.samples.get(worker_id, "no reading was taken"),
+                sample,
                 silent_for=now - silent_since,
                 liveness_timeout=config.liveness_timeout,
                 collective_timeout=config.collective_timeout,

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
+from ray_elastic import ray_private
 from ray_elastic.driver.core import messages as m
 from ray_elastic.driver.shell.cpu_probe import start_probe
 from ray_elastic.driver.shell.replies import read_pings
@@ -101,6 +102,9 @@ class LivenessRounds:
         limit = self.config.liveness_timeout
         window = min(0.5, limit / 4)
         pids = self.pool.pids
+        unknown = [w for w in worker_ids if w not in pids and w in self.pool.handles]
+        if unknown:
+            await self._pids_from_gcs(unknown, limit)
         by_node: dict[str, list[str]] = {}
         samples: dict[str, m.CpuSample | str] = {}
         for worker_id in worker_ids:
@@ -129,6 +133,38 @@ class LivenessRounds:
 
         await asyncio.gather(*[read(node, ids) for node, ids in by_node.items()])
         return samples
+
+    async def _pids_from_gcs(self, worker_ids: list[str], limit: float) -> None:
+        """The process ids of workers that never answered a ping, from the GCS's actor table.
+
+        A newcomer stopped or frozen before its first answer (the first ping
+        asks for the pid) would otherwise give no reading, and be bounded only
+        by its boot deadline (`elastic_timeout`, minutes): a hot spare or a
+        newcomer hung in its boot must be found in a round. Ray records a pid
+        once the actor's constructor has run (state ALIVE); before that (a
+        runtime env, a process still starting) there is nothing to read, and
+        the boot deadline bounds it.
+        """
+        handles = {w: self.pool.handles[w] for w in worker_ids}
+
+        def look() -> dict[str, int]:
+            found = {}
+            for worker_id, handle in handles.items():
+                try:
+                    record = ray_private.actor_record(ray_private.actor_id_of(handle.handle))
+                except Exception:  # noqa: BLE001 - a GCS hiccup: no reading this round
+                    continue
+                if record.get("State") == "ALIVE" and record.get("Pid"):
+                    found[worker_id] = int(record["Pid"])
+            return found
+
+        loop = asyncio.get_running_loop()
+        try:
+            found = await asyncio.wait_for(loop.run_in_executor(None, look), limit)
+        except asyncio.TimeoutError:
+            return
+        for worker_id, pid in found.items():
+            self.pool.pids.setdefault(worker_id, pid)
 
     def kill_probe(self, node: str) -> None:
         probe = self.probes.pop(node, None)
