@@ -202,7 +202,7 @@ def main() -> None:
     if not cuda:
         torch.set_num_threads(1)
     ctx = make_runtime(cuda)
-    device = ctx.group.device if cuda else torch.device("cpu")
+    device = ctx.joined().ring.device if cuda else torch.device("cpu")
     pairs = [("plain DDP", "plain_ddp"), ("elastic DDP", "elastic_ddp"), ("plain optimizer", "plain_opt")]
     pairs.append(("elastic optimizer", "elastic_opt"))
     arms = [Arm(name, kind, args, device) for name, kind in pairs]

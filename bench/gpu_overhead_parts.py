@@ -44,7 +44,7 @@ def main() -> None:
     parser.set_defaults(rounds=7, steps=50)
     args = parser.parse_args()
     ctx = bench.make_runtime(cuda)
-    device = ctx.group.device if cuda else torch.device("cpu")
+    device = ctx.joined().ring.device if cuda else torch.device("cpu")
     arms = [
         bench.Arm("plain optimizer", "plain_opt", args, device),
         bench.Arm("elastic optimizer", "elastic_opt", args, device),

@@ -47,7 +47,7 @@ __version__ = "0.1.0"
 
 
 def _slot() -> WorkerSlot:
-    return current().joined_slot()
+    return current().joined().slot
 
 
 def rank() -> int:

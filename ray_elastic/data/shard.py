@@ -160,7 +160,7 @@ class DataShard:
     def _iterate(
         self, batch_size: int, drop_last: bool, prefetch_batches: int, convert: Callable[[Any], Any]
     ) -> Iterator[Any]:
-        slot = current().joined_slot()  # as rank() does: the shard is split over the current ring
+        slot = current().joined().slot  # as rank() does: the shard is split over the current ring
         rank, size = slot.rank, slot.size
         while True:
             while True:

@@ -1,11 +1,14 @@
 """The worker side: the runtime of one worker process, in parts with one job each.
 
 `current()` (or `maybe_current()`, None outside a worker) is this process's
-`WorkerContext`, typed: the public functions, the torch helpers, the state
-classes and the adapters (horovod) call it by its named methods. It is the
-one name of the runtime meant for use outside it.
+`WorkerContext`, typed: the public functions and the adapters (horovod, the
+Ray Train API) find it there and call it by its named methods; the state
+classes, the torch helpers and the run loop are handed it. What changes at
+each reset it hands out as a `Generation` (`joined()`). These are the names
+of the runtime meant for use outside it.
 
-- `context`: `WorkerContext`, the parts behind one object;
+- `context`: `WorkerContext`, the process's parts behind one object;
+- `generation`: `Generation`, one generation's number, slot and ring, as a value;
 - `process`: which runtime this process runs;
 - `membership`: the ready announce, joining and resetting rings, host-change notices and the
   agreement on them;
@@ -17,6 +20,7 @@ one name of the runtime meant for use outside it.
 """
 
 from ray_elastic.runtime.context import WorkerContext
+from ray_elastic.runtime.generation import Generation
 from ray_elastic.runtime.process import current, maybe_current
 
-__all__ = ["WorkerContext", "current", "maybe_current"]
+__all__ = ["Generation", "WorkerContext", "current", "maybe_current"]

@@ -1,8 +1,12 @@
 """The runtime of one worker process: the parts in `ray_elastic.runtime`, behind one object.
 
-Each worker actor holds one `WorkerContext` (a process-wide singleton, since
-one actor is one process; `current()` finds it). It delegates to parts with
-one job each:
+Each worker actor holds one `WorkerContext` for its whole life (a
+process-wide singleton, since one actor is one process; the worker actor
+makes it current and `current()` finds it). It holds what lives as long as
+the process: the worker's id, the run's settings, the driver link and the
+KV client (through `Membership`), the commit count, the checkpoint cadence,
+the metrics shipper, the activity marks and the run token. It delegates to
+parts with one job each:
 
 - `Membership`: the ring, joins and resets, host-change notices;
 - `CheckpointCadence`: durable checkpoints every `checkpoint_every` commits;
@@ -10,11 +14,18 @@ one job each:
   (`runtime/pace.py`), shipped in the background;
 - `ActivityMarks`: when the worker last entered or left a collective.
 
-The run loop (`elastic.run`), `State`, the public functions, the torch
-helpers and the adapters call it by the names below (`runtime.process.current()`
-returns it, typed); none reaches through it to its parts. Tests also set
-`slot`, `group`, `generation`, `fault_hook`, `last_activity` and
-`in_collective` on it.
+What changes every generation (its number, this worker's rank and slot,
+the ring) it hands out as a `Generation` value (`runtime/generation.py`):
+`joined()` joins first, `generation_now()` does not. A function that works
+on one generation takes that value; one that needs the process takes the
+context: each says which in its signature. Only the public entry points
+(`ray_elastic.rank()`, the collectives, `report()`, `prepare_model()` ...)
+find the context through `runtime.process.current()`; the state classes,
+the torch helpers and the run loop are handed it (at construction, by
+default the process's). None reaches through it to its parts.
+
+Tests set `fault_hook`, `last_activity` and `in_collective` on it, and a
+generation (`membership.group`, `.slot`, `.generation`) on its membership.
 """
 
 from __future__ import annotations
@@ -27,6 +38,7 @@ from ray_elastic.exceptions import StateRegressionError
 from ray_elastic.rendezvous import KVClient
 from ray_elastic.runtime.checkpoint_cadence import CheckpointCadence
 from ray_elastic.runtime.commits import CommitId, judge_adoption
+from ray_elastic.runtime.generation import Generation
 from ray_elastic.runtime.membership import Membership
 from ray_elastic.runtime.metrics_shipper import MetricsShipper, snapshot
 from ray_elastic.runtime.pace import PACE
@@ -37,13 +49,12 @@ if TYPE_CHECKING:
     import ray
 
     from ray_elastic.assignment import WorkerSlot
-    from ray_elastic.collective.base import CollectiveGroup
     from ray_elastic.protocol import WorkerConfig
     from ray_elastic.wire import DriverLink
 
 
 class WorkerContext:
-    """Rank, size, ring, notices, checkpoints and metrics of this worker process.
+    """This worker process's runtime: its membership, commits, checkpoints and metrics; generations it hands out.
 
     Args:
         worker_id: this worker's id in the driver's assignments.
@@ -68,24 +79,43 @@ class WorkerContext:
         self.metrics = MetricsShipper(worker_id, driver)
         PACE.sink = self.metrics.add_pace  # this rank's pace rides in its metrics batches (straggler watch)
         self._before_join: list[tuple[float, dict[str, Any]]] = []  # report()s made before this worker had a rank
-        self.commits = 0  # commits the state holds (rank 0's after each sync): where training resumes
+        # commits the state holds (rank 0's after each sync): where training resumes; it runs on across
+        # generations (each sync adopts rank 0's count), so it lives here, with the process, not in a Generation
+        self.commits = 0
         self.run_token: Any = None  # the worker actor's `RunToken`, for calls to the run's other actors (the feed)
 
-    # ---- the membership's view ---------------------------------------------
+    # ---- generations: what changes at each reset -------------------------------
+    def joined(self) -> Generation:
+        """The generation this worker is in, joining the ring first if needed (the first time, or after a reset)."""
+        self.membership.ensure_joined()
+        return self._view()
+
+    def generation_now(self) -> Generation | None:
+        """The generation this worker is in, or None while it is in no ring (before its first join)."""
+        return None if self.membership.group is None else self._view()
+
+    def _view(self) -> Generation:
+        m = self.membership
+        assert m.slot is not None and m.group is not None  # joining sets both
+        return Generation(m.generation, m.slot, m.group)
+
     @property
     def generation(self) -> int:
+        """The number of the newest generation this worker joined (0: none yet)."""
         return self.membership.generation
 
     @property
     def slot(self) -> WorkerSlot | None:
+        """This worker's slot in the newest generation it joined, or None before it joined one.
+
+        The worker actor reads it once `train_fn` returned (its outcome says
+        the rank); code inside a generation takes `joined()` instead.
+        """
         return self.membership.slot
 
     @property
-    def group(self) -> CollectiveGroup | None:
-        return self.membership.group
-
-    @property
     def notice(self) -> int:
+        """The newest generation the driver announced to this worker (beyond its own: a reset awaits)."""
         return self.membership.notice
 
     @property
@@ -95,12 +125,6 @@ class WorkerContext:
     @fault_hook.setter
     def fault_hook(self, hook: Callable[[str], None] | None) -> None:
         self.membership.fault_hook = hook
-
-    @property
-    def rank(self) -> int | None:
-        """This worker's rank in the current generation, or None before it joined one."""
-        slot = self.membership.slot
-        return None if slot is None else slot.rank
 
     @property
     def synced_generation(self) -> int:
@@ -120,21 +144,6 @@ class WorkerContext:
     def dataset_names(self) -> tuple[str, ...]:
         """The names of the run's Ray Datasets (`get_dataset_shard`)."""
         return self.settings.datasets
-
-    def ensure_joined(self) -> None:
-        self.membership.ensure_joined()
-
-    def joined_slot(self) -> WorkerSlot:
-        """This worker's slot in the current generation, joining the ring first if needed."""
-        self.membership.ensure_joined()
-        assert self.membership.slot is not None  # joining sets it
-        return self.membership.slot
-
-    def joined_ring(self) -> CollectiveGroup:
-        """The current generation's ring, joining it first if needed."""
-        self.membership.ensure_joined()
-        assert self.membership.group is not None  # joining sets it
-        return self.membership.group
 
     def add_join_preparation(self, prepare: Callable[[], None]) -> None:
         """Run `prepare()` before this worker announces it is ready (a newcomer warms up first)."""
@@ -212,24 +221,27 @@ class WorkerContext:
         self.commits += 1
         self.membership.committing()
         metrics.commit(self.settings.run_id, save_seconds)
-        self.checkpoints.after_commit(state, self.slot, self.generation, self.commits)
+        now = self.generation_now()  # None: a commit before the first join, never checkpointed
+        slot, number = (None, self.generation) if now is None else (now.slot, now.number)
+        self.checkpoints.after_commit(state, slot, number, self.commits)
 
-    def maybe_resume(self, state: Any) -> None:
-        """Before a sync: a rank 0 that never synced loads the durable checkpoint, if there is one."""
-        meta = self.checkpoints.maybe_resume(state, self.slot, ever_synced=self.membership.synced_generation != 0)
+    def maybe_resume(self, generation: Generation, state: Any) -> None:
+        """Before `generation`'s sync: a rank 0 that never synced loads the durable checkpoint, if there is one."""
+        ever_synced = self.membership.synced_generation != 0
+        meta = self.checkpoints.maybe_resume(state, generation.slot, ever_synced=ever_synced)
         if meta is not None:
             self.commits = int(meta.get("commit", 0))
 
-    def fall_back_to_durable(self, state: Any, reason: str) -> bool:
-        """Rank 0, within a run: load the newest durable checkpoint into `state` (an event says `reason`)."""
-        meta = self.checkpoints.load_newest(state, self.slot, reason)
+    def fall_back_to_durable(self, generation: Generation, state: Any, reason: str) -> bool:
+        """Rank 0 of `generation`: load the newest durable checkpoint into `state` (an event says `reason`)."""
+        meta = self.checkpoints.load_newest(state, generation.slot, reason)
         if meta is None:
             return False
         self.commits = int(meta.get("commit", 0))
         return True
 
-    def adopt_commits(self, held: CommitId) -> None:
-        """Before a sync: every rank takes rank 0's commit count, after checking it is not going back.
+    def adopt_commits(self, generation: Generation, held: CommitId) -> None:
+        """Before `generation`'s sync: every rank takes rank 0's commit count, after checking it is not going back.
 
         Rank 0's commit may be older than `held` (this rank's) only within
         one history (the same lineage: a step torn by a failure is rolled
@@ -237,11 +249,11 @@ class WorkerContext:
         must have seen at least as many commits, or the sync would overwrite
         trained state with older state: `StateRegressionError`, loudly.
         """
-        lineage, commits = self.joined_ring().broadcast_object((held.lineage, self.commits), root_rank=0)
+        lineage, commits = generation.ring.broadcast_object((held.lineage, self.commits), root_rank=0)
         verdict = judge_adoption(held.lineage, self.commits, lineage, int(commits))
         if verdict is not None:
             raise StateRegressionError(
-                f"rank {self.rank} of generation {self.generation} (worker {self.worker_id}): {verdict}"
+                f"rank {generation.rank} of generation {generation.number} (worker {self.worker_id}): {verdict}"
             )
         self.commits = int(commits)
 

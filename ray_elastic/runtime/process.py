@@ -2,9 +2,13 @@
 
 One worker actor is one process, so the runtime is a process-wide singleton:
 the worker actor makes its `WorkerContext` current once, and the public
-functions (`ray_elastic.rank()`, the collectives), the torch helpers, the
-state classes and the adapters find it here, typed. They call it by its
-named methods (`runtime/context.py`), never through its parts.
+entry points find it here, typed: the functions users call
+(`ray_elastic.rank()`, the collectives, `report()`, `prepare_model()`), the
+constructors that take it by default (`State`, `TorchState`,
+`DistributedOptimizer`) and the adapters. Everything below them is handed
+the context (or one `Generation` of it) as an argument, so a signature says
+what a function depends on. They call it by its named methods
+(`runtime/context.py`), never through its parts.
 """
 
 from __future__ import annotations

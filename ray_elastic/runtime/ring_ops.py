@@ -12,8 +12,9 @@ between ranks raises `CollectiveMismatchError` on every rank (see
 the ring first if this worker has not yet, and any ring failure raises
 `HorovodInternalError`.
 
-The library's own collectives call the ring's methods (`group()`), which
-check nothing.
+The library's own collectives call the ring's methods, which check nothing,
+on the `Generation` they were handed (`WorkerContext.joined().ring`);
+`group()` is the process's, for the adapters.
 """
 
 from __future__ import annotations
@@ -40,8 +41,8 @@ __all__ = [
 
 
 def group() -> CollectiveGroup:
-    """The current generation's ring (joining it first if needed)."""
-    return current().joined_ring()
+    """The current generation's ring (joining it first if needed): the process's, as a user's call finds it."""
+    return current().joined().ring
 
 
 def allreduce(value: T, op: ReduceOp | str = Average) -> T:

@@ -10,6 +10,12 @@
   nothing; only the others (newcomers) get rank 0's values, point to point.
 - Reset callbacks run after every reset, once the new ring exists, e.g. to
   rescale the learning rate with the new world size.
+
+A state commits to, and syncs over, one worker's runtime (`WorkerContext`):
+its commit count, checkpoint cadence and host-change notices, and the ring
+of the generation it is in. The state is handed it at construction (by
+default the process's: the one the worker actor made current), so the
+dependency shows in the constructor instead of hiding in `commit()`.
 """
 
 from __future__ import annotations
@@ -22,12 +28,13 @@ from typing import TYPE_CHECKING, Any
 
 from ray_elastic.checkpoint.entries import register_form
 from ray_elastic.runtime.commits import CommitId, fresh_commit_id
-from ray_elastic.runtime.process import current
-from ray_elastic.runtime.ring_ops import group as current_ring
+from ray_elastic.runtime.process import current, maybe_current
 from ray_elastic.state.transfer import agree, share_object
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable
+
+    from ray_elastic.runtime.context import WorkerContext
 
 
 @dataclass(frozen=True)
@@ -42,12 +49,25 @@ class SyncReport:
 
 
 class State:
-    """Base class: subclasses implement `save`, `restore` and `sync`."""
+    """Base class: subclasses implement `save`, `restore` and `sync`.
 
-    def __init__(self) -> None:
+    Args:
+        worker: the worker runtime this state commits to and syncs over;
+            None (the default): this process's, found once, here (a state
+            built outside a worker finds it at its first commit or sync).
+    """
+
+    def __init__(self, worker: WorkerContext | None = None) -> None:
         self._reset_callbacks: list[Callable[[], None]] = []
         self.commit_id: CommitId = fresh_commit_id()  # the commit this rank holds (see `ray_elastic.state.sync_plan`)
         self.last_sync: SyncReport | None = None
+        self._worker = worker if worker is not None else maybe_current()
+
+    def worker_context(self) -> WorkerContext:
+        """The worker runtime this state commits to (a clear error outside an elastic worker)."""
+        if self._worker is None:  # built before the worker's runtime existed (a script's top level): the process's
+            self._worker = current()
+        return self._worker
 
     def register_reset_callbacks(self, callbacks: Iterable[Callable[[], None]]) -> None:
         """Callables run, in order, after each reset (the new ring already works)."""
@@ -66,11 +86,14 @@ class State:
 
         With `checkpoint_dir` configured, rank 0 also hands every
         `checkpoint_every`-th commit to its background checkpoint writer.
+        The commit is counted, and the hosts checked, on the state's worker
+        (`worker_context()`).
         """
+        worker = self.worker_context()
         started = time.perf_counter()
         self.save()
-        current().after_commit(self, time.perf_counter() - started)
-        self.check_host_updates()
+        worker.after_commit(self, time.perf_counter() - started)
+        self.check_host_updates()  # a subclass may act on the interrupt (LightningState saves the live step)
 
     def check_host_updates(self) -> None:
         """Raise `HostsUpdatedInterrupt` on all ranks at the same step if hosts changed.
@@ -78,7 +101,7 @@ class State:
         One tiny max-allreduce of the newest notice each rank holds, so all
         ranks agree even if the driver's notice reached them at different steps.
         """
-        current().check_host_updates()
+        self.worker_context().check_host_updates()
 
     def save(self) -> None:
         raise NotImplementedError
@@ -143,7 +166,7 @@ class ObjectState(State):
 
     def sync(self) -> None:
         started = time.perf_counter()
-        ring = current_ring()
+        ring = self.worker_context().joined().ring
         plan = agree(ring, self.commit_id)
         agreed = time.perf_counter() - started
         shared = share_object(ring, plan, (self.commit_id, self._saved) if ring.rank == 0 else None)

@@ -73,7 +73,7 @@ from ray_elastic.collective.shm import can_reduce
 from ray_elastic.collective.torch_dist import TorchDistGroup
 from ray_elastic.exceptions import HorovodInternalError
 from ray_elastic.runtime.pace import PACE
-from ray_elastic.runtime.process import current, maybe_current
+from ray_elastic.runtime.process import current
 from ray_elastic.torch.device import get_device
 from ray_elastic.torch.notice import NoticeCopy
 from ray_elastic.torch.sharded import wrap
@@ -82,6 +82,7 @@ if TYPE_CHECKING:
     from collections.abc import Iterator
 
     from ray_elastic.runtime.context import WorkerContext
+    from ray_elastic.runtime.generation import Generation
 
 AGREE_EVERY_S = 0.1  # how often, in training time, the ranks agree on a host change (see _Cadence)
 MAX_CHECKS_PER_AGREEMENT = 1000
@@ -111,12 +112,15 @@ class ElasticDDP(torch.nn.Module):
     @property
     def ddp(self) -> DistributedDataParallel:
         """The DDP of the current generation (built now if this generation has none yet)."""
-        ctx = current()
-        ctx.ensure_joined()
-        if self._ddp is None or self._generation != ctx.generation:
+        worker = current()  # a user's call (`no_sync()`, `.ddp`): the process's runtime
+        return self._ddp_of(worker, worker.joined())
+
+    def _ddp_of(self, worker: WorkerContext, generation: Generation) -> DistributedDataParallel:
+        """`generation`'s DDP, built on the first call in it (the old generation's dropped)."""
+        if self._ddp is None or self._generation != generation.number:
             self._drop()
-            object.__setattr__(self, "_ddp", self._build(ctx))
-            object.__setattr__(self, "_generation", ctx.generation)
+            object.__setattr__(self, "_ddp", self._build(worker, generation))
+            object.__setattr__(self, "_generation", generation.number)
         return self._ddp
 
     def _drop(self) -> None:
@@ -135,35 +139,39 @@ class ElasticDDP(torch.nn.Module):
             old.reducer = None
             old.logger = None
 
-    def _build(self, ctx: WorkerContext) -> DistributedDataParallel:
+    def _build(self, worker: WorkerContext, generation: Generation) -> DistributedDataParallel:
         # TorchState's sync already broadcast rank 0's parameters in this generation: skip DDP's second copy
-        synced = ctx.synced_generation == ctx.generation
+        synced = worker.synced_generation == generation.number
         kwargs = dict(self._ddp_kwargs)
+        ring = generation.ring
         try:
-            if getattr(ctx.group, "abortable", False):
-                kwargs["process_group"] = _AbandonableGroup(ctx.group, self, settle=bool(kwargs.get("static_graph")))
+            if getattr(ring, "abortable", False):
+                settle = bool(kwargs.get("static_graph"))
+                kwargs["process_group"] = _AbandonableGroup(ring, self, settle=settle, generation=generation.number)
             return DistributedDataParallel(self.module, init_sync=not synced, **kwargs)
         except Exception as e:
-            raise _as_ring_error(e, ctx, "building DistributedDataParallel") from e
+            raise _as_ring_error(e, worker, "building DistributedDataParallel") from e
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        ddp = self.ddp
-        ctx = current()
+        # called by the user's loop, which has no runtime to hand over: the process's, found once per step
+        worker = current()
+        generation = worker.joined()
+        ddp = self._ddp_of(worker, generation)
         if torch.is_grad_enabled() and ddp.require_backward_grad_sync:
-            if not getattr(ctx.group, "abortable", False):
-                self._agree_on_notice(ctx)
-            elif self._cadence.due(ctx.generation):
-                self._carry_notice(ctx)
+            if not getattr(generation.ring, "abortable", False):
+                self._agree_on_notice(worker, generation)
+            elif self._cadence.due(generation.number):
+                self._carry_notice(worker, generation)
             else:
-                self._skip_notice(ctx)
+                self._skip_notice(worker)
         try:
             return ddp(*args, **kwargs)
         except HorovodInternalError:
             raise
         except Exception as e:
-            raise _as_ring_error(e, ctx, "DistributedDataParallel's forward") from e
+            raise _as_ring_error(e, worker, "DistributedDataParallel's forward") from e
 
-    def _carry_notice(self, ctx: WorkerContext) -> None:
+    def _carry_notice(self, worker: WorkerContext, generation: Generation) -> None:
         """Have the ring reduce this forward's host-change notice behind its backward's first allreduce (Gloo).
 
         `check_host_updates()` after the step reads the reduced notice; if no
@@ -174,26 +182,26 @@ class ElasticDDP(torch.nn.Module):
         stuck in user code.
         """
         cadence = self._cadence
-        carrier = _NoticeCarrier(int(ctx.notice > ctx.generation), cadence.proposal())
+        carrier = _NoticeCarrier(int(worker.notice > generation.number), cadence.proposal())
         object.__setattr__(self, "_carrier", carrier)
         self._ddp.process_group.new_backward()  # forward built this generation's DDP, over our group
         collective_activity(True)
 
         def resolve() -> bool:
             try:
-                ring = _ring(ctx)
+                ring = _ring(generation)
                 if carrier.work is None:
                     cadence.agreed(0, 1)
-                    return ring.max_int(ctx.notice) > ctx.generation
+                    return ring.max_int(worker.notice) > generation.number
                 notices, proposals = carrier.reduced(ring)  # started during backward: done by now
                 cadence.agreed(proposals, ring.size)
                 return notices > 0
             finally:
                 collective_activity(False)
 
-        ctx.agree_on_notice_later(resolve)
+        worker.agree_on_notice_later(resolve)
 
-    def _skip_notice(self, ctx: WorkerContext) -> None:
+    def _skip_notice(self, worker: WorkerContext) -> None:
         """A training forward whose check agrees on nothing: the ranks agreed a moment ago, and will again soon.
 
         Every rank skips the same checks (the cadence is decided in the
@@ -210,9 +218,9 @@ class ElasticDDP(torch.nn.Module):
             cadence.skipped()
             return False
 
-        ctx.agree_on_notice_later(resolve)
+        worker.agree_on_notice_later(resolve)
 
-    def _agree_on_notice(self, ctx: WorkerContext) -> None:
+    def _agree_on_notice(self, worker: WorkerContext, generation: Generation) -> None:
         """Start the one-number allreduce that tells every rank whether any holds a host-change notice (NCCL).
 
         It runs while forward and backward compute; the `check_host_updates()`
@@ -222,10 +230,10 @@ class ElasticDDP(torch.nn.Module):
         check, the worker counts as inside a collective (the driver's
         stuck-rank check), as for a Gloo notice.
         """
-        group = _ring(ctx)
-        mine = int(ctx.notice > ctx.generation)
+        group = _ring(generation)
+        mine = int(worker.notice > generation.number)
         if group.size == 1:
-            ctx.agree_on_notice(mine > 0)  # nobody to agree with: no collective, nothing to read off the GPU
+            worker.agree_on_notice(mine > 0)  # nobody to agree with: no collective, nothing to read off the GPU
             return
         # a fresh tensor each time (an earlier one may still be in flight if no check came between two forwards),
         # filled by a kernel: torch.tensor([...], device=gpu) would wait for the GPU to take the host's bytes
@@ -240,7 +248,7 @@ class ElasticDDP(torch.nn.Module):
             finally:
                 collective_activity(False)
 
-        ctx.agree_on_notice_deferred(start)
+        worker.agree_on_notice_deferred(start)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -365,10 +373,11 @@ class _AbandonableGroup(dist.ProcessGroup):
     queued on the same Gloo thread, so the check after the step finds it done.
     """
 
-    def __init__(self, group: Any, owner: Any, settle: bool = False) -> None:
+    def __init__(self, group: Any, owner: Any, settle: bool = False, generation: int = 0) -> None:
         inner = dist.distributed_c10d._get_default_group()
         super().__init__(inner.rank(), inner.size())
         self._group = group
+        self._generation = generation  # the generation whose ring this is, for the pace meter (0: outside a worker)
         self._inner = inner
         self._owner = owner
         self._settle = settle  # hand the reducer futures of ours (a static graph's first backward: see above)
@@ -392,7 +401,7 @@ class _AbandonableGroup(dist.ProcessGroup):
         opts = dist.AllreduceOptions() if opts is None else opts
         what = "DDP's gradient allreduce"
         if not self._pending:  # the backward's first allreduce: this rank's compute of the step ends
-            PACE.launched(_generation())
+            PACE.launched(self._generation)
         if self._shared is not None and can_reduce(tensors, opts.reduceOp == dist.ReduceOp.SUM):
             work = self._reduce_shared(tensors)
         elif self._settle:
@@ -439,7 +448,7 @@ class _AbandonableGroup(dist.ProcessGroup):
             else:
                 self._group.wait_work("DDP's gradient allreduce", work)  # idem
         PACE.waited(time.perf_counter() - waiting)
-        PACE.reduced(_generation())
+        PACE.reduced(self._generation)
         self._settle = False  # a static graph's first backward is over: the reducer finalizes after us from now on
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
@@ -488,17 +497,16 @@ def is_ring_error(e: BaseException) -> bool:
     return isinstance(e, RuntimeError) and "gloo" in str(e).lower()  # Gloo's errors name its source files
 
 
-def _ring(ctx: WorkerContext) -> TorchDistGroup:
-    """The generation's ring, as `prepare_model` has it: a torch process group (it refuses other backends),
-    joined by the forward that built this generation's DDP."""
-    group = ctx.group
+def _ring(generation: Generation) -> TorchDistGroup:
+    """The generation's ring, as `prepare_model` has it: a torch process group (it refuses other backends)."""
+    group = generation.ring
     assert isinstance(group, TorchDistGroup), f"prepare_model runs on torch's backends, not on {group!r}"
     return group
 
 
-def _as_ring_error(e: BaseException, ctx: WorkerContext, what: str) -> BaseException:
+def _as_ring_error(e: BaseException, worker: WorkerContext, what: str) -> BaseException:
     """`e` as a `HorovodInternalError` if the ring is broken or `e` came from it, else `e` itself."""
-    if isinstance(e, HorovodInternalError) or ctx.ring_failure(e) is None:
+    if isinstance(e, HorovodInternalError) or worker.ring_failure(e) is None:
         return e
     return HorovodInternalError(f"{what} failed: {e}")
 
@@ -560,9 +568,3 @@ def prepare_model(
     if move_to_device:
         model.to(get_device())
     return ElasticDDP(model, {"gradient_as_bucket_view": True, **ddp_kwargs})
-
-
-def _generation() -> int:
-    """The worker's generation, for the pace meter; 0 for a process group used outside a worker (tests, tools)."""
-    ctx = maybe_current()
-    return ctx.generation if ctx is not None else 0

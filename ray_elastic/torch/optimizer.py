@@ -83,6 +83,7 @@ if TYPE_CHECKING:
     from collections.abc import Iterable
 
     from ray_elastic.runtime.context import WorkerContext
+    from ray_elastic.runtime.generation import Generation
 
 
 class _Bucket:
@@ -137,12 +138,12 @@ def _buckets(params: list[torch.Tensor], cap: int) -> list[_Bucket]:
     return buckets
 
 
-def _agree(ctx: WorkerContext, notice: torch.Tensor) -> None:
+def _agree(worker: WorkerContext, notice: torch.Tensor) -> None:
     """Hand the reduced notice count to the runtime: read now on the host, one check later off a device."""
     if reads_later(notice):
-        ctx.agree_on_notice_deferred(lambda: NoticeCopy(notice).any)
+        worker.agree_on_notice_deferred(lambda: NoticeCopy(notice).any)
     else:
-        ctx.agree_on_notice(host_value(notice) > 0)
+        worker.agree_on_notice(host_value(notice) > 0)
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -157,6 +158,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             the sum over those passes, as in plain PyTorch accumulation.
         op: `Average` (default) or `Sum` over workers.
         bucket_cap_mb: size of one fused allreduce.
+        worker: the worker runtime whose rings reduce the gradients; None
+            (the default): this process's, found once, here (its backward
+            hooks run inside autograd, where nothing could hand it over).
     """
 
     def __init__(
@@ -166,6 +170,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         backward_passes_per_step: int = 1,
         op: ReduceOp = Average,
         bucket_cap_mb: float = 25.0,
+        *,
+        worker: WorkerContext | None = None,
     ) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
@@ -175,13 +181,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"backward_passes_per_step must be an integer >= 1, got {backward_passes_per_step!r}")
         if op not in (Average, Sum):
             raise ValueError(f"op must be Average or Sum, got {op!r}")
-        ctx = maybe_current()
-        if ctx is not None and ctx.backend not in TORCH_BACKENDS:
+        worker = worker if worker is not None else maybe_current()
+        if worker is not None and worker.backend not in TORCH_BACKENDS:
             raise ValueError(
                 f"DistributedOptimizer needs a torch.distributed backend, but this run uses "
-                f"backend={ctx.backend!r}: pass backend='gloo' (CPU) or 'nccl' (GPU) to ElasticTrainer, "
+                f"backend={worker.backend!r}: pass backend='gloo' (CPU) or 'nccl' (GPU) to ElasticTrainer, "
                 "or average the gradients yourself with ray_elastic.allreduce_"
             )
+        self._worker = worker
         self.optimizer = optimizer
         self._as_torch_optimizer()
         self.backward_passes_per_step = backward_passes_per_step
@@ -264,7 +271,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._add_params(added)  # buckets of their own, before the one that carries the host-change count
 
     # ---- backward ----------------------------------------------------------
-    def _follow(self, ctx: WorkerContext) -> None:
+    def _generation_now(self) -> tuple[WorkerContext, Generation]:
+        """The worker and the generation it is in (joining first if needed)."""
+        if self._worker is None:  # built before the worker's runtime existed: the process's, from now on
+            self._worker = current()
+        worker = self._worker
+        generation = worker.joined()
+        if generation.number != self._generation:
+            self._follow(generation)
+        return worker, generation
+
+    def _follow(self, generation: Generation) -> None:
         """A new generation (a reset): launches of the old ring are void, and the world may have a new size.
 
         So is an error recorded on the old ring: the reset that replaced it already rolled the step back. With
@@ -273,9 +290,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """
         self._error = None
         self._reset_buckets()
-        self._generation = ctx.generation
-        slot = ctx.slot
-        self._size = slot.size if slot is not None else 1
+        self._generation = generation.number
+        self._size = generation.size
         self._reduced = False
 
     def _reset_buckets(self) -> None:
@@ -290,10 +306,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _on_grad_ready(self, index: int, _param: torch.Tensor) -> None:
         """Autograd accumulated parameter `index`'s gradient: count it, and launch the buckets it completed."""
         try:
-            ctx = current()
-            ctx.ensure_joined()
-            if ctx.generation != self._generation:
-                self._follow(ctx)
+            worker, generation = self._generation_now()
             if self._size == 1:
                 return  # nothing to reduce: autograd's gradient is the step's
             if not self._queued:
@@ -309,7 +322,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             while self._next_launch < len(buckets) and buckets[self._next_launch].ready == len(
                 buckets[self._next_launch].params
             ):
-                self._launch(buckets[self._next_launch])
+                self._launch(worker, generation, buckets[self._next_launch])
         except BaseException as e:  # noqa: BLE001 - surfaced at step(), not from inside autograd
             self._error = e
 
@@ -321,17 +334,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
         try:
             self._backward_passes += 1
             if self._backward_passes >= self.backward_passes_per_step:
-                self._reduce()
+                self._reduce(*self._generation_now())
         except BaseException as e:  # noqa: BLE001 - surfaced at step(), the one place the run loop expects it
             self._error = e
 
-    def _launch(self, bucket: _Bucket) -> None:
+    def _launch(self, worker: WorkerContext, generation: Generation, bucket: _Bucket) -> None:
         self._next_launch += 1
-        ctx = current()
         if bucket is self._buckets[0]:  # buckets launch in index order: the step's compute ends here
-            PACE.launched(ctx.generation)
-        ring = ctx.group
-        assert ring is not None  # a backward of a joined rank launches buckets
+            PACE.launched(generation.number)
+        ring = generation.ring
         flat = bucket.flat
         moved: list[torch.Tensor] = []  # autograd's gradients, to copy into the bucket in one call
         into: list[torch.Tensor] = []
@@ -356,7 +367,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if bucket is self._buckets[-1]:
                 # fill_ takes the value as a kernel argument; item assignment copies it from pageable host memory,
                 # which makes the CPU wait for the device
-                flat[-1:].fill_(1.0 if ctx.notice > ctx.generation else 0.0)
+                flat[-1:].fill_(1.0 if worker.notice > generation.number else 0.0)
         if moved or unused:
             for p, view, contiguous in zip(bucket.params, bucket.views, bucket.contiguous, strict=True):
                 # the bucket is the gradient from now on; autograd's tensor is freed here, in backward, so the
@@ -365,18 +376,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     p.grad = view
         bucket.work = ring.allreduce_async(flat, Sum)
 
-    def _reduce(self) -> None:
+    def _reduce(self, worker: WorkerContext, generation: Generation) -> None:
         """Launch what backward did not (parameters with no gradient), wait for every bucket, agree on notices."""
-        ctx = current()
         try:
             for bucket in self._buckets[self._next_launch :]:
-                self._launch(bucket)
+                self._launch(worker, generation, bucket)
             for bucket in self._buckets:
                 if bucket.work is not None:
                     waiting = time.perf_counter()
                     bucket.work.wait()
                     PACE.waited(time.perf_counter() - waiting)
-            _agree(ctx, self._buckets[-1].flat[-1:])
+            _agree(worker, self._buckets[-1].flat[-1:])
             with torch.no_grad():
                 for bucket in self._buckets:
                     for p, view, contiguous in zip(bucket.params, bucket.views, bucket.contiguous, strict=True):
@@ -388,27 +398,24 @@ class DistributedOptimizer(torch.optim.Optimizer):
                             p.grad.copy_(view)
         finally:
             self._reset_buckets()
-        PACE.reduced(ctx.generation)
+        PACE.reduced(generation.number)
         self._reduced = True
 
     # ---- step ------------------------------------------------------------
     def synchronize(self) -> None:
         """Have the reduced gradients in `.grad` now (backward's end already did, unless no gradient came)."""
-        ctx = current()
-        ctx.ensure_joined()
+        worker, generation = self._generation_now()
         try:
-            if ctx.generation != self._generation:
-                self._follow(ctx)
             if self._error is not None:
                 self._reset_buckets()  # what backward launched before it failed is void
                 raise self._error
             if not self._reduced:
                 if self._size > 1:
-                    self._reduce()
+                    self._reduce(worker, generation)
                 else:
-                    PACE.launched(ctx.generation)
-                    ctx.agree_on_notice(ctx.notice > ctx.generation)  # alone: nothing to agree with
-                    PACE.reduced(ctx.generation)
+                    PACE.launched(generation.number)
+                    worker.agree_on_notice(worker.notice > generation.number)  # alone: nothing to agree with
+                    PACE.reduced(generation.number)
                     self._reduced = True
         except HorovodInternalError:
             raise

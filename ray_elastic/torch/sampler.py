@@ -357,7 +357,7 @@ class ElasticSampler(Sampler[int]):
     def _current_world(self) -> tuple[int, int]:
         if self._world is not None:
             return self._world
-        slot = current().joined_slot()  # as ray_elastic.rank() and size() find it
+        slot = current().joined().slot  # as ray_elastic.rank() and size() find it
         return slot.rank, slot.size
 
     def _epoch_order(self) -> np.ndarray:

@@ -2,22 +2,32 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from ray_elastic.runtime.process import maybe_current
-from ray_elastic.runtime.ring_ops import group as current_ring
+from ray_elastic.runtime.process import current
 from ray_elastic.torch.handler import StateHandler, _sync_from_rank0
 from ray_elastic.torch.sampler import ElasticSampler
 
+if TYPE_CHECKING:
+    from ray_elastic.runtime.context import WorkerContext
+
 
 class SamplerHandler(StateHandler):
-    """An `ElasticSampler` (or a prepared loader's): the epoch and the processed-sample bitmap."""
+    """An `ElasticSampler` (or a prepared loader's): the epoch and the processed-sample bitmap.
 
-    def __init__(self, value: Any) -> None:
+    Args:
+        value: the sampler, or a loader made by `prepare_data_loader`.
+        worker: the runtime whose ring merges the ranks' bitmaps and sets
+            the sampler's world after a sync (its `TorchState`'s); None
+            outside a worker, where a commit merges nothing.
+    """
+
+    def __init__(self, value: Any, worker: WorkerContext | None = None) -> None:
         super().__init__(value)
+        self._worker = worker
         self._saved = self.sampler.state_dict()
 
     @property
@@ -29,8 +39,8 @@ class SamplerHandler(StateHandler):
         # record_indices() marks only this rank's samples: OR the bitmaps so every rank holds all.
         # Agree first, so no rank enters the union alone (TorchState's first commit skips this).
         self.sampler.record_pending()  # a prepared loader's batch trained since it was handed out
-        ctx = maybe_current()
-        ring = ctx.group if ctx is not None else None
+        now = None if self._worker is None else self._worker.generation_now()
+        ring = None if now is None else now.ring
         if ring is not None and ring.max_int(int(self.sampler.needs_union)):
             ring.bitwise_or_(self.sampler.bitmap)
             self.sampler.needs_union = False
@@ -68,5 +78,6 @@ class SamplerHandler(StateHandler):
         return [torch.from_numpy(self.sampler.bitmap)]  # the live bitmap: received in place
 
     def after_sync(self) -> None:
-        ring = current_ring()
+        worker = self._worker if self._worker is not None else current()  # a sync runs inside a worker
+        ring = worker.joined().ring
         self.sampler.set_world(ring.rank, ring.size)

@@ -48,6 +48,12 @@ commit is then copied on a background thread as after a restore. A handler
 takes part through `describe / receive / tensors / received / after_sync`;
 a user handler that implements only `sync()` is synced by it, on every
 rank, whenever some rank needs state.
+
+Worker: a `TorchState` commits to and syncs over one worker runtime,
+`TorchState(..., worker=...)`, by default the process's, found once at
+construction (see `State`). Rank 0 publishes its optimizers' layout in that
+worker's lasting KV, a newcomer's warm-up is registered with it, and the
+sampler handlers take their ring from it: none of them looks the process up.
 """
 
 from __future__ import annotations
@@ -62,7 +68,6 @@ import torch
 
 from ray_elastic.runtime.commits import fresh_commit_id
 from ray_elastic.runtime.process import maybe_current
-from ray_elastic.runtime.ring_ops import group as current_ring
 from ray_elastic.state.reshard_plan import ShardLostError
 from ray_elastic.state.state import State, SyncReport
 from ray_elastic.state.transfer import agree, share_object
@@ -86,6 +91,8 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
     from ray_elastic.collective.base import CollectiveGroup
+    from ray_elastic.runtime.context import WorkerContext
+    from ray_elastic.runtime.generation import Generation
     from ray_elastic.state.sync_plan import SyncPlan
 
 logger = logging.getLogger(__name__)
@@ -100,7 +107,7 @@ def register_handler(value_type: type, factory: Callable[[Any], StateHandler]) -
     _REGISTRY.insert(0, (value_type, factory))
 
 
-def _handler_for(value: Any) -> StateHandler:
+def _handler_for(value: Any, worker: WorkerContext | None) -> StateHandler:
     for value_type, factory in _REGISTRY:
         if isinstance(value, value_type):
             return factory(value)
@@ -109,7 +116,7 @@ def _handler_for(value: Any) -> StateHandler:
     if isinstance(value, torch.optim.Optimizer):  # a DistributedOptimizer too
         return OptimizerHandler(value)
     if isinstance(value, (ElasticSampler, ElasticDataLoader)):  # a loader: its sampler's position, the loader kept
-        return SamplerHandler(value)
+        return SamplerHandler(value, worker)
     if isinstance(value, torch.amp.GradScaler):  # committed without reading its tensors (no device wait)
         return GradScalerHandler(value)
     if saves_itself(value):  # a scheduler, an EMA: restored in place, never replaced by a copy
@@ -117,15 +124,18 @@ def _handler_for(value: Any) -> StateHandler:
     return ObjectHandler(value)
 
 
-def _handlers_for(values: dict[str, Any]) -> dict[str, StateHandler]:
-    """A handler per attribute; a sharded model's handler also takes the optimizers that step it."""
+def _handlers_for(values: dict[str, Any], worker: WorkerContext | None) -> dict[str, StateHandler]:
+    """A handler per attribute; a sharded model's handler also takes the optimizers that step it.
+
+    `worker`'s generation, when it is in one, is the world a sharded model
+    must fit; None: outside a worker (the model's own mesh then).
+    """
     handlers: dict[str, StateHandler] = {}
     for name, model in values.items():
         if not fsdp2.is_sharded(model):
             continue
-        ctx = maybe_current()
-        ring = None if ctx is None else ctx.group
-        world = ring.size if ring is not None else fsdp2.mesh_size(model)
+        now = None if worker is None else worker.generation_now()
+        world = now.ring.size if now is not None else fsdp2.mesh_size(model)
         refused = fsdp2.refusal(model, world)
         if refused is not None:
             raise fsdp2.ShardingRefused(f"TorchState({name}=...): {refused}")
@@ -144,7 +154,7 @@ def _handlers_for(values: dict[str, Any]) -> dict[str, StateHandler]:
                 )
             handlers[n] = OwnedOptimizer(opt)
         handlers[name] = ShardedHandler(model, [opt for _, opt in stepping])
-    return {k: handlers.get(k) or _handler_for(v) for k, v in values.items()}
+    return {k: handlers.get(k) or _handler_for(v, worker) for k, v in values.items()}
 
 
 class TorchState(State):
@@ -157,9 +167,25 @@ class TorchState(State):
     Attributes read and write through to their handlers, so `state.epoch = 3`
     is what the next `commit()` saves. `last_sync` says what the last sync
     moved (a `SyncReport`).
+
+    Args:
+        model: a `torch.nn.Module` (also as any other name).
+        optimizer: a `torch.optim.Optimizer` or `DistributedOptimizer`.
+        worker: the worker runtime it commits to and syncs over (keyword
+            only, so no attribute may be named `worker`); None (the
+            default): this process's, found once, here.
+        kwargs: the other attributes, each with the handler of its type.
     """
 
-    def __init__(self, model: torch.nn.Module | None = None, optimizer: Any = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module | None = None,
+        optimizer: Any = None,
+        *,
+        worker: WorkerContext | None = None,
+        **kwargs: Any,
+    ) -> None:
+        worker = worker if worker is not None else maybe_current()
         values = dict(kwargs)
         if values.get("rng") is True:  # the global generators roll back with the state (see `RngState`)
             values["rng"] = RngState()
@@ -167,19 +193,18 @@ class TorchState(State):
             values["model"] = model
         if optimizer is not None:
             values["optimizer"] = optimizer
-        object.__setattr__(self, "_handlers", _handlers_for(values))
+        object.__setattr__(self, "_handlers", _handlers_for(values, worker))
         object.__setattr__(self, "_hooked", {})  # id(optimizer) -> (optimizer, its step pre-hook's handle)
         # where rank 0 publishes its optimizers' layout for newcomers: states are built in the same order everywhere
         object.__setattr__(self, "_layout_key", f"torch_state_layout/{next(_state_numbers)}")
         object.__setattr__(self, "_published", None)
-        super().__init__()
+        super().__init__(worker)
         # no collective in this first commit: a newcomer of a Horovod script is already in the ring when it
         # builds its state, while the survivors wait in their sync's agreement (the two would never meet);
         # the sync right after gives every rank rank 0's state
         self._save(later=False, collectives=False)
-        ctx = maybe_current()
-        if ctx is not None:
-            ctx.add_join_preparation(self._prepare_newcomer)
+        if worker is not None:
+            worker.add_join_preparation(self._prepare_newcomer)
 
     def __getattr__(self, name: str) -> Any:
         handlers = self.__dict__.get("_handlers", {})
@@ -238,7 +263,7 @@ class TorchState(State):
         for handler in self._sharded():
             handler.committed(after.fingerprint())
             if collectives:
-                handler.replicate(current_ring())
+                handler.replicate(self.worker_context().joined().ring)
         self._publish_layout()
 
     def _sharded(self) -> list[ShardedHandler]:
@@ -246,18 +271,17 @@ class TorchState(State):
 
     def _publish_layout(self) -> None:
         """On rank 0: put its optimizers' state layout in the run's KV when it changed (a few KB, not awaited)."""
-        ctx = maybe_current()
-        if ctx is None or ctx.group is None or ctx.group.rank != 0:
+        now = None if self._worker is None else self._worker.generation_now()
+        if now is None or now.ring.rank != 0:
             return
         layouts = {n: h.layout() for n, h in self._handlers.items() if isinstance(h, OptimizerHandler) and h.layout()}
         if layouts and layouts != self._published:
-            ctx.post_lasting(self._layout_key, pickle.dumps(layouts))
+            self.worker_context().post_lasting(self._layout_key, pickle.dumps(layouts))
             object.__setattr__(self, "_published", layouts)
 
     def _prepare_newcomer(self) -> None:
         """Before this worker first says it is ready: allocate and fault in what rank 0's commit will send."""
-        ctx = maybe_current()
-        raw = None if ctx is None else ctx.get_lasting(self._layout_key)
+        raw = None if self._worker is None else self._worker.get_lasting(self._layout_key)
         if raw is None:
             return  # the run's first workers, or no optimizer state yet
         started = time.perf_counter()
@@ -324,12 +348,13 @@ class TorchState(State):
 
     def _sync(self) -> None:
         started = time.perf_counter()
-        ring = current_ring()
+        generation = self.worker_context().joined()
+        ring = generation.ring
         for sharded in self._sharded():  # every rank takes part: each holds a part of the state
             try:
                 sharded.reshard(ring, self.commit_id.fingerprint())
             except ShardLostError as lost:  # every rank raises it: the plan is the same everywhere
-                self._fall_back(ring, sharded, lost)
+                self._fall_back(generation, sharded, lost)
         plan = agree(ring, self.commit_id)
         agreed = time.perf_counter() - started
         received = 0
@@ -342,17 +367,16 @@ class TorchState(State):
             handler.after_sync()
         self.last_sync = SyncReport(plan.holders, plan.receivers, received, time.perf_counter() - started, agreed)
 
-    def _fall_back(self, ring: CollectiveGroup, sharded: ShardedHandler, lost: ShardLostError) -> None:
+    def _fall_back(self, generation: Generation, sharded: ShardedHandler, lost: ShardLostError) -> None:
         """Rows lost with their replica: every rank goes back to the newest durable checkpoint, if there is one."""
-        ctx = maybe_current()
+        worker, ring = self.worker_context(), generation.ring
         found = False
-        if ring.rank == 0 and ctx is not None:
-            found = ctx.fall_back_to_durable(self, f"resharding lost rows ({lost})")
-        found, commits = ring.broadcast_object((found, None if ctx is None else ctx.commits), root_rank=0)
+        if ring.rank == 0:
+            found = worker.fall_back_to_durable(generation, self, f"resharding lost rows ({lost})")
+        found, commits = ring.broadcast_object((found, worker.commits), root_rank=0)
         if not found:
             raise lost
-        if ctx is not None:
-            ctx.commits = commits  # every rank counts from the checkpoint's commit: the next durable one is alike
+        worker.commits = commits  # every rank counts from the checkpoint's commit: the next durable one is alike
         sharded.reshard(ring, self.commit_id.fingerprint())  # rank 0 now describes the checkpoint to load
 
     def _transfer(self, ring: CollectiveGroup, plan: SyncPlan) -> int:

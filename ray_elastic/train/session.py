@@ -157,7 +157,8 @@ class Session:
         if layout is None:  # every rank synced the same state, so every rank skips the collective alike
             self.store.keep_only(None)
         else:
-            everything = self.store.settle(current().joined_ring(), layout, current().joined_slot().host)
+            generation = current().joined()
+            everything = self.store.settle(generation.ring, layout, generation.slot.host)
             if everything is not None:
                 self._materialize(layout["index"], everything)
         marks = self.marks
@@ -193,8 +194,9 @@ class Session:
             held: Layout | None = self.state.checkpoint
             index = 1 if held is None else held["index"] + 1
             name = directory or f"checkpoint_{index:06d}"
-            ctx = current()
-            layout = self.store.report(ctx.joined_ring(), files, index, ctx.joined_slot().host, name, ctx.generation)
+            generation = current().joined()
+            ring, host = generation.ring, generation.slot.host
+            layout = self.store.report(ring, files, index, host, name, generation.number)
             durable = [entry for entry in self.state.durable if entry[0] != name]
             if layout["directory"] is not None:
                 durable.append([name, dict(metrics)])
@@ -205,7 +207,7 @@ class Session:
                 loader.sampler.record_pending()  # the batch trained before this report counts
             self.state.loaders = [loader.sampler.state_dict() for loader in self.loaders]
             self.state.commit()
-            self.store.committed(current().joined_ring(), index, dropped)
+            self.store.committed(ring, index, dropped)
 
     def get_checkpoint(self) -> Checkpoint | None:
         layout: Layout | None = self.state.checkpoint

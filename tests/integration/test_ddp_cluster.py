@@ -190,7 +190,7 @@ def semantics_train_fn(config: dict) -> dict:
 
     @elastic.run
     def train(state) -> dict:
-        ring = current().group
+        ring = current().joined().ring
         calls = {"max_int": 0}
         max_int = ring.max_int
 

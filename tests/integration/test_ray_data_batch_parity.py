@@ -104,7 +104,7 @@ class _Handle:
 @pytest.fixture
 def one_rank(monkeypatch):
     """This process as the single rank of a world of one."""
-    slot = SimpleNamespace(joined_slot=lambda: SimpleNamespace(rank=0, size=1))
+    slot = SimpleNamespace(joined=lambda: SimpleNamespace(slot=SimpleNamespace(rank=0, size=1)))
     monkeypatch.setattr(shard_module, "current", lambda: slot)
 
 

@@ -1,7 +1,7 @@
 """A sync over a real torch Gloo ring of 3 processes (no Ray): only the ranks that lack rank 0's commit receive.
 
 Each process builds a `TorchGlooGroup` over one TCP store and stands in for a
-worker's runtime (`group`, `joined_ring`, the newcomer's preparations and the run's lasting KV are all a sync
+worker's runtime (`group`, `joined()`, the newcomer's preparations and the run's lasting KV are all a sync
 asks of it).
 """
 
@@ -51,11 +51,15 @@ class Runtime:
         self.membership = Membership(group)
         self.activity = ActivityMarks()
 
-    def ensure_joined(self) -> None:
-        pass
+    def joined(self):
+        from types import SimpleNamespace
 
-    def joined_ring(self):
-        return self.group
+        from ray_elastic.runtime.generation import Generation
+
+        return Generation(1, SimpleNamespace(rank=self.group.rank, size=self.group.size), self.group)
+
+    def generation_now(self):
+        return self.joined()
 
     def add_join_preparation(self, prepare) -> None:
         self.membership.add_join_preparation(prepare)
@@ -137,7 +141,7 @@ def holds_at_the_last_allreduce(state) -> list[bool]:
     from ray_elastic.runtime.process import current
     from ray_elastic.torch import copy_gate
 
-    ring, seen = current().group, []
+    ring, seen = current().joined().ring, []
     max_int = ring.max_int
 
     def recording(value: int) -> int:

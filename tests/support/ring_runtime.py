@@ -1,8 +1,9 @@
 """A worker's runtime as far as `TorchState` asks it, over a ring a test builds itself (no Ray, no driver).
 
-`RingRuntime(ring, host)`: the ring (`group`, `joined_ring()`), the
-backend's name, this worker's host (`slot.host`: where a sharded state's
-replicas go) and the run's lasting KV (a dict of this process's own).
+`RingRuntime(ring, host)`: the ring (`group`, set by the test; `joined()`
+and `generation_now()` hand it out as generation 1), the backend's name,
+this worker's host (`slot.host`: where a sharded state's replicas go) and
+the run's lasting KV (a dict of this process's own).
 With `checkpoints` (a `CheckpointCadence`), rank 0 can fall back to the newest
 durable checkpoint within the run, as a worker's runtime does.
 """
@@ -10,6 +11,8 @@ durable checkpoint within the run, as a worker's runtime does.
 from __future__ import annotations
 
 from types import SimpleNamespace
+
+from ray_elastic.runtime.generation import Generation
 
 
 class RingRuntime:
@@ -29,8 +32,8 @@ class RingRuntime:
     def check_host_updates(self) -> None:
         pass  # no driver: hosts never change here
 
-    def fall_back_to_durable(self, state, reason: str) -> bool:
-        meta = None if self.checkpoints is None else self.checkpoints.load_newest(state, self.slot, reason)
+    def fall_back_to_durable(self, generation, state, reason: str) -> bool:
+        meta = None if self.checkpoints is None else self.checkpoints.load_newest(state, generation.slot, reason)
         if meta is not None:
             self.commits = meta["commit"]
         return meta is not None
@@ -44,5 +47,8 @@ class RingRuntime:
     def get_lasting(self, key: str) -> bytes | None:
         return self.lasting.get(key)
 
-    def joined_ring(self):
-        return self.group
+    def joined(self) -> Generation:
+        return Generation(1, self.slot, self.group)
+
+    def generation_now(self) -> Generation | None:
+        return None if self.group is None else self.joined()

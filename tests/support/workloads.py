@@ -116,7 +116,7 @@ class FaultyObjectState(elastic.ObjectState):
         super().__init__(**kwargs)
 
     def save(self) -> None:
-        if current().group is not None:  # not the constructor's first save
+        if current().generation_now() is not None:  # not the constructor's first save
             _fire_faults(self._config, self.step, "commit")
         super().save()
 

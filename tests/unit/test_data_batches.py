@@ -191,7 +191,7 @@ class _Feed:
 def worker(monkeypatch):
     """The shard's worker: rank 0 of `world.size`, blocks fetched in place, prefetches recorded."""
     world = SimpleNamespace(rank=0, size=1, prefetched=[])
-    slot = SimpleNamespace(joined_slot=lambda: SimpleNamespace(rank=world.rank, size=world.size))
+    slot = SimpleNamespace(joined=lambda: SimpleNamespace(slot=SimpleNamespace(rank=world.rank, size=world.size)))
     monkeypatch.setattr(shard_module, "current", lambda: slot)
     monkeypatch.setattr(shard_module, "_get", lambda value, timeout, what: value)
     monkeypatch.setattr(shard_module.ray, "wait", lambda refs, **kw: world.prefetched.append(refs))

@@ -22,9 +22,9 @@ from ray_elastic.checkpoint import CheckpointStore
 from ray_elastic.checkpoint.entries import state_entries
 from ray_elastic.collective.base import CollectiveGroup, CollectiveWork, Max, Sum
 from ray_elastic.runtime.checkpoint_cadence import CheckpointCadence
+from ray_elastic.runtime.generation import Generation
 from ray_elastic.state.sync_plan import SyncPlan
-from ray_elastic.torch import broadcast, commit_buffers, handler, sampler_handler
-from ray_elastic.torch import state as torch_state
+from ray_elastic.torch import broadcast, commit_buffers, handler
 from ray_elastic.torch.commit_buffers import TensorBuffers
 from ray_elastic.torch.optimizer_handler import OptimizerHandler
 from ray_elastic.torch.sampler import ElasticSampler
@@ -120,16 +120,42 @@ class ThreadRing(CollectiveGroup):
         pass
 
 
+_THREAD = threading.local()  # the ring of the rank this thread runs (run_ranks)
+
+
+class ThreadWorker:
+    """A worker's runtime as a `TorchState` of `run_ranks` asks it: generation 1, on the calling thread's ring."""
+
+    commits = 0
+
+    def joined(self) -> Generation:
+        ring = _THREAD.ring
+        return Generation(1, SimpleNamespace(rank=ring.rank, size=ring.size), ring)
+
+    def generation_now(self) -> Generation | None:
+        return self.joined() if hasattr(_THREAD, "ring") else None
+
+    def add_join_preparation(self, prepare) -> None:
+        pass
+
+    def get_lasting(self, key):
+        return None
+
+    def post_lasting(self, key, value) -> None:
+        pass
+
+
 def run_ranks(monkeypatch, *jobs):
-    """Run `jobs[r]()` as rank r of an in-process ring, each on its own thread; re-raise the first failure."""
+    """Run `jobs[r]()` as rank r of an in-process ring, each on its own thread; re-raise the first failure.
+
+    A `TorchState` given `worker=ThreadWorker()` syncs over its thread's ring.
+    """
     hub = Hub(len(jobs))
-    local = threading.local()
-    for module in (torch_state, handler, sampler_handler):
-        monkeypatch.setattr(module, "current_ring", lambda: local.ring)
+    monkeypatch.setattr(handler, "current_ring", lambda: _THREAD.ring)  # a handler's own sync() (Horovod's helpers)
     errors: list[BaseException] = []
 
     def run(rank: int) -> None:
-        local.ring = ThreadRing(hub, rank)
+        _THREAD.ring = ThreadRing(hub, rank)
         try:
             jobs[rank]()
         except BaseException as e:  # noqa: BLE001 - re-raised in the test's thread
@@ -180,11 +206,15 @@ def test_a_newcomer_receives_a_two_device_state_through_the_transfer_with_each_t
     iter(sampler0)
     sampler0.record_batch(0, 4)
     sampler0.record_batch(1, 4)
-    holder = TorchState(model=model0, optimizer=opt0, sampler=sampler0, scheduler=sched0, rng=True, epoch=2)
+    holder = TorchState(
+        model=model0, optimizer=opt0, sampler=sampler0, scheduler=sched0, rng=True, epoch=2, worker=ThreadWorker()
+    )
     assert devices(opt0, model0) == [GPU_LIKE] * 4, "torch's own placement on the meta device"
 
     model1, opt1, sampler1, sched1 = meta_loop()
-    newcomer = TorchState(model=model1, optimizer=opt1, sampler=sampler1, scheduler=sched1, rng=True, epoch=0)
+    newcomer = TorchState(
+        model=model1, optimizer=opt1, sampler=sampler1, scheduler=sched1, rng=True, epoch=0, worker=ThreadWorker()
+    )
 
     hub = run_ranks(monkeypatch, holder.sync, newcomer.sync)
 
@@ -254,7 +284,7 @@ def test_send_tensors_stages_each_packed_chunk_on_its_own_device(monkeypatch):
 
 
 def _ring():
-    return torch_state.current_ring()
+    return _THREAD.ring
 
 
 def test_rollback_copies_into_device_tensors_and_trades_storage_on_the_host():

@@ -15,6 +15,7 @@ import re
 import sys
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -85,8 +86,8 @@ class _PlacedWorker:
         self.worker_id = worker_id
         self.slot = WorkerSlot(worker_id, "node-a", rank, 2, rank, 2, 0, 1)
 
-    def joined_slot(self):
-        return self.slot
+    def joined(self):
+        return SimpleNamespace(slot=self.slot)
 
 
 def test_init_sets_this_workers_first_place_over_a_horovod_rank_the_process_inherited(monkeypatch):

@@ -70,9 +70,6 @@ class _WorldOfOne(RingRuntime):
         self.slot = SimpleNamespace(host="h", rank=0, size=1, local_rank=0, local_size=1, cross_rank=0, cross_size=1)
         self.reports: list[dict] = []
 
-    def joined_slot(self):
-        return self.slot
-
     def report(self, metrics) -> None:
         self.reports.append(dict(metrics))
 

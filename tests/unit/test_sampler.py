@@ -11,6 +11,7 @@ iterates as a member of the new world.
 from __future__ import annotations
 
 from collections import Counter
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -292,8 +293,8 @@ def test_world_comes_from_the_worker_runtime_when_not_set(monkeypatch):
     from ray_elastic.runtime import process
 
     class Runtime:  # the worker's runtime, as ray_elastic.rank() and size() read it
-        def joined_slot(self) -> WorkerSlot:
-            return WorkerSlot("w1", "host", 1, 3, 0, 1, 0, 1)
+        def joined(self) -> SimpleNamespace:
+            return SimpleNamespace(slot=WorkerSlot("w1", "host", 1, 3, 0, 1, 0, 1))
 
     monkeypatch.setattr(process, "_current", Runtime())
     s = ElasticSampler(range(9), shuffle=False)

@@ -189,7 +189,7 @@ def test_a_notice_is_agreed_inside_the_last_gradient_bucket(world_of_one, monkey
     def no_collective(value: int) -> int:
         raise AssertionError("check_host_updates() after a step ran a collective of its own")
 
-    monkeypatch.setattr(world_of_one.group, "max_int", no_collective)
+    monkeypatch.setattr(world_of_one.joined().ring, "max_int", no_collective)
     with pytest.raises(HostsUpdatedInterrupt):
         world_of_one.check_host_updates()
 

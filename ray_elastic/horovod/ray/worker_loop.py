@@ -111,8 +111,8 @@ class ServeCommands:
 
 
 def _rank_or_minus_one() -> int:
-    rank = current().rank
-    return -1 if rank is None else rank
+    slot = current().slot  # the newest generation's, None before the first join
+    return -1 if slot is None else slot.rank
 
 
 @dataclass(frozen=True)
@@ -127,10 +127,10 @@ class CallOnce:
     def __call__(self, config: dict[str, Any]) -> None:
         worker = _start(self.env, self.executable)
         value = worker.execute(self.fn)
-        ctx = current()
-        rank = ctx.joined_slot().rank
+        generation = current().joined()
+        rank = generation.rank
         try:
             blob = cloudpickle.dumps(value)
         except Exception as e:
             raise TypeError(f"the function's result on rank {rank} cannot be pickled: {e}") from e
-        ray.get(self.mailbox.post.remote(ctx.generation, rank, True, blob))
+        ray.get(self.mailbox.post.remote(generation.number, rank, True, blob))

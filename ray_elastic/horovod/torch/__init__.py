@@ -92,7 +92,7 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
     ctx = maybe_current()
     if ctx is None:
         raise RuntimeError(_NOT_IN_A_WORKER)
-    slot = ctx.joined_slot()
+    slot = ctx.joined().slot
     start = {
         "HOROVOD_RANK": slot.rank,
         "HOROVOD_SIZE": slot.size,
@@ -118,7 +118,7 @@ def shutdown() -> None:
 def is_initialized() -> bool:
     """Whether this worker has joined a ring (`hvd.init()`, a collective or `@hvd.elastic.run`)."""
     ctx = maybe_current()
-    return ctx is not None and ctx.group is not None
+    return ctx is not None and ctx.generation_now() is not None
 
 
 def broadcast_parameters(params: Any, root_rank: int) -> None:

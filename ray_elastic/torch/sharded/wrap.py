@@ -94,7 +94,7 @@ def prepare(
         )
     device = get_device() if move_to_device else next(model.parameters()).device
     check_options(options, device)
-    ring = ctx.joined_ring()
+    ring = ctx.joined().ring
     if move_to_device:
         model.to(device)
     return shard_model(model, ring.size, device, **options)
