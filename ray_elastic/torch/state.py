@@ -153,7 +153,7 @@ def _handlers_for(values: dict[str, Any], worker: WorkerContext | None) -> dict[
                     "(fully_shard reduces its gradients itself): pass the plain optimizer"
                 )
             handlers[n] = OwnedOptimizer(opt)
-        handlers[name] = ShardedHandler(model, [opt for _, opt in stepping])
+        handlers[name] = ShardedHandler(model, [opt for _, opt in stepping], worker)
     return {k: handlers.get(k) or _handler_for(v, worker) for k, v in values.items()}
 
 

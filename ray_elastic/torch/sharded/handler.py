@@ -47,7 +47,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.distributed.tensor import DTensor, Shard
 
-from ray_elastic.runtime.process import maybe_current
 from ray_elastic.state.reshard_plan import ReshardPlan, plan_reshard, replica_holder, wards_of
 from ray_elastic.torch.handler import StateHandler
 from ray_elastic.torch.sharded import dcp_files, fsdp2
@@ -63,21 +62,29 @@ from ray_elastic.torch.sharded.rows import (
 
 if TYPE_CHECKING:
     from ray_elastic.collective.base import CollectiveGroup
+    from ray_elastic.runtime.context import WorkerContext
 
 logger = logging.getLogger(__name__)
 
-def _host() -> str:
-    ctx = maybe_current()
-    slot = None if ctx is None else ctx.slot
+
+def _host(worker: WorkerContext | None) -> str:
+    """This worker's host in its generation, where a shard's replica must not go ("local" outside a worker)."""
+    now = None if worker is None else worker.generation_now()
+    slot = None if now is None else now.slot
     return "local" if slot is None else slot.host
 
 
 class ShardedHandler(StateHandler):
-    """An FSDP2-sharded model with the optimizers that step it: committed, rolled back and resharded by shards."""
+    """An FSDP2-sharded model with the optimizers that step it: committed, rolled back and resharded by shards.
 
-    def __init__(self, model: torch.nn.Module, optimizers: list[Any]) -> None:
+    `worker` (its `TorchState`'s runtime; None outside a worker) says which
+    host this rank is on, so a replica goes to another host.
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizers: list[Any], worker: WorkerContext | None = None) -> None:
         super().__init__(model)
         self.optimizers = optimizers
+        self._worker = worker
         self.initial = True  # no sync yet: every rank's own shard is the state the run starts from
         self._own: Shard_ | None = None
         self._replicas: list[Shard_] = []
@@ -231,7 +238,7 @@ class ShardedHandler(StateHandler):
             self._replicas = []
             return
         if self._hosts is None or self._hosts[0] is not ring:
-            self._hosts = (ring, ring.allgather_object(_host()))
+            self._hosts = (ring, ring.allgather_object(_host(self._worker)))
         hosts = self._hosts[1]
         holder = replica_holder(ring.rank, hosts)
         # a buffer whose exchange was cut short is not written again: a dead ring's late bytes must land nowhere
