@@ -41,6 +41,7 @@ class RunConfig:
     backend: str = "gloo"  # the backend `backend="auto"` resolved to
     discovery_interval: float = _D["discovery_interval"]
     evict_stragglers: bool = _D["evict_stragglers"]
+    spares: int = _D["spares"]
     # failure
     reset_limit: int | None = _D["reset_limit"]
     cooldown_range: tuple[float, float] = _D["cooldown_range"]

@@ -260,10 +260,7 @@ class DriverActor:
             self.inbox.put(m.KVRestarted("it restarted while the driver was down"))
         actions = self.core.restarted(time.monotonic(), "its process died; Ray restarted it")
         await self._persist()
-        alive = {
-            w: (self.core.workers[w].host, self.core.workers[w].status is WorkerStatus.STARTING)
-            for w in self.core.alive_ids()
-        }
+        alive = {w: (self.core.workers[w].host, self.core.workers[w].status) for w in self.core.alive_ids()}
         await within("find its workers again", self.pool.reattach(alive))
         # the notice of the current generation, if the dead driver had not sent it
         self.pool.notify(self.core.plan, self.core.generation)
@@ -273,7 +270,7 @@ class DriverActor:
     async def _carry_out(self, actions: list[m.Action]) -> None:
         for action in actions:
             if isinstance(action, m.Spawn):
-                self.pool.spawn(action.worker_id, action.host)
+                self.pool.spawn(action.worker_id, action.host, spare=action.spare)
             elif isinstance(action, m.Kill):
                 self.pool.kill(action.worker_id)
                 self._release(action.worker_id)
@@ -369,6 +366,7 @@ class DriverActor:
             num_metrics=len(self.metrics),
             events=[e.to_dict() for e in events],
             events_from=events_from,
+            spares=self.core.spares_ready,
         )
 
     def _cleanup(self) -> None:

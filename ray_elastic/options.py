@@ -201,6 +201,16 @@ OPTIONS: tuple[Option, ...] = (
         "seconds between discovery polls", _S,
     ),
     Option(
+        "spares", "scaling", 0, check_int(0),
+        "hot spares: this many workers booted ahead of need (placement, process, torch and `train_fn`'s set-up up "
+        "to the run loop), out of every ring and holding no state. When a member dies, is withdrawn or let go, a "
+        "spare takes its place in the next generation (it receives the state there), so the world is back at full "
+        "strength without a boot on the critical path; a new spare then starts in the background. Spares take "
+        "only the slots the members (up to `max_workers`) leave free, count against the cluster's resources and "
+        "not against `max_workers`, and go on other nodes than the members where the cluster allows.",
+        "hot spares: N workers booted ahead of need, promoted into a dead member's place (default 0)", _N,
+    ),
+    Option(
         "evict_stragglers", "scaling", True, _check_bool,
         "let a worker go when it is persistently slower than the others (1.5x their median compute per step for "
         "~15 s) and the run is predicted faster without it: it leaves gracefully (no step redone), its host cools "

@@ -48,6 +48,7 @@ class EventKind(_StrEnum):
     SNAPSHOT_REFUSED = "snapshot_refused"  # a restarted driver found an older snapshot than the run's: the run fails
     STRAGGLER_EVICTED = "straggler_evicted"  # a persistently slow worker left gracefully; its host cools down
     STRAGGLER_FOUND = "straggler_found"  # a persistently slow worker kept (eviction off, no gain, min_workers)
+    SPARE_PROMOTED = "spare_promoted"  # a hot spare took a place in the next generation (`spares=`)
 
 
 class DriverState(_StrEnum):
@@ -115,6 +116,7 @@ class DriverStatus:
     num_metrics: int
     events: list[dict[str, Any]]  # those the caller has not seen (`status(events_since=)`)
     events_from: int = 0  # the run-wide number of events[0]
+    spares: int = 0  # hot spares booted and waiting for a place (`spares=`)
 
 
 @dataclass
@@ -129,6 +131,7 @@ class RunOutcome:
     events: list[dict[str, Any]] = field(default_factory=list)
     resets: int = 0
     checkpoint_error: str | None = None  # why the last durable checkpoint was not written, if it was not
+    spares_promoted: int = 0  # hot spares that took a place in a generation
 
 
 @dataclass(frozen=True)
@@ -147,6 +150,7 @@ class WorkerConfig:
     datasets: tuple[str, ...] = ()  # the names of the run's Ray Datasets (`get_dataset_shard`)
     cpus: float = 1.0  # the CPUs reserved for each worker: its torch threads (`runtime/threads.py`)
     omp_threads_set: bool = False  # the user set OMP_NUM_THREADS in fit()'s environment: it holds
+    spare: bool = False  # started as a hot spare: it waits to be admitted with no deadline of its own
 
 
 PACE_INTERVAL_S = 1.5

@@ -148,6 +148,11 @@ class Membership:
         after = self.generation
         while True:
             remaining = deadline - time.monotonic()
+            if remaining <= 0 and self.settings.spare and self.slot is None:
+                # a hot spare waits to be admitted for as long as the run needs no one: the driver bounds its boot
+                # and its hangs, and lets it go when the run ends (its orphan watch, when the driver is gone)
+                deadline = time.monotonic() + self.settings.rendezvous_timeout
+                continue
             if remaining <= 0:
                 raise RendezvousTimeoutError(
                     f"worker {self.worker_id} found no generation to join within "

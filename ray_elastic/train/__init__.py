@@ -27,7 +27,6 @@ from ray.train import (
     DataConfig,
     FailureConfig,
     RunConfig,
-    ScalingConfig,
     SyncConfig,
 )
 
@@ -53,6 +52,7 @@ except ImportError as e:  # RAY_TRAIN_V2_ENABLED=0: ray.train is Ray Train v1, w
     ) from e
 
 import ray_elastic as elastic
+from ray_elastic.train.config import ElasticScalingConfig as ScalingConfig
 from ray_elastic.train.report_store import write_index
 from ray_elastic.train.session import LoopInterrupt, TrainContext, current_session
 from ray_elastic.train.trainer import DataParallelTrainer, Result, TrainingFailedError, whole_dataset

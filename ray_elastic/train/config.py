@@ -2,7 +2,11 @@
 
 The config classes are Ray's own (`ray.train.ScalingConfig`, `RunConfig`,
 `CheckpointConfig`, `FailureConfig`, `BackendConfig`, `DataConfig`,
-`ray.train.torch.TorchConfig`), so a script builds them unchanged.
+`ray.train.torch.TorchConfig`), so a script builds them unchanged; the one
+addition is `ScalingConfig(spares=K)`, through this package's subclass of
+Ray's `ScalingConfig` (`ElasticScalingConfig`, exported as `ScalingConfig`):
+hot spares sit beside the world's size, and Ray's own class refuses the
+keyword.
 `trainer_options` maps them onto the options of the one driver
 (`ElasticTrainer`); `split_datasets` reads a `DataConfig`. A field set to
 anything but Ray's default that the elastic run cannot honour raises
@@ -13,6 +17,7 @@ ignored.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 from typing import TYPE_CHECKING, Any
 
@@ -56,6 +61,17 @@ _REFUSED: dict[type, dict[str, str]] = {
     },
 }
 
+@dataclasses.dataclass
+class ElasticScalingConfig(ScalingConfig):
+    """Ray's `ScalingConfig`, plus `spares`: hot spares booted ahead of need (`ElasticTrainer(spares=)`).
+
+    A subclass, so Ray's code and the user's own checks still see a
+    `ray.train.ScalingConfig`; `ray_elastic.train.ScalingConfig` is this class.
+    """
+
+    spares: int = 0
+
+
 # trainer keywords that have no elastic counterpart
 REFUSED_TRAINER_ARGS: dict[str, str] = {
     "validation_config": "validate in train_loop_per_worker and report the result",
@@ -67,12 +83,13 @@ _UNLIMITED_FAILURES = 2**31 - 1  # Ray's max_failures=-1
 
 def check_unsupported(config: Any) -> None:
     """Raise `ValueError` naming the first field of `config` set away from Ray's default that cannot be honoured."""
-    refused = _REFUSED.get(type(config), {})
+    ray_class = next((cls for cls in type(config).__mro__ if cls in _REFUSED), type(config))  # ours: Ray's
+    refused = _REFUSED.get(ray_class, {})
     default = type(config)()
     for name, why in refused.items():
         if getattr(config, name) != getattr(default, name):
             raise ValueError(
-                f"{type(config).__name__}({name}={getattr(config, name)!r}) is not supported by "
+                f"{ray_class.__name__}({name}={getattr(config, name)!r}) is not supported by "
                 f"ray_elastic.train: {why}"
             )
 
@@ -106,6 +123,7 @@ def trainer_options(
     options: dict[str, Any] = {}
     options["min_workers"], options["max_workers"] = _world(scaling.num_workers)
     options["resources_per_worker"] = _resources(scaling.use_gpu, scaling.resources_per_worker)
+    options["spares"] = getattr(scaling, "spares", 0)  # Ray's own class has none
     if isinstance(backend, TorchConfig):
         if backend.backend is not None:
             if backend.backend not in ("gloo", "nccl"):

@@ -61,6 +61,8 @@ class Result:
     - `metric_times`: when each was reported (seconds since the epoch).
     - `events`: membership events (`Event`: time, kind, world size, reset duration).
     - `resets`: how many times the ring was re-formed.
+    - `spares_promoted`: how many hot spares (`spares=`) took a place in a
+      generation; each promotion is also a `spare_promoted` event.
     - `run_id`: the run's id, the `run_id` tag of its Ray metrics.
     - `metrics_dropped`: reports not kept (older than the newest
       `keep_metrics`); `metrics_history` holds the newest ones.
@@ -77,6 +79,7 @@ class Result:
     metric_times: list[float] = field(default_factory=list)
     events: list[Event] = field(default_factory=list)
     resets: int = 0
+    spares_promoted: int = 0
     run_id: str = ""
     metrics_dropped: int = 0
     checkpoint_error: str | None = None
@@ -161,6 +164,7 @@ class ElasticTrainer:
         verbose: int = 1,
         *,
         checkpoint_timeout: float | None = None,
+        spares: int = 0,
     ) -> None:
         options = {name: value for name, value in locals().items() if name in BY_NAME}  # the run's options
         preflight.check_train_fn(train_fn, backend)
@@ -291,6 +295,7 @@ class ElasticTrainer:
             metric_times=[t for t, _ in reports.kept],
             events=[Event(**e) for e in outcome.events],
             resets=outcome.resets,
+            spares_promoted=outcome.spares_promoted,
             run_id=run_id,
             metrics_dropped=reports.dropped,
             checkpoint_error=outcome.checkpoint_error,

@@ -65,8 +65,9 @@ class Progress:
             self._bar.set_postfix_str(" ".join(f"{k}={_short(v)}" for k, v in list(shown.items())[:6]), refresh=False)
         epoch = f"epoch {self._latest['epoch']} " if "epoch" in self._latest else ""
         step = self._latest.get("step", self._reports)
+        spares = f" +{status['spares']} spare" if status.get("spares") else ""
         self._bar.set_description(
-            f"ray-elastic [{status.get('state', '?')}] {epoch}step {step} world {status.get('world_size', 0)} "
+            f"ray-elastic [{status.get('state', '?')}] {epoch}step {step} world {status.get('world_size', 0)}{spares} "
             f"resets {status.get('resets', 0)}",
             refresh=True,
         )
@@ -137,4 +138,5 @@ def describe(ev: dict[str, Any]) -> str:
     if ev["reset_duration"] is None:
         return f"[ray-elastic] {ev['detail']}; {sizes}"
     verb = "recovered" if ev["kind"] in ("worker_failed", "reset_requested", "restarted") else "resized"
+    verb = "joined" if ev["kind"] == "spare_promoted" else verb
     return f"[ray-elastic] {ev['detail']}; {verb} in {ev['reset_duration']:.2f} s, {sizes}"

@@ -28,7 +28,7 @@ from typing import Any
 from ray_elastic.config import RunConfig
 from ray_elastic.driver.core import messages as m
 from ray_elastic.driver.core.driver_core import DriverCore
-from ray_elastic.driver.core.roster import ALIVE, WorkerStatus
+from ray_elastic.driver.core.roster import ALIVE, SPARES, WorkerStatus
 from ray_elastic.driver.core.stragglers import WINDOW
 from ray_elastic.protocol import DriverState, EventKind, Finished, PaceSummary, Removed, UserError
 
@@ -88,6 +88,7 @@ class Model:
             collective_timeout=rng.choice((20.0, 20.0, 6.0)),
             checkpoint_dir="file:///tmp/model-ckpt" if rng.random() < 0.5 else None,
             max_failures=rng.choice((0, 2, 5, -1)),
+            spares=rng.choice((0, 0, 1, 2)),
         )
         self.now = 100.0
         self.core = DriverCore(self.config, wall_offset=1000.0, started_at=self.now)
@@ -502,7 +503,9 @@ class Model:
         self.check_fenced(actions)
         self.check_failure()
         self.check_min_workers(evicted)
-        self.check_finish(messages)
+        self.check_finish(messages, {a.worker_id for a in actions if isinstance(a, m.Kill) and a.failed})
+        spares = core.record.roster.count(*SPARES)
+        self.require(spares <= self.config.spares, f"{spares} hot spares, more than spares={self.config.spares}")
         if core.state is DriverState.RESETTING or core.state is DriverState.RUNNING:
             resetting = core.generation > 1 and bool(core.generations.syncing)
             self.require((core.state is DriverState.RESETTING) == resetting, "the phase disagrees with the syncs")
@@ -528,6 +531,12 @@ class Model:
         for w in publish.plan:
             self.require(not self.core.is_void(w), f"generation {publish.generation} names void worker {w}")
             self.require(self.core.workers[w].status in ALIVE, f"generation {publish.generation} names ended {w}")
+            self.require(self.core.workers[w].status not in SPARES, f"generation {publish.generation} names spare {w}")
+        # one over max_workers only while a holder hands the state over to a newcomer (`Scaling._room_for`)
+        self.require(
+            len(publish.plan) <= self.config.max_workers + 1,
+            f"generation {publish.generation} has {len(publish.plan)} members, max_workers={self.config.max_workers}",
+        )
         self.require(
             len(publish.plan) >= self.config.min_workers,
             f"generation {publish.generation} has {len(publish.plan)} < min_workers members",
@@ -586,12 +595,19 @@ class Model:
                 f"letting {sorted(evicted)} go leaves {len(staying)} < min_workers members that stay",
             )
 
-    def check_finish(self, messages: list[m.Message]) -> None:
-        """Ranks that all return end the run DONE with rank 0's value; an uneven finish fails at once, keeping it."""
+    def check_finish(self, messages: list[m.Message], killed: set[str]) -> None:
+        """Ranks that all return end the run DONE with rank 0's value; an uneven finish fails at once, keeping it.
+
+        A rank the core killed as failed in the batch that carried its return
+        was judged before the return reached it (a return first would have
+        ended it, and a finished worker is not killed): that return is void.
+        """
         fin, core = self.finish, self.core
         if fin is None:
             return
         for x in messages:
+            if isinstance(x, m.WorkerExited) and x.worker_id in killed:
+                continue
             if isinstance(x, m.WorkerExited) and x.worker_id in fin.plan and not core.state.is_final:
                 fin.said.add(x.worker_id)
             if isinstance(x, m.WorkerExited) and x.worker_id in fin.plan and fin.plan[x.worker_id].rank == 0:
@@ -646,10 +662,16 @@ class Model:
         core = self.core
         self.require(core.state is DriverState.RUNNING, f"the run still waits in {core.state.value}")
         self.require(not core.generations.syncing, "the run waits for a sync that cannot come")
-        ready = core.record.roster.ids(WorkerStatus.READY, WorkerStatus.MEMBER)
+        roster = core.record.roster
+        ready = roster.ids(WorkerStatus.READY, WorkerStatus.MEMBER)
         self.require(
             set(core.plan) == ready,
             f"workers wait to be admitted for ever: plan {sorted(core.plan)}, ready {sorted(ready)}",
+        )
+        self.require(
+            not roster.any(WorkerStatus.SPARE)
+            or len(core.plan) + roster.count(WorkerStatus.STARTING) >= self.config.max_workers,
+            f"a ready spare waits while the world ({len(core.plan)}) is below max_workers={self.config.max_workers}",
         )
 
 

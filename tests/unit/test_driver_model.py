@@ -102,3 +102,9 @@ def test_the_model_generates_every_message_the_shell_can_send():
         if seen >= every:
             break
     assert every - seen == set(), f"no generator in the model for {sorted(t.__name__ for t in every - seen)}"
+
+
+def test_seed_17896_a_return_that_reaches_the_core_after_it_killed_that_rank_is_void():
+    """The model's own error: it counted rank 0's return though the core had judged rank 0 hung earlier in the same
+    batch (an activity answer that timed out) and the return was void by then."""
+    driver_model.play(17896)

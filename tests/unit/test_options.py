@@ -46,7 +46,7 @@ BEFORE = [
 def test_the_trainers_existing_keywords_keep_their_order_and_new_options_are_keyword_only():
     params = list(inspect.signature(ElasticTrainer).parameters.values())
     assert [p.name for p in params if p.kind is p.POSITIONAL_OR_KEYWORD] == BEFORE
-    assert [p.name for p in params if p.kind is p.KEYWORD_ONLY] == ["checkpoint_timeout"]
+    assert [p.name for p in params if p.kind is p.KEYWORD_ONLY] == ["checkpoint_timeout", "spares"]
 
 
 def test_run_config_has_a_field_per_option_with_the_tables_default():

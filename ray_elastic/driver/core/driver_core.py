@@ -122,6 +122,11 @@ class DriverCore:
     def checkpoint_error(self) -> str | None:
         return self.finishing.checkpoint_error
 
+    @property
+    def spares_ready(self) -> int:
+        """Hot spares booted and waiting for a place."""
+        return self.record.roster.count(WorkerStatus.SPARE)
+
     def alive_ids(self) -> list[str]:
         return self.record.roster.alive_ids()
 
@@ -144,6 +149,7 @@ class DriverCore:
             events=[e.to_dict() for e in self.events],
             resets=self.resets,
             checkpoint_error=self.checkpoint_error,
+            spares_promoted=self.scaling.spares.promoted,
         )
 
     def is_void(self, worker_id: str) -> bool:
@@ -258,6 +264,9 @@ class DriverCore:
         if rec is not None and rec.status is WorkerStatus.STARTING:
             self.record.roster.move(rec, WorkerStatus.READY, "it said it is ready")
             rec.heard()  # its process is up: from now on the liveness check applies
+        elif rec is not None and rec.status is WorkerStatus.SPARE_BOOTING:
+            self.record.roster.move(rec, WorkerStatus.SPARE, "a hot spare, ready")
+            rec.heard()
 
     def _on_exited(self, msg: m.WorkerExited, now: float) -> None:
         if isinstance(msg.outcome, UserError):

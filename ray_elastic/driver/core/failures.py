@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from ray_elastic.assignment import Cooldown
 from ray_elastic.driver.core import messages as m
 from ray_elastic.driver.core.policies import CRASH_LOOP_REPEATS, decide_crash_loop, decide_user_error
-from ray_elastic.driver.core.roster import ALIVE, IN_RING, WorkerRecord, WorkerStatus
+from ray_elastic.driver.core.roster import ALIVE, IN_RING, SPARES, WorkerRecord, WorkerStatus
 from ray_elastic.protocol import EventKind, UserError
 
 if TYPE_CHECKING:
@@ -187,6 +187,7 @@ class Failures:
         if rec is None or rec.status not in ALIVE:
             return
         was_member = rec.status in IN_RING
+        was_spare = rec.status in SPARES
         record.roster.fenced.add(worker_id)
         self._abandon(rec, what)
         record.roster.move(rec, WorkerStatus.GONE, f"{what}: {reason}")
@@ -207,8 +208,9 @@ class Failures:
             detail = f"worker {worker_id} ({where}) on node {rec.host[:8]} {what}{why}{note}"
             gens.later(gens.event(EventKind.WORKER_FAILED, detail, now))
         else:
-            # a newcomer lost before it joined: a fault, but nobody trained with it, so no reset
-            detail = f"worker {worker_id} on node {rec.host[:8]} {what} before joining{why}{note}"
+            # a newcomer (or a hot spare) lost before it joined: a fault, but nobody trained with it, so no reset
+            spare = "hot spare " if was_spare else ""
+            detail = f"{spare}worker {worker_id} on node {rec.host[:8]} {what} before joining{why}{note}"
             ev = gens.event(EventKind.NEWCOMER_FAILED, detail, now)
             ev.reset_duration = 0.0
             record.events.append(ev)
@@ -237,7 +239,7 @@ class Failures:
     def check_boot_deadlines(self, now: float) -> None:
         """A worker not ready within `elastic_timeout` of its start is killed as failed."""
         timeout = self.record.config.elastic_timeout
-        for rec in self.record.roster.live(WorkerStatus.STARTING):
+        for rec in self.record.roster.live(WorkerStatus.STARTING, WorkerStatus.SPARE_BOOTING):
             if now - rec.started_at > timeout:
                 logger.warning("worker %s did not become ready within %g s; killing it", rec.worker_id, timeout)
                 self.fence(rec, f"it did not become ready within elastic_timeout={timeout:g} s", now)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ray_elastic.driver.core import messages as m
-from ray_elastic.driver.core.roster import IN_RING, WorkerRecord, WorkerStatus
+from ray_elastic.driver.core.roster import IN_RING, SPARES, WorkerRecord, WorkerStatus
 from ray_elastic.protocol import CoordinatorLost, Finished
 
 if TYPE_CHECKING:
@@ -57,7 +57,7 @@ class Finishing:
                 self.return_value = outcome.value
                 self.checkpoint_error = outcome.checkpoint_error
                 self.returned = True
-            for other in record.roster.live(WorkerStatus.STARTING, WorkerStatus.READY):
+            for other in record.roster.live(WorkerStatus.STARTING, WorkerStatus.READY, *SPARES):
                 record.let_go(other, "the run is finishing")
             self._let_go_newcomers_after(outcome.generation)
         self.end_if_done()

@@ -218,10 +218,12 @@ Message = (
 
 # ---- actions out -----------------------------------------------------------
 class Spawn(NamedTuple):
-    """Place a placement group on `host` and start worker `worker_id` in it."""
+    """Place a placement group on `host` and start worker `worker_id` in it (`spare`: as a hot spare, which waits
+    out of every ring, with no deadline, until a generation admits it)."""
 
     worker_id: str
     host: str
+    spare: bool = False
 
 
 class Kill(NamedTuple):

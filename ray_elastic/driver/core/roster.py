@@ -42,6 +42,8 @@ class WorkerStatus(enum.Enum):
     LEAVING = "leaving"  # left out of the next generation, exits at its next check
     FINISHED = "finished"  # train_fn returned
     GONE = "gone"  # died, removed or killed
+    SPARE_BOOTING = "spare booting"  # a hot spare: placement group, actor start, train_fn set-up
+    SPARE = "spare"  # a hot spare booted: in the run loop, out of every ring, until a place opens (`Scaling`)
 
 
 # from each status, the statuses a move may reach; FINISHED and GONE are final
@@ -56,6 +58,10 @@ MOVES: dict[WorkerStatus, frozenset[WorkerStatus]] = {
     WorkerStatus.LEAVING: frozenset({WorkerStatus.MEMBER, WorkerStatus.FINISHED, WorkerStatus.GONE}),
     WorkerStatus.FINISHED: frozenset(),
     WorkerStatus.GONE: frozenset(),
+    # it booted; promoted while still booting (a newcomer from then on); it died or was let go before
+    WorkerStatus.SPARE_BOOTING: frozenset({WorkerStatus.SPARE, WorkerStatus.STARTING, WorkerStatus.GONE}),
+    # promoted into a place (admitted with the next generation, as any ready newcomer); died or let go before
+    WorkerStatus.SPARE: frozenset({WorkerStatus.READY, WorkerStatus.GONE}),
 }
 
 
@@ -63,7 +69,17 @@ class StatusError(RuntimeError):
     """A move `MOVES` does not allow: the core's bookkeeping is wrong, and the run must not go on on it."""
 
 
-ALIVE = frozenset({WorkerStatus.STARTING, WorkerStatus.READY, WorkerStatus.MEMBER, WorkerStatus.LEAVING})
+ALIVE = frozenset(
+    {
+        WorkerStatus.STARTING,
+        WorkerStatus.READY,
+        WorkerStatus.MEMBER,
+        WorkerStatus.LEAVING,
+        WorkerStatus.SPARE_BOOTING,
+        WorkerStatus.SPARE,
+    }
+)
+SPARES = frozenset({WorkerStatus.SPARE_BOOTING, WorkerStatus.SPARE})
 IN_RING = frozenset({WorkerStatus.MEMBER, WorkerStatus.LEAVING})
 _STATUSES = tuple(WorkerStatus)
 _BY_SEQ = attrgetter("seq")
@@ -223,16 +239,18 @@ class Roster:
         self.changed: dict[str, None] = {}
         self._base: bytes | None = None
 
-    def new(self, host: str, now: float) -> WorkerRecord:
-        """Record a worker about to be started on `host`; ids and seqs grow with spawn order."""
+    def new(self, host: str, now: float, spare: bool = False) -> WorkerRecord:
+        """Record a worker about to be started on `host` (a hot spare: `spare`); ids and seqs grow with spawn
+        order."""
         self._seq += 1
-        rec = WorkerRecord(self, f"w{self._seq}", host, self._seq, WorkerStatus.STARTING, now)
+        status = WorkerStatus.SPARE_BOOTING if spare else WorkerStatus.STARTING
+        rec = WorkerRecord(self, f"w{self._seq}", host, self._seq, status, now)
         self.workers[rec.worker_id] = rec
-        self._by_status[WorkerStatus.STARTING][rec.worker_id] = rec
+        self._by_status[status][rec.worker_id] = rec
         self.unsettled.add(rec.worker_id)
         self.version += 1
         self.changed[rec.worker_id] = None
-        self.journal.note(rec.worker_id, None, WorkerStatus.STARTING)
+        self.journal.note(rec.worker_id, None, status)
         return rec
 
     def move(self, rec: WorkerRecord, to: WorkerStatus, reason: str) -> None:
@@ -268,8 +286,8 @@ class Roster:
     def count(self, *statuses: WorkerStatus) -> int:
         return sum(len(self._by_status[s]) for s in statuses)
 
-    def any(self, status: WorkerStatus) -> bool:
-        return bool(self._by_status[status])
+    def any(self, *statuses: WorkerStatus) -> bool:
+        return any(self._by_status[s] for s in statuses)
 
     def ids(self, *statuses: WorkerStatus) -> set[str]:
         """The ids of the workers in `statuses` (a set: for membership tests against a plan)."""

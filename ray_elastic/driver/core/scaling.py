@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, NamedTuple
 from ray_elastic.assignment import Cooldown, plan_scaling
 from ray_elastic.driver.core import messages as m
 from ray_elastic.driver.core.roster import IN_RING, WorkerRecord, WorkerStatus
+from ray_elastic.driver.core.spares import Spares
 from ray_elastic.protocol import EventKind
 
 if TYPE_CHECKING:
@@ -62,6 +63,7 @@ class Scaling:
         self._holding: str | None = None  # the withdrawn member kept to hand the trained state over
         self._autoscale_requested = 0
         self._steady: _Steady | None = None  # not pickled: a restarted driver plans whole
+        self.spares = Spares(record, generations, self.host_first_seen)
         self._all_offered: tuple[dict[str, int], int] | None = None  # the hosts, and their number, then
 
     def __getstate__(self) -> dict:
@@ -95,7 +97,7 @@ class Scaling:
 
     # ---- bringing the workers in line -------------------------------------------------
     def reconcile(self, now: float) -> None:
-        """Bring the workers in line with the hosts: start newcomers, let leavers go."""
+        """Bring the workers in line with the hosts: start newcomers, let leavers go, keep the hot spares."""
         add = self._after_deaths(now)
         steady = add is not None
         if add is None:
@@ -105,6 +107,9 @@ class Scaling:
         if added and gens.generation > 0:
             detail = f"{len(added)} new worker(s) {self._where(add)}"
             gens.announce(gens.event(EventKind.HOSTS_ADDED, detail, now), frozenset(added))
+        if self.record.config.spares:
+            self.spares.fill(now)
+            self.spares.top_up(self._spare_hosts(now), now)
         self._request_autoscale()
         if steady and self._steady is not None:
             free = {h: n - add.get(h, 0) for h, n in self._steady.free.items()}
@@ -121,6 +126,7 @@ class Scaling:
         steady, record = self._steady, self.record
         if (
             steady is None
+            or record.config.spares  # spares move between statuses `_STAYING` does not know: plan whole
             or record.hosts is not steady.hosts
             or len(record.hosts) != steady.host_count
             or record.draining != steady.draining
@@ -162,6 +168,8 @@ class Scaling:
         live = roster.live(WorkerStatus.STARTING, WorkerStatus.READY, WorkerStatus.MEMBER)
         staying = [r for r in live if r.worker_id not in evicted] + leavers
         usable = self._usable_hosts(staying)
+        if config.spares:
+            self.spares.fit(usable, staying, self._missing_once)  # members first: a spare holds what they leave
         decision = plan_scaling(
             [r.live for r in staying],
             usable,
@@ -182,6 +190,8 @@ class Scaling:
                 roster.move(rec, WorkerStatus.MEMBER, "its host is offered again")
         kept = self._keep_stragglers(held, remove)
         add = self._room_for(held, staying, remove, dict(decision.add), len(kept - {held}))
+        if config.spares:
+            return self.spares.promote(add, now), False
         in_place = not (remove or held or kept or leavers or evicted or record.benched or self._missing_once)
         if in_place and not roster.any(WorkerStatus.LEAVING):
             counts = Counter(r.host for r in staying)
@@ -272,6 +282,17 @@ class Scaling:
             usable[host] = slots
         return usable
 
+    def _spare_hosts(self, now: float) -> dict[str, int]:
+        """The slots hot spares may start on: a host offered for sure (not missing from the last poll), not
+        draining and not cooling down, less a straggler's held slots."""
+        record, cooling = self.record, self.cooldown.cooling(now)
+        hosts = {}
+        for host, slots in record.hosts.items():
+            if host in record.draining or host in self._missing_once or host in cooling:
+                continue
+            hosts[host] = record.benched.usable(host, slots) if record.benched and host in record.benched else slots
+        return hosts
+
     def _hold_over(self, remove: set[str]) -> str | None:
         """Keep one holder of the trained state among the members leaving, until the state is handed over.
 
@@ -330,9 +351,10 @@ class Scaling:
 
     # ---- the autoscaler ---------------------------------------------------------------
     def _request_autoscale(self) -> None:
-        """Ask Ray's autoscaler for the slots still missing up to max_workers."""
-        max_workers = self.record.config.max_workers
-        wanted = max_workers if sum(self.record.hosts.values()) < max_workers else 0
+        """Ask Ray's autoscaler for the slots still missing up to max_workers, and the hot spares'."""
+        config = self.record.config
+        slots = config.max_workers + config.spares
+        wanted = slots if sum(self.record.hosts.values()) < slots else 0
         if wanted != self._autoscale_requested:
             self._autoscale_requested = wanted
             self.record.act(m.RequestResources(wanted))

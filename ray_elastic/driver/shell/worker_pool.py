@@ -11,6 +11,7 @@ name (`reattach`).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -20,6 +21,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from ray_elastic.auth import Authed, RunToken
 from ray_elastic.driver.core import messages as m
+from ray_elastic.driver.core.roster import WorkerStatus
 from ray_elastic.run_footprint import (
     CONTROL_ACTORS,
     remove_run_actors,
@@ -77,8 +79,13 @@ class WorkerPool:
         self.start_args: tuple[Any, ...] = ()  # (kv, driver handle, worker config), set once the driver started
         self.payload_ref: Any = None  # train_fn's payload in the object store
 
-    def spawn(self, worker_id: str, host: str) -> None:
-        """Place a group for the worker on `host` and start it there (its outcome is reported when it ends)."""
+    def spawn(self, worker_id: str, host: str, spare: bool = False) -> None:
+        """Place a group for the worker on `host` and start it there (its outcome is reported when it ends).
+
+        A hot spare (`spare`) is told so in its settings: it waits for a
+        generation that admits it with no deadline of its own (the driver
+        bounds its boot, the liveness rounds its hangs).
+        """
         if worker_id not in self.pgs:  # a restarted driver keeps the one its predecessor made
             # detached, as the worker: both outlive a driver that Ray restarts (the run removes them by name)
             self.pgs[worker_id] = placement_group(
@@ -88,9 +95,9 @@ class WorkerPool:
                 lifetime="detached",
                 bundle_label_selector=[{"ray.io/node-id": host}],
             )
-        self.runs[worker_id] = asyncio.create_task(self._run_worker(worker_id, host))
+        self.runs[worker_id] = asyncio.create_task(self._run_worker(worker_id, host, spare))
 
-    async def _run_worker(self, worker_id: str, host: str) -> None:
+    async def _run_worker(self, worker_id: str, host: str, spare: bool) -> None:
         pg = self.pgs[worker_id]
         limit = self.config.elastic_timeout
         try:
@@ -116,12 +123,19 @@ class WorkerPool:
                 resources=res or None,
                 lifetime="detached",
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
-            ).remote(self.token, worker_id, *self.start_args)
+            ).remote(self.token, worker_id, *self._args(spare))
         except Exception as e:  # noqa: BLE001 - Ray refused the actor's options: say so now, not after a timeout
             self.report(m.WorkerStartFailed(worker_id, f"{type(e).__name__}: {first_line(e)}"))
             return
         self.handles[worker_id] = Authed(handle, self.token)
         await self._watch(worker_id)
+
+    def _args(self, spare: bool) -> tuple[Any, ...]:
+        """The worker's start arguments: (kv, driver handle, worker config), the config marked for a spare."""
+        if not spare:
+            return self.start_args
+        kv, driver, settings = self.start_args
+        return kv, driver, dataclasses.replace(settings, spare=True)
 
     async def _watch(self, worker_id: str) -> None:
         """Start the worker's training, or, for a restarted driver, wait for the one it runs: its outcome."""
@@ -170,17 +184,17 @@ class WorkerPool:
             if handle is not None:
                 handle.abandon.remote(action.generation, action.reason)
 
-    async def reattach(self, alive: dict[str, tuple[str, bool]]) -> None:
+    async def reattach(self, alive: dict[str, tuple[str, WorkerStatus]]) -> None:
         """Find the live workers of a restarted driver: watch their `run()` again, start the ones cut short.
 
-        `alive`: worker id -> (host, whether it was still starting). The run's
+        `alive`: worker id -> (host, its status in the core). The run's
         other actors and groups (workers the dead driver was told to stop)
         are removed; its control actors (the feed too) stay.
         """
         loop = asyncio.get_running_loop()
         pgs = await loop.run_in_executor(None, run_placement_groups, self.namespace)
         for worker_id in sorted(alive):
-            host, starting = alive[worker_id]
+            host, status = alive[worker_id]
             if worker_id in pgs:
                 self.pgs[worker_id] = pgs[worker_id]
             try:
@@ -190,8 +204,8 @@ class WorkerPool:
             if handle is not None:
                 self.handles[worker_id] = Authed(handle, self.token)
                 self.runs[worker_id] = asyncio.create_task(self._watch(worker_id))
-            elif starting:  # its start was cut short: start it now (its group is kept)
-                self.spawn(worker_id, host)
+            elif status in (WorkerStatus.STARTING, WorkerStatus.SPARE_BOOTING):  # its start was cut short: start it
+                self.spawn(worker_id, host, spare=status is WorkerStatus.SPARE_BOOTING)  # now (its group is kept)
             else:
                 self.report(Died(worker_id, "it was gone when the restarted driver looked for it"))
         keep = frozenset(alive)
