@@ -257,9 +257,11 @@ OPTIONS: tuple[Option, ...] = (
         "seconds one discovery call may take; a script still running is killed", _S,
     ),
     Option(
-        "liveness_timeout", "timeouts", 5.0, check_seconds,
+        "liveness_timeout", "timeouts", 2.0, check_seconds,
         "a worker that does not answer a ping within this many seconds and uses no CPU is killed and treated as "
-        "failed; one busy in a long C call that holds the GIL is spared up to `collective_timeout`.",
+        "failed; one busy in a long C call that holds the GIL, or runnable but starved of CPU on a loaded node, is "
+        "spared up to `collective_timeout`. A node that goes silent (no worker and no probe there answers) is "
+        "found within about this long plus a third of it.",
         "a worker not answering a ping within S seconds, and not computing, is killed as failed", _S,
     ),
     Option(

@@ -150,7 +150,7 @@ class ElasticTrainer:
         cooldown_range: tuple[float, float] = (10.0, 300.0),
         discovery_interval: float = 1.0,
         discovery_timeout: float = 30.0,
-        liveness_timeout: float = 5.0,
+        liveness_timeout: float = 2.0,
         collective_timeout: float = 300.0,
         max_failures: int = 0,
         checkpoint_dir: str | os.PathLike | None = None,

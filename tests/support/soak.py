@@ -205,14 +205,20 @@ class Chaos:
         self.added.clear()
 
 
-def run_soak(cluster: object, events: int, seed: int = 0, epochs: int = 40) -> dict:
-    """One chaos run and one fault-free run with the same seed; returns the figures, asserts the promises."""
+def run_soak(cluster: object, events: int, seed: int = 0, epochs: int = 40, spares: int = 0) -> dict:
+    """One chaos run and one fault-free run with the same seed; returns the figures, asserts the promises.
+
+    `spares`: hot spares; chaos kills and hangs them as it does members (any worker actor it finds). With
+    spares the world is held to 4, so that the cluster's 6 slots leave room for them.
+    """
     from conftest import wait_until
 
     ledger_dir = tempfile.mkdtemp(prefix="ray-elastic-soak-")
     config = {"seed": seed, "lr": 0.05, "epochs": epochs, "ledger_dir": ledger_dir}
     # liveness_timeout at its default: the soak measures its false positives on a loaded 2-core machine
-    trainer = elastic.ElasticTrainer(soak_train_fn, 2, 8, config=config, cooldown_range=(1, 4), verbose=0)
+    trainer = elastic.ElasticTrainer(
+        soak_train_fn, 2, 4 if spares else 8, config=config, cooldown_range=(1, 4), verbose=0, spares=spares
+    )
     box: dict = {}
     fit_done = threading.Event()
 
@@ -266,6 +272,8 @@ def run_soak(cluster: object, events: int, seed: int = 0, epochs: int = 40) -> d
         train_loss=value["train_loss"],
         clean_train_loss=clean["train_loss"],
         resets=result.resets,
+        spares=spares,
+        spares_promoted=result.spares_promoted,
     )
     return figures
 
@@ -308,6 +316,7 @@ def main() -> None:
     parser.add_argument("--events", type=int, default=30)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--epochs", type=int, default=80)
+    parser.add_argument("--spares", type=int, default=0, help="hot spares (chaos kills and hangs them too)")
     args = parser.parse_args()
     import ray
     from ray.cluster_utils import Cluster
@@ -318,7 +327,7 @@ def main() -> None:
     ray.init(address=cluster.address, logging_level=logging.WARNING)
     cluster.wait_for_nodes()
     try:
-        figures = run_soak(cluster, args.events, args.seed, args.epochs)
+        figures = run_soak(cluster, args.events, args.seed, args.epochs, args.spares)
     finally:
         ray.shutdown()
         cluster.shutdown()

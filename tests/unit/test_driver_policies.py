@@ -129,6 +129,18 @@ def test_a_silent_member_without_cpu_use_or_without_a_reading_is_hung():
     )
 
 
+def test_a_silent_member_starved_of_cpu_or_waiting_on_a_disk_is_spared_not_killed():
+    """Under full CPU load a live worker's ping can miss `liveness_timeout` while its threads wait their turn
+    (runnable, state R, little CPU): killing it would be a false positive. A disk wait (D) is the same."""
+    busy, reason = missed(CpuSample(busiest_thread_s=0.01, window_s=0.5, state="R"))
+    assert busy
+    assert reason.startswith("did not answer within liveness_timeout=2 s with little CPU (2% over 0.5 s), but its ")
+    assert "process running: waiting for the machine" in reason
+    assert missed(CpuSample(busiest_thread_s=0.0, window_s=0.5, state="D"))[0]
+    busy, reason = missed(CpuSample(busiest_thread_s=0.0, window_s=0.5, state="D"), silent_for=301.0)
+    assert not busy and reason.endswith("though it is waiting for the machine (process waiting on I/O)")
+
+
 def test_a_member_computing_but_silent_past_collective_timeout_is_killed():
     busy, reason = missed(CpuSample(busiest_thread_s=0.5, window_s=0.5, state="R"), silent_for=301.0)
     assert not busy

@@ -217,6 +217,10 @@ control threads waiting for the GIL) use under 2% together; a computing thread g
 far more, even on a node whose CPUs run five times as many threads as they have cores."""
 
 _STATES = {"R": "running", "S": "sleeping", "D": "waiting on I/O", "T": "stopped", "t": "stopped", "Z": "a zombie"}
+# a process in these states wants the machine, and gets too little of it: runnable on a loaded CPU (R), or in an
+# uninterruptible disk wait (D). Under full CPU load a live worker's ping can be late while its share is low; only
+# a process that sleeps (S: a deadlock), is stopped (T) or is a zombie uses no CPU because it is hung.
+_WAITING_FOR_THE_MACHINE = frozenset({"R", "D"})
 
 
 def judge_missed_ping(
@@ -242,15 +246,23 @@ def judge_missed_ping(
         )
     share = sample.busiest_thread_s / sample.window_s if sample.window_s > 0 else 0.0
     state = f"process {_STATES.get(sample.state, 'state ' + sample.state)}"
-    if share < BUSY_CPU_SHARE:
+    waiting = sample.state in _WAITING_FOR_THE_MACHINE
+    if share < BUSY_CPU_SHARE and not waiting:
         return False, (
             f"did not answer within liveness_timeout={liveness_timeout:g} s and used no CPU "
             f"({share:.0%} of a CPU over {sample.window_s:.1f} s, {state}): hung"
         )
     if silent_for > collective_timeout:
+        doing = f"waiting for the machine ({state})" if share < BUSY_CPU_SHARE else f"computing ({share:.0%} of a CPU)"
         return False, (
             f"has not answered for {silent_for:.0f} s, longer than collective_timeout={collective_timeout:g} s, "
-            f"though it is computing ({share:.0%} of a CPU)"
+            f"though it is {doing}"
+        )
+    if share < BUSY_CPU_SHARE:
+        return True, (
+            f"did not answer within liveness_timeout={liveness_timeout:g} s with little CPU ({share:.0%} over "
+            f"{sample.window_s:.1f} s), but its {state}: waiting for the machine (a CPU or a disk), not hung; "
+            f"spared up to collective_timeout={collective_timeout:g} s of silence"
         )
     return True, (
         f"did not answer within liveness_timeout={liveness_timeout:g} s but is computing ({share:.0%} of a CPU "
