@@ -55,6 +55,19 @@ def test_num_workers_int_is_a_fixed_world_and_a_tuple_an_elastic_one(tmp_path):
     assert ranged.path == str(tmp_path / "exp")
 
 
+def test_hot_spares_ride_on_our_scaling_config_and_rays_own_class_refuses_the_keyword():
+    ours = train.ScalingConfig(num_workers=(2, 4), spares=1)
+    assert isinstance(ours, ray.train.ScalingConfig), "Ray's code and the user's checks still see Ray's class"
+    assert TorchTrainer(_loop, scaling_config=ours).trainer.run_config.spares == 1
+    assert TorchTrainer(_loop, scaling_config=ray.train.ScalingConfig(num_workers=2)).trainer.run_config.spares == 0
+    with pytest.raises(TypeError, match="spares"):
+        ray.train.ScalingConfig(num_workers=2, spares=1)
+    with pytest.raises(ValueError, match=r"^ScalingConfig\(placement_strategy='SPREAD'\) is not supported"):
+        TorchTrainer(_loop, scaling_config=train.ScalingConfig(num_workers=2, placement_strategy="SPREAD"))
+    with pytest.raises(ValueError, match="spares"):
+        TorchTrainer(_loop, scaling_config=train.ScalingConfig(num_workers=2, spares=-1))
+
+
 @pytest.mark.parametrize(
     ("kwargs", "field"),
     [
