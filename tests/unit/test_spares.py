@@ -170,3 +170,13 @@ def test_a_spare_on_the_node_that_just_failed_is_promoted_though_no_newcomer_may
     assert s.of(m.Spawn) == [], "B cools down: no new spare there until it is offered again"
     s.send(m.Tick(), after=11.0)
     assert [(a.host, a.spare) for a in s.of(m.Spawn)] == [("B", True)]
+
+
+def test_a_withdrawn_node_s_members_leave_and_the_ready_spare_takes_one_place_at_once():
+    s, gen1, [spare] = running_with_a_ready_spare()
+    s.send(m.HostsDiscovered({"A": 2, "C": 2}))
+    s.send(m.HostsDiscovered({"A": 2, "C": 2}))  # the second poll confirms B is gone
+    [gen2] = s.of(m.Publish)
+    on_b = {w for w in gen1.plan if s.core.workers[w].host == "B"}
+    assert spare in gen2.plan and not on_b & set(gen2.plan), "B's members leave, the spare joins in the same reset"
+    assert [(a.host, a.spare) for a in s.of(m.Spawn)] == [("C", False)], "C's last slot: a newcomer for the 4th"
