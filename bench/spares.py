@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import random
 import statistics
@@ -35,7 +34,7 @@ import tempfile
 import threading
 from pathlib import Path
 
-from own_dashboard import own_dashboard
+from own_dashboard import local_cluster
 from recovery import KillOnce, raytrain_rep, train_fn
 from results_file import write_results
 from scale import wait_progress
@@ -94,37 +93,25 @@ def main() -> None:
     parser.add_argument("--rt-every", type=int, default=50, help="Ray Train: steps between checkpoints")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    import ray
-    from ray.cluster_utils import Cluster
-
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, **own_dashboard()})
-    for _ in range(3):
-        cluster.add_node(num_cpus=2)
-    ray.init(address=cluster.address, logging_level=logging.ERROR)
-    cluster.wait_for_nodes()
     rng = random.Random(args.seed)
     rows: list[dict] = []
-    try:
-        with tempfile.TemporaryDirectory() as workdir:
-            for rep in range(args.reps):
-                kill_rank, kill_step = rng.randint(1, 3), rng.randint(6, 14) * 10 + rng.randint(1, 9)  # not a commit
-                order = (1, 0) if rep % 2 == 0 else (0, 1)
-                for spares in order:
-                    row = elastic_rep(spares, kill_rank, kill_step, workdir, f"{rep}-{spares}")
-                    rows.append(row)
-                    print(
-                        f"rep {rep} spares={spares}: next step {row['next_step_s']:.2f} s at world "
-                        f"{row['world_after_kill']}, full strength {row['full_s']:.2f} s",
-                        flush=True,
-                    )
-            rt_rows = []
-            for rep in range(args.rt_reps):
-                row = raytrain_rep(rng, workdir, rep, args.rt_every)
-                rt_rows.append({**row, "full_s": row["recovery_s"]})
-                print(f"Ray Train v2 rep {rep}: first step (all 4 restarted) {row['recovery_s']:.2f} s", flush=True)
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
+    rt_rows: list[dict] = []
+    with local_cluster(nodes=3), tempfile.TemporaryDirectory() as workdir:
+        for rep in range(args.reps):
+            kill_rank, kill_step = rng.randint(1, 3), rng.randint(6, 14) * 10 + rng.randint(1, 9)  # not a commit
+            order = (1, 0) if rep % 2 == 0 else (0, 1)
+            for spares in order:
+                row = elastic_rep(spares, kill_rank, kill_step, workdir, f"{rep}-{spares}")
+                rows.append(row)
+                print(
+                    f"rep {rep} spares={spares}: next step {row['next_step_s']:.2f} s at world "
+                    f"{row['world_after_kill']}, full strength {row['full_s']:.2f} s",
+                    flush=True,
+                )
+        for rep in range(args.rt_reps):
+            row = raytrain_rep(rng, workdir, rep, args.rt_every)
+            rt_rows.append({**row, "full_s": row["recovery_s"]})
+            print(f"Ray Train v2 rep {rep}: first step (all 4 restarted) {row['recovery_s']:.2f} s", flush=True)
     summary: dict = {}
     for spares in (1, 0):
         mine = [r for r in rows if r["spares"] == spares]
