@@ -4,7 +4,7 @@ The cluster is the test suite's multi-IP one (tests/support/netns_cluster.py): a
 `ray start` head on a bridge, two worker nodes of 2 CPUs, each in its own
 network namespace with its own address; 4 workers, 2 per node, train
 `counting_train_fn` (tests/support/workloads.py) with every option at its default
-(`liveness_timeout` 5 s, `collective_timeout` 300 s). Each repetition is
+(`liveness_timeout` 2 s, `collective_timeout` 300 s). Each repetition is
 one `fit()` in a driver subprocess (tests/support/netns_fit.py):
 
 - silent: the node of a random rank is cut off (every packet dropped, no
