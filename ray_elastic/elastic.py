@@ -65,6 +65,7 @@ def run(func: Callable[..., R]) -> Callable[..., R]:
 
 def _loop(worker: WorkerContext, state: State, call: Callable[[], R]) -> R:
     """Join, sync `state`, `call()`; on a failure restore, reset and again, until `call()` returns."""
+    worker.boot_marks.mark("loop_entered")
     skip_sync = False
     while True:
         in_func = False

@@ -65,11 +65,13 @@ class WorkerActor:
         driver: Any,
         settings: WorkerConfig,
     ) -> None:
+        entered = time.time()  # the boot's first mark (runtime/boot_marks.py), kept once the context exists
         keep_in_session_log(f"worker-{settings.run_id}-{worker_id}")  # its lines in Ray's logs (logs.py)
         tune_allocator()  # before train_fn allocates: a step's freed blocks stay in the heap (see allocator.py)
         apply_threads(settings.cpus, settings.omp_threads_set)  # before train_fn imports torch
         self.worker_id = worker_id
         self.ctx = WorkerContext(worker_id, kv, driver, settings)
+        self.ctx.boot_marks.mark("actor_entered", entered)
         self.ctx.run_token = getattr(self, "_run_token", None)  # for the run's other actors (the feed)
         set_current(self.ctx)
         self._outcome: WorkerOutcome | None = None
@@ -79,6 +81,7 @@ class WorkerActor:
             threading.Thread(
                 target=self._watch_driver, args=(driver_id,), name="ray-elastic-orphan-watch", daemon=True
             ).start()
+        self.ctx.boot_marks.mark("actor_left")
 
     def run(self, payload: bytes) -> WorkerOutcome:
         """Train; a second call (from a restarted driver) returns the first one's outcome."""
@@ -104,8 +107,11 @@ class WorkerActor:
         os._exit(0)
 
     def _train(self, payload: bytes) -> WorkerOutcome:
+        marks = self.ctx.boot_marks
         try:
+            marks.mark("run_entered")
             train_fn, config = unpack(payload)
+            marks.mark("unpacked")
             value = train_fn(config)
             if self.ctx.slot is None:
                 return UserError(_NEVER_JOINED, "", retryable=False)

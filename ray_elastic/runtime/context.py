@@ -36,6 +36,7 @@ from ray_elastic import metrics
 from ray_elastic.collective.activity import MARKS
 from ray_elastic.exceptions import StateRegressionError
 from ray_elastic.rendezvous import KVClient
+from ray_elastic.runtime.boot_marks import BootMarks
 from ray_elastic.runtime.checkpoint_cadence import CheckpointCadence
 from ray_elastic.runtime.commits import CommitId, judge_adoption
 from ray_elastic.runtime.generation import Generation
@@ -74,7 +75,8 @@ class WorkerContext:
         self.worker_id = worker_id
         self.settings = settings
         self.activity = MARKS  # the backends mark it (collective/activity.py)
-        self.membership = Membership(worker_id, KVClient(kv), driver, settings)
+        self.boot_marks = BootMarks()  # when this process passed each point of its boot (runtime/boot_marks.py)
+        self.membership = Membership(worker_id, KVClient(kv), driver, settings, self.boot_marks)
         self.checkpoints = CheckpointCadence(worker_id, driver, settings, self.membership.kv)
         self.metrics = MetricsShipper(worker_id, driver)
         PACE.sink = self.metrics.add_pace  # this rank's pace rides in its metrics batches (straggler watch)
@@ -197,6 +199,7 @@ class WorkerContext:
     def mark_synced(self) -> None:
         """Tell the driver this rank synced, and from which commit training resumes."""
         self.membership.mark_synced(self.commits)
+        self.boot_marks.mark("synced")
 
     # ---- activity, for the driver's stuck-rank check ---------------------------
     @property

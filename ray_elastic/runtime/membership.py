@@ -32,6 +32,7 @@ from ray_elastic.exceptions import (
     RendezvousTimeoutError,
     WorkerRemovedError,
 )
+from ray_elastic.runtime.boot_marks import BootMarks
 from ray_elastic.wire import BackendNote, ResetRequested, TrainFnRaised, WorkerReady, WorkerSynced
 
 if TYPE_CHECKING:
@@ -55,10 +56,14 @@ class Membership:
         driver: the driver actor's handle (`tell`: what this worker tells it,
             never awaited).
         settings: the backend and the timeouts.
+        marks: the process's boot marks, stamped at the first join's points (None: a dict of its own).
     """
 
-    def __init__(self, worker_id: str, kv: KVClient, driver: DriverLink, settings: WorkerConfig) -> None:
+    def __init__(
+        self, worker_id: str, kv: KVClient, driver: DriverLink, settings: WorkerConfig, marks: BootMarks | None = None
+    ) -> None:
         self.worker_id = worker_id
+        self.marks = BootMarks() if marks is None else marks
         self.kv = kv
         self.driver = driver
         self.settings = settings
@@ -140,10 +145,12 @@ class Membership:
     def _join(self) -> None:
         if not self._announced:
             load_backend(self.settings.backend)
+            self.marks.mark("backend_loaded")
             # before the announcement: once admitted, the survivors wait in the rendezvous for this worker
             self.run_join_preparations()
             self.driver.tell.remote(WorkerReady(self.worker_id))
             self._announced = True
+            self.marks.mark("ready")
         deadline = time.monotonic() + self.settings.rendezvous_timeout
         after = self.generation
         while True:
@@ -165,6 +172,7 @@ class Membership:
                     raise WorkerRemovedError(f"worker {self.worker_id} is not part of generation {generation}")
                 after = generation  # a newcomer not yet admitted: wait for the next one
                 continue
+            self.marks.mark("admitted")
             if self.fault_hook is not None:
                 self.fault_hook("rendezvous")
             try:
@@ -191,6 +199,7 @@ class Membership:
                 self.driver.tell.remote(ResetRequested(self.worker_id, generation, str(e)))
                 after = generation
                 continue
+            self.marks.mark("ring_formed")
             self.generation = generation
             self.slot = slot
             if generation <= self._abandoned[0]:  # declared dead while its ring formed
