@@ -38,10 +38,10 @@ from ray_elastic.runtime.ring_ops import (
     broadcast_object,
 )
 from ray_elastic.state import ObjectState, State
-from ray_elastic.trainer import ElasticTrainer, Result
 
 if TYPE_CHECKING:
     from ray_elastic.assignment import WorkerSlot
+    from ray_elastic.trainer import ElasticTrainer, Result
 
 __version__ = "0.1.0"
 
@@ -100,6 +100,12 @@ def __getattr__(name: str) -> Any:
         import importlib
 
         return importlib.import_module("ray_elastic.torch")
+    if name in ("ElasticTrainer", "Result"):
+        # the user's side, loaded on first use: a worker imports this package to run train_fn, and the trainer
+        # would bring the driver's teardown and Ray's autoscaler SDK into every newcomer's boot (bench/boot_phases.py)
+        from ray_elastic import trainer
+
+        return getattr(trainer, name)
     raise AttributeError(f"module 'ray_elastic' has no attribute {name!r}")
 
 

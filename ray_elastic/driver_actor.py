@@ -26,6 +26,10 @@ a driver dead for good (when `fit()`'s caller dies, Ray kills the driver
 with it) remove the run's actors and placement groups themselves
 (`worker_actor.py`).
 
+Ray hosts it through `driver_host.DriverHost`, a thin class whose module
+imports nothing of the driver: Ray imports a hosted class in every process
+that unpickles a handle to it, every worker among them.
+
 Every await has a deadline (the parts' docstrings name each); the one
 without is a worker's `run()` call, which lasts as long as training; the
 liveness pings bound it instead.
@@ -42,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 import ray
 
 from ray_elastic import metrics, ray_private
-from ray_elastic.auth import Authed, RunToken, with_token_check
+from ray_elastic.auth import Authed, RunToken
 from ray_elastic.discovery import DiscoveryError
 from ray_elastic.driver.core import messages as m
 from ray_elastic.driver.core.driver_core import DriverCore, WorkerStatus
@@ -76,12 +80,14 @@ logger = logging.getLogger(__name__)
 
 
 class DriverActor:
-    """Wrapped by `ray.remote` in `create_driver_actor`; methods run on one loop."""
+    """The run's driver, held by the class Ray hosts (`driver_host.DriverHost`); methods run on one loop."""
 
-    _run_token: RunToken  # the run's token, set by `with_token_check` (auth.py) before __init__ runs
+    def __init__(self, token: RunToken, run_id: str, namespace: str, config: RunConfig) -> None:
+        """Plain values only, which Ray keeps with the actor for its restarts (`_load_start` finds the rest).
 
-    def __init__(self, run_id: str, namespace: str, config: RunConfig) -> None:
-        """Plain values only, which Ray keeps with the actor for its restarts (`_load_start` finds the rest)."""
+        `token`: the run's token, which the host checked on every call and which this driver's own calls carry.
+        """
+        self._run_token = token
         keep_in_session_log(f"driver-{run_id}")  # its lines in Ray's logs; fit() shows the events (logs.py)
         self.run_id = run_id
         self.namespace = namespace
@@ -167,7 +173,7 @@ class DriverActor:
             "read train_fn's payload and the discovery spec from the GCS",
             loop.run_in_executor(None, snapshot.load_start, self.run_id, self._run_token),
         )
-        # the handle workers call back on carries the run's token (`with_token_check` set it)
+        # the handle workers call back on (the host's) carries the run's token
         me = Authed(ray.get_runtime_context().current_actor, self._run_token)
         self.pool.start_args = (kv, me, self.config.worker(self.run_id))
         self.pool.payload_ref = ray.put(payload)
@@ -387,23 +393,3 @@ def _restarted() -> bool:
     """Whether Ray restarted this actor (what `was_current_actor_reconstructed` reads, without its warning)."""
     info = ray_private.actor_record(ray.get_runtime_context().get_actor_id())
     return bool(info) and info.get("NumRestarts", 0) != 0
-
-
-def create_driver_actor(
-    run_id: str,
-    namespace: str,
-    token: RunToken,
-    payload: bytes,
-    discovery: bytes | str | None,  # a pickled callable, or a script's path
-    config: RunConfig,
-    scheduling_strategy: Any = None,
-) -> Any:
-    """Start the run's driver actor, named `driver` in the run's namespace; it answers only calls carrying `token`."""
-    # restarted by Ray when it dies, and sent again the calls it had not answered (fit()'s run() among them)
-    cls = ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1)(with_token_check(DriverActor))
-    # the payload and discovery wait in the GCS, signed, not in the object store under this process's ownership
-    snapshot.save_start(run_id, token, payload, discovery)
-    handle = cls.options(
-        name="driver", namespace=namespace, max_concurrency=1000, scheduling_strategy=scheduling_strategy
-    ).remote(token, run_id, namespace, config)
-    return Authed(handle, token)

@@ -47,7 +47,6 @@ from ray_elastic.runtime.process import set_current
 from ray_elastic.runtime.threads import apply_threads
 from ray_elastic.session_log import keep_in_session_log
 from ray_elastic.shipping import unpack
-from ray_elastic.teardown import remove_run
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +101,8 @@ class WorkerActor:
             if misses >= _WATCH_MISSES:
                 break
         logger.error("worker %s: the run's driver is dead for good; removing the run's actors", self.worker_id)
+        from ray_elastic.teardown import remove_run  # here: it brings Ray's autoscaler SDK, which a boot need not load
+
         # the run's placement groups take this worker with them: it exits here only if they were gone already
         remove_run(self._run_id, run_namespace(self._run_id), f"worker {self.worker_id}")
         os._exit(0)

@@ -27,7 +27,7 @@ from ray_elastic.config import RunConfig
 from ray_elastic.data import check_datasets
 from ray_elastic.data.feed import create_feed_actor
 from ray_elastic.discovery import check_discovery_spec
-from ray_elastic.driver_actor import create_driver_actor
+from ray_elastic.driver_host import create_driver_actor
 from ray_elastic.events import Event
 from ray_elastic.exceptions import TrainingFailedError
 from ray_elastic.options import BY_NAME
