@@ -93,7 +93,7 @@ def account(before: Snapshot, after: Snapshot, active: set[int], idle: set[int])
             cls = "ranks (idle systems)"
         elif pid == me:
             cls = "benchmark process"
-        elif cmd.startswith("ray::DriverActor") or cmd.startswith("ray::KVStore"):
+        elif cmd.startswith(("ray::DriverHost", "ray::DriverActor", "ray::KVStore")):
             cls = "ray-elastic driver + KV actors"
         elif cmd.startswith("ray::") or any(word in cmd for word in _RAY_SYSTEM):
             cls = "Ray's processes"

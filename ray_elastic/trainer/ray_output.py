@@ -5,7 +5,7 @@ sources would repeat each event in Ray's words:
 
 - The run's own actors log every event in detail. Ray forwards whatever an
   actor writes to stderr to the terminal of the process that started the
-  job, as "(DriverActor pid=...) worker w3 ... died: ...". In the run's
+  job, as "(DriverHost pid=...) worker w3 ... died: ...". In the run's
   actors, `session_log.keep_in_session_log` sends the `ray_elastic` logger to a file
   under the Ray session's log directory instead
   (`<session>/logs/ray_elastic/driver-<run>-<pid>.log`, `worker-...`),
