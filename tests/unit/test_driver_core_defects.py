@@ -113,3 +113,30 @@ def test_a_newcomer_stopped_before_its_first_answer_is_killed_in_a_round_not_aft
     assert failed and f"worker {starting} " in failed[-1].detail and "hung" in failed[-1].detail
     s.send(m.Tick(), after=11.0)
     assert [a.host for a in s.of(m.Spawn)] == ["C"], "a replacement starts once its node's cool-down ends"
+
+
+def test_ranks_that_return_after_their_peers_ring_broke_and_was_formed_again_fail_the_run_at_once():
+    """Found by bench/boot_phases.py, whose loop let each rank check a stop file on its own: two ranks saw it and
+    returned from train_fn; the two others' collective broke on them; their word came first, so generation 2 was
+    formed again with all four. The returns, about generation 1, found no ring error told in generation 2, and
+    the run hung until the other two's rendezvous timed out (collective_timeout, 300 s by default) instead of
+    failing at once as an uneven finish."""
+    from ray_elastic.protocol import Finished
+
+    s = Script(min_workers=2, max_workers=4)
+    gen1 = s.start({"A": 2, "B": 2})
+    s.send(
+        m.ResetRequested("w1", 1, "Connection reset by peer"), m.ResetRequested("w4", 1, "Connection closed by peer")
+    )
+    assert s.of(m.QueryActivity)
+    returned = {"idle_s": 0.2, "in_collective": False}
+    answers = {"w1": BUSY, "w2": returned, "w3": returned, "w4": BUSY}
+    s.send(m.ActivityReport(1, "w1", "Connection reset by peer", answers))
+    [gen2] = s.of(m.Publish)
+    assert gen2.generation == 2 and set(gen2.plan) == set(gen1.plan)
+    s.send(
+        m.WorkerExited("w2", Finished(gen1.plan.rank("w2"), generation=1)),
+        m.WorkerExited("w3", Finished(gen1.plan.rank("w3"), generation=1)),
+    )
+    assert s.core.state is DriverState.FAILED, "the ranks did not finish together: the run fails now"
+    assert "returned from train_fn while" in (s.core.failure or "") and "w1" in s.core.failure

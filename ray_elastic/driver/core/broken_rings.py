@@ -95,19 +95,27 @@ class BrokenRings:
             logger.warning("worker %s on node %s %s; killing it", worker_id, rec.host[:8], reason)
             self.failures.fence(rec, reason, now)
 
-    def on_finished(self) -> None:
-        """A worker returned from train_fn: a member whose ring broke in this generation cannot finish with it.
+    def on_finished(self, trained_in: int | None = None) -> None:
+        """A worker returned from train_fn: a member whose ring broke in this generation, or in the one the worker
+        trained in last (`trained_in`), cannot finish with it.
 
         Its word may have come before the return (and the members' answers
         too), when nothing said yet that the ranks finish unevenly; it sends
-        no second one, so the uneven finish is told now, not never.
+        no second one, so the uneven finish is told now, not never. The ring
+        it told broken may even have been formed again since, with the
+        returned ranks in it: they never join that ring, and its members
+        would wait for them until `collective_timeout`.
         """
         if self.record.phase.is_final or not self.finishing.active:
             return
-        if self.failures.fail_if_raised(self.generations.generation):
+        current = self.generations.generation
+        if self.failures.fail_if_raised(current):
             return
         roster = self.record.roster
-        for error in self._told(self.generations.generation):
+        told = self._told(current)
+        if trained_in is not None and trained_in != current:
+            told += self._told(trained_in)
+        for error in told:
             rec = roster.get(error.worker_id)
             if rec is not None and rec.status in IN_RING:
                 self.finishing.fail_uneven(error.worker_id, error.error)

@@ -45,7 +45,7 @@ from ray_elastic.driver.core.policies import PublishVerdict
 from ray_elastic.driver.core.roster import ALIVE, WorkerRecord, WorkerStatus
 from ray_elastic.driver.core.run_record import RunRecord
 from ray_elastic.driver.core.scaling import Scaling
-from ray_elastic.protocol import DriverState, EventKind, RunOutcome, UserError
+from ray_elastic.protocol import DriverState, EventKind, Finished, RunOutcome, UserError
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable
@@ -273,7 +273,7 @@ class DriverCore:
             self.failures.on_user_error(msg, now)
         else:
             self.finishing.on_exit(msg)
-            self.rings.on_finished()
+            self.rings.on_finished(msg.outcome.generation if isinstance(msg.outcome, Finished) else None)
 
     def _on_start_failed(self, msg: m.WorkerStartFailed, now: float) -> None:
         rec = self.record.roster.get(msg.worker_id)
