@@ -73,7 +73,10 @@ def train_fn(config: dict) -> int:
     @elastic.run
     def train(state) -> int:
         g = torch.Generator().manual_seed(elastic.rank())
-        while not os.path.exists(stop) and state.step < 20_000:
+        while state.step < 20_000:
+            # every rank stops at the same step (rank 0's view): one that left alone would break its peers' ring
+            if state.step % 10 == 0 and elastic.broadcast_object(os.path.exists(stop)):
+                break
             sgd_step(model, opt, g)
             state.step += 1
             if not written:  # this process's first step: its boot is over
