@@ -283,15 +283,10 @@ class Scaling:
         return usable
 
     def _spare_hosts(self, now: float) -> dict[str, int]:
-        """The slots hot spares may start on: a host offered for sure (not missing from the last poll), not
-        draining and not cooling down, less a straggler's held slots."""
-        record, cooling = self.record, self.cooldown.cooling(now)
-        hosts = {}
-        for host, slots in record.hosts.items():
-            if host in record.draining or host in self._missing_once or host in cooling:
-                continue
-            hosts[host] = record.benched.usable(host, slots) if record.benched and host in record.benched else slots
-        return hosts
+        """The slots hot spares may start on: the usable ones (a host missing from the last poll has none to
+        start on), on hosts not cooling down."""
+        cooling = self.cooldown.cooling(now)
+        return {h: n for h, n in self._usable_hosts([]).items() if n and h not in cooling}
 
     def _hold_over(self, remove: set[str]) -> str | None:
         """Keep one holder of the trained state among the members leaving, until the state is handed over.
