@@ -48,51 +48,27 @@ from pathlib import Path
 
 import psutil
 import ray
-import torch
 from own_dashboard import own_dashboard
 from ray.cluster_utils import Cluster
+from recovery import train_fn
 from results_file import write_results
 from scale import FileDiscovery, wait_progress
-from small_mlp import make_mlp, sgd_step
 
 import ray_elastic as elastic
 from ray_elastic.runtime import boot_marks, process
 
-COMMIT_EVERY = 10
 
+class WriteMarksOnce:
+    """`recovery.train_fn`'s step hook: after this process's first step (its boot is over), write its marks."""
 
-def train_fn(config: dict) -> int:
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    model = make_mlp()
-    opt = elastic.torch.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))
-    state = elastic.torch.TorchState(model=model, optimizer=opt, step=0)
-    progress, stop = config["progress"], config["stop"]
-    written: list[bool] = []
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+        self.written = False  # per process: each worker unpickles its own copy
 
-    @elastic.run
-    def train(state) -> int:
-        g = torch.Generator().manual_seed(elastic.rank())
-        while state.step < 20_000:
-            # every rank stops at the same step (rank 0's view): one that left alone would break its peers' ring
-            if state.step % 10 == 0 and elastic.broadcast_object(os.path.exists(stop)):
-                break
-            sgd_step(model, opt, g)
-            state.step += 1
-            if not written:  # this process's first step: its boot is over
-                written.append(True)
-                write_marks(config["marks"])
-            elastic.report({"step": state.step, "world_size": elastic.size()})
-            if elastic.rank() == 0 and state.step % 10 == 0:
-                Path(progress).write_text(json.dumps({"step": state.step, "world_size": elastic.size()}))
-            time.sleep(0.01)  # stands for more compute per step
-            if state.step % COMMIT_EVERY == 0:
-                state.commit()
-            else:
-                state.check_host_updates()
-        return state.step
-
-    return train(state)
+    def __call__(self, step: int) -> None:
+        if not self.written:
+            self.written = True
+            write_marks(self.directory)
 
 
 def write_marks(directory: str) -> None:
@@ -130,7 +106,14 @@ def one_rep(cluster: Cluster, base_node: str, workdir: str, tag: str, env: dict[
         train_fn,
         min_workers=2,
         max_workers=4,
-        config={"progress": progress, "stop": stop, "marks": marks_dir},
+        # recovery.py's loop (the small MLP, DistributedOptimizer, a commit every 10 steps), 10 ms a step
+        config={
+            "steps": 20_000,
+            "step_time": 0.01,
+            "progress": progress,
+            "stop": stop,
+            "hook": WriteMarksOnce(marks_dir),
+        },
         discovery=FileDiscovery(hosts_file),
         discovery_interval=1,
         verbose=0,

@@ -106,7 +106,7 @@ def train_fn(config: dict) -> int:
             if config.get("progress") and elastic.rank() == 0 and state.step % 10 == 0:
                 Path(config["progress"]).write_text(json.dumps({"step": state.step, "world_size": elastic.size()}))
             hook(state.step)
-            time.sleep(0.005)  # stands for more compute per step
+            time.sleep(config.get("step_time", 0.005))  # stands for more compute per step
             if state.step % COMMIT_EVERY == 0:
                 state.commit()
             else:
