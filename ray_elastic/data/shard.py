@@ -57,11 +57,13 @@ _LIVE: dict[str, DataShard] = {}  # this worker's shards, by dataset name
 class DataShard:
     """This rank's shard of one of the run's datasets (see the module docstring). Not thread-safe."""
 
-    def __init__(self, name: str, feed: Any, shuffle: bool = False, seed: int = 0) -> None:
+    def __init__(self, name: str, feed: Any, shuffle: bool = False, seed: int = 0, worker: Any = None) -> None:
+        """`worker`: the process's `WorkerContext` whose ring rank a commit reads (None: a shard outside a run)."""
         self.name = name
         self.shuffle = bool(shuffle)
         self.seed = int(seed)
         self._feed = feed
+        self._worker = worker
         self.epoch = 0
         self.position = 0  # rows of this epoch handed out (to the whole world)
         self.padding_rows = 0  # repeated rows trained in this epoch's last step
@@ -160,7 +162,8 @@ class DataShard:
     def _iterate(
         self, batch_size: int, drop_last: bool, prefetch_batches: int, convert: Callable[[Any], Any]
     ) -> Iterator[Any]:
-        slot = current().joined().slot  # as rank() does: the shard is split over the current ring
+        worker = self._worker if self._worker is not None else current()  # a shard rebuilt by hand: the process's
+        slot = worker.joined().slot  # as rank() does: the shard is split over the current ring
         rank, size = slot.rank, slot.size
         while True:
             while True:
@@ -305,8 +308,7 @@ class DataShard:
         if self._live is not None:  # a snapshot copied back: a rollback loads it into the live shard
             self._live.load_state_dict(self.state_dict())
             return self._live
-        ctx = maybe_current()
-        slot = ctx.slot if ctx is not None else None
+        slot = self._worker.slot if self._worker is not None else None
         if slot is not None:  # a commit in a ring (not the state's first save, before any ring)
             self._release_committed(slot.rank)
         snapshot = copy.copy(self)
@@ -367,7 +369,7 @@ def get_dataset_shard(name: str, *, shuffle: bool = False, seed: int = 0) -> Dat
     shard = _LIVE.get(name)
     if shard is None:
         handle = ray.get_actor("feed", namespace=run_namespace(ctx.run_id))
-        shard = _LIVE[name] = DataShard(name, Authed(handle, ctx.run_token), shuffle, seed)
+        shard = _LIVE[name] = DataShard(name, Authed(handle, ctx.run_token), shuffle, seed, worker=ctx)
     elif (shard.shuffle, shard.seed) != (bool(shuffle), int(seed)):
         raise ValueError(
             f"the shard of {name!r} was made with shuffle={shard.shuffle}, seed={shard.seed}; "
