@@ -6,6 +6,8 @@ what the user should see instead.
 
 from __future__ import annotations
 
+import pytest
+
 from test_driver_core import Script
 
 from ray_elastic.driver.core import messages as m
@@ -113,6 +115,28 @@ def test_a_newcomer_stopped_before_its_first_answer_is_killed_in_a_round_not_aft
     assert failed and f"worker {starting} " in failed[-1].detail and "hung" in failed[-1].detail
     s.send(m.Tick(), after=11.0)
     assert [a.host for a in s.of(m.Spawn)] == ["C"], "a replacement starts once its node's cool-down ends"
+
+
+@pytest.mark.parametrize("state", ["S", "R", "D"])
+def test_a_newcomer_booting_with_little_cpu_is_left_to_its_boot_deadline_not_killed(state):
+    """Found by a stress run of horovod's elastic example on a loaded machine (CI's hang): every newcomer that
+    had not answered its first ping was read sleeping with 2-4% of a CPU (waiting on a starved raylet for its
+    task) and killed as hung; their nodes cooled down 40 s, then 80 s, and the run waited with no world. A
+    boot sleeps or waits for the machine most of its time: only a stopped process is judged before its first
+    answer."""
+    s = Script(min_workers=2, max_workers=3)
+    s.start({"A": 1, "B": 1})
+    s.send(m.HostsDiscovered({"A": 1, "B": 1, "C": 1}))
+    [spawn] = s.of(m.Spawn)
+    booting = spawn.worker_id
+    for _ in range(5):
+        reading = m.CpuSample(0.01, 0.5, state)
+        s.send(m.PingResults(frozenset(), frozenset({booting}), s.now, {booting: reading}), after=2.0)
+    assert m.Kill(booting, failed=True) not in s.actions
+    assert not [e for e in s.core.events if e.kind.value == "newcomer_failed"]
+    s.send(m.PingResults(frozenset({booting}), frozenset(), s.now, {}), after=1.0)
+    s.send(m.PingResults(frozenset(), frozenset({booting}), s.now, {booting: m.CpuSample(0.0, 0.5, "S")}), after=2.0)
+    assert m.Kill(booting, failed=True) in s.actions, "once it answered, a silent sleeping worker is hung"
 
 
 def test_ranks_that_return_after_their_peers_ring_broke_and_was_formed_again_fail_the_run_at_once():

@@ -18,7 +18,13 @@ import logging
 from typing import TYPE_CHECKING
 
 from ray_elastic.driver.core import messages as m
-from ray_elastic.driver.core.policies import Ring, RingError, judge_missed_ping, judge_ring_failure
+from ray_elastic.driver.core.policies import (
+    Ring,
+    RingError,
+    judge_missed_ping,
+    judge_ring_failure,
+    judged_before_its_first_answer,
+)
 from ray_elastic.driver.core.roster import ALIVE, IN_RING
 from ray_elastic.protocol import EventKind
 
@@ -75,9 +81,9 @@ class BrokenRings:
         for worker_id in sorted(msg.timed_out):
             rec = roster.get(worker_id)
             sample = msg.samples.get(worker_id, "no reading was taken")
-            # a process still starting (runtime env, imports) is bounded by the boot deadline instead, unless
-            # its process is up and a reading of it came back: stopped or frozen before its first answer
-            if rec is None or rec.status not in ALIVE or not (rec.answered or isinstance(sample, m.CpuSample)):
+            # a process still booting is bounded by the boot deadline instead, unless a reading of it shows it
+            # stopped before its first answer (`judged_before_its_first_answer`)
+            if rec is None or rec.status not in ALIVE or not (rec.answered or judged_before_its_first_answer(sample)):
                 continue
             rec.went_silent(msg.sent_at)
             silent_since = msg.sent_at if rec.silent_since is None else rec.silent_since

@@ -223,6 +223,24 @@ _STATES = {"R": "running", "S": "sleeping", "D": "waiting on I/O", "T": "stopped
 _WAITING_FOR_THE_MACHINE = frozenset({"R", "D"})
 
 
+_STOPPED = frozenset({"T", "t", "Z"})
+
+
+def judged_before_its_first_answer(sample: CpuSample | str) -> bool:
+    """Whether a worker that never answered a ping is judged now, or left to its boot deadline.
+
+    A process that has not answered yet is booting: it waits on Ray (its
+    task's arrival, the function's object, a runtime env), on imports from
+    disk, or on a CPU of a loaded node, and a boot sleeps most of that time
+    with little CPU. A reading that shows it sleeping is no evidence of a
+    hang, and killing it held whole runs back on loaded machines (every
+    newcomer killed in turn, their nodes cooling down). Only a process that
+    is stopped (SIGSTOP, a debugger) or a zombie is judged in a round; the
+    rest is bounded by the boot deadline (`elastic_timeout`).
+    """
+    return isinstance(sample, CpuSample) and sample.state in _STOPPED
+
+
 def judge_missed_ping(
     sample: CpuSample | str, *, silent_for: float, liveness_timeout: float, collective_timeout: float
 ) -> tuple[bool, str]:

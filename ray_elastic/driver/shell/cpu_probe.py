@@ -40,7 +40,18 @@ def _threads(pid: int) -> dict[str, tuple[str, int]]:
     return out
 
 
-def _state(pid: int) -> str:
+def _state(pid: int, threads: dict[str, tuple[str, int]]) -> str:
+    """The process's state for the judge: R (D) if any thread is runnable (in a disk wait), else the main thread's.
+
+    `/proc/<pid>/stat` gives the main thread's letter only. A process starved
+    of CPU on a loaded node often shows its main thread sleeping on a lock or
+    a queue that a runnable thread of its own (Ray's, torch's) is yet to be
+    given a CPU to serve: waiting for the machine, not hung.
+    """
+    letters = {letter for letter, _ in threads.values()}
+    for wanting in ("R", "D"):
+        if wanting in letters:
+            return wanting
     with open(f"/proc/{pid}/stat") as f:
         text = f.read()
     return text[text.rindex(")") + 2]
@@ -68,7 +79,8 @@ def sample_cpu(pids: list[int], window: float) -> dict[int, CpuSample | str]:
             out[pid] = first
             continue
         try:
-            second, state = _threads(pid), _state(pid)
+            second = _threads(pid)
+            state = _state(pid, second)
         except FileNotFoundError:
             out[pid] = f"process {pid} ended during the reading"
             continue
