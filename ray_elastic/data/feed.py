@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 import ray
 
 from ray_elastic.auth import Authed
-from ray_elastic.data.starvation import PROBE_EVERY_S, Starvation
+from ray_elastic.data.starvation import PROBE_EVERY_S, Starvation, probe_cluster
 from ray_elastic.exceptions import RendezvousTimeoutError
 from ray_elastic.wire import DataSlow
 
@@ -248,7 +248,8 @@ class Feed:
         self._ahead = ahead_blocks
         # the blocks ahead of the furthest rank take at most a quarter of the object store
         self._budget = 0.25 * ray.cluster_resources().get("object_store_memory", float("inf"))
-        self._starvation = Starvation(starvation_timeout, data_cpus)
+        started_ms = time.time() * 1000  # the pipeline's tasks are created from now on
+        self._starvation = Starvation(starvation_timeout, data_cpus, probe=lambda: probe_cluster(since_ms=started_ms))
         self._epochs: dict[tuple[str, int], _Epoch] = {}
         self._lock = threading.Lock()
         self._namespace = namespace  # the run's, where its driver is named

@@ -45,13 +45,17 @@ class Probe(NamedTuple):
         return self.free_cpus >= 1.0 or self.waiting_cpus <= 0 or bool(self.running_tasks)
 
 
-def probe_cluster() -> Probe:
+def probe_cluster(since_ms: float = 0.0) -> Probe:
     """Look at the cluster from the feed actor: free CPUs, the demand the GCS gathers, the job's running tasks.
 
     The demand is what `ray status` shows, gathered from every node whether
     or not an autoscaler runs. The running tasks come from Ray's state API
     (the dashboard); where it does not answer they are unknown, and the
-    first two decide alone.
+    first two decide alone. Only tasks created at or after `since_ms` (ms
+    since the epoch: when the feed started) count: the job may be a
+    long-lived process (a notebook, a test session) whose earlier tasks the
+    state API can still list as running after their worker died, and one
+    such record would hide the starvation for as long as it is kept.
     """
     import ray
     from ray.autoscaler.v2.sdk import get_cluster_status
@@ -66,7 +70,7 @@ def probe_cluster() -> Probe:
 
             filters = [("job_id", "=", ray.get_runtime_context().get_job_id()), ("state", "=", "RUNNING")]
             tasks = list_tasks(filters=filters, limit=100, timeout=PROBE_EVERY_S * 5, raise_on_missing_output=False)
-            running = sum(1 for t in tasks if t.type == "NORMAL_TASK")
+            running = sum(1 for t in tasks if t.type == "NORMAL_TASK" and (t.creation_time_ms or 0) >= since_ms)
         except Exception:  # noqa: BLE001 - no dashboard: the free CPUs and the demand decide
             running = None
     return Probe(free, waiting, running)
