@@ -82,6 +82,21 @@ def follow(
         progress.close()
 
 
+def next_events_from(first: int, events: list[dict[str, Any]]) -> int:
+    """The run-wide event number the next status query asks from: the first event whose reset still runs.
+
+    Its line ("...; recovered in 0.12 s") waits for the reset's end, and the
+    driver sends an event again only while its reset runs: asking from past
+    it would miss the one answer in which it has ended, and the line would
+    show only when the run ends (the start line of a run that is
+    interrupted, never).
+    """
+    for i, ev in enumerate(events):
+        if ev["reset_duration"] is None:
+            return first + i
+    return first + len(events)
+
+
 def poll_driver(driver: Any, run_ref: Any, progress: Any, reports: Reports, elastic_timeout: float) -> RunOutcome:
     """The run's outcome; a driver alive but answering nothing for `elastic_timeout` fails it (said each time)."""
     limit = elastic_timeout
@@ -113,7 +128,7 @@ def poll_driver(driver: Any, run_ref: Any, progress: Any, reports: Reports, elas
             logger.warning("the run's driver actor has answered no status query for %.0f s", silent)
             continue
         answered = time.monotonic()
-        events_seen = status.events_from + len(status.events)
+        events_seen = next_events_from(status.events_from, status.events)
         progress.update({**vars(status), "metrics": reports.take(status.metrics_from, status.metrics)})
 
 
