@@ -7,7 +7,6 @@ what the user should see instead.
 from __future__ import annotations
 
 import pytest
-
 from test_driver_core import Script
 
 from ray_elastic.driver.core import messages as m

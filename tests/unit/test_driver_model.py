@@ -108,3 +108,10 @@ def test_seed_17896_a_return_that_reaches_the_core_after_it_killed_that_rank_is_
     """The model's own error: it counted rank 0's return though the core had judged rank 0 hung earlier in the same
     batch (an activity answer that timed out) and the return was void by then."""
     driver_model.play(17896)
+
+
+def test_seed_311658_a_return_after_a_drain_replaced_its_generation_still_finds_its_peers_ring_error():
+    """Rank 0 returned from generation 3 while rank 1's ring broke on it ("Connection closed by peer"); rank 1's
+    node was drained before the return reached the core, and the drain's new generation cleared the errors the
+    core kept: the run ended DONE over an uneven finish. The errors a return checks now outlive a change."""
+    driver_model.play(311658)

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from ray_elastic.driver.core.run_record import RunRecord
 
 logger = logging.getLogger(__name__)
+_FINISH_WINDOW = 4  # generations before the newest broken one whose ring errors a late return still checks
 
 
 class BrokenRings:
@@ -51,6 +52,9 @@ class BrokenRings:
         self._query: m.QueryActivity | None = None  # that question, asked again by a restarted driver
         # what each rank raised when its ring broke, for the current and the previous broken generation
         self._errors: dict[int, dict[str, RingError]] = {}
+        # the same, kept through membership changes for `on_finished`: a rank returning from the generation it
+        # trained in last must find its peers' errors of that generation though a drain has replaced it since
+        self._told_by: dict[int, dict[str, RingError]] = {}
 
     def membership_changed(self) -> None:
         """A generation absorbed a real change: a later timeout is a new story, not a repeat."""
@@ -118,9 +122,9 @@ class BrokenRings:
         if self.failures.fail_if_raised(current):
             return
         roster = self.record.roster
-        told = self._told(current)
+        told = sorted(self._told_by.get(current, {}).values())
         if trained_in is not None and trained_in != current:
-            told += self._told(trained_in)
+            told += sorted(self._told_by.get(trained_in, {}).values())
         for error in told:
             rec = roster.get(error.worker_id)
             if rec is not None and rec.status in IN_RING:
@@ -140,6 +144,9 @@ class BrokenRings:
             told.setdefault(msg.worker_id, RingError(rank, msg.worker_id, msg.reason))
             for old in [g for g in self._errors if g < msg.generation - 1]:
                 del self._errors[old]
+            self._told_by.setdefault(msg.generation, {}).setdefault(msg.worker_id, told[msg.worker_id])
+            for old in [g for g in self._told_by if g < msg.generation - _FINISH_WINDOW]:
+                del self._told_by[old]
         if self.finishing.active:
             self.finishing.fail_uneven(msg.worker_id, msg.reason)
             return
