@@ -69,6 +69,7 @@ class Finish:
     said: set[str] = field(default_factory=set)  # workers whose return (or ring error) was delivered
     rank0_said: bool = False
     broke_in: set[int] = field(default_factory=set)  # generations whose ring the uneven rank told broken
+    exits: list[Any] = field(default_factory=list)  # the workers' exits delivered since the ranks returned
 
 
 class Model:
@@ -612,8 +613,13 @@ class Model:
                 fin.said.add(x.worker_id)
             if isinstance(x, m.WorkerExited) and x.worker_id in fin.plan and fin.plan[x.worker_id].rank == 0:
                 fin.rank0_said = fin.rank0_said or not (core.is_void(x.worker_id) or self.final_before)
-            if isinstance(x, m.ResetRequested) and x.worker_id == fin.uneven and len(fin.said) > 0:
+            # the uneven rank's own exit first (drained or withdrawn: it leaves once its ring broke) ended every
+            # member, so the run ended DONE before its ring error could tell an uneven finish: nothing was lost
+            left_first = any(isinstance(y, m.WorkerExited) and y.worker_id == fin.uneven for y in fin.exits)
+            if isinstance(x, m.ResetRequested) and x.worker_id == fin.uneven and len(fin.said) > 0 and not left_first:
                 self.require(core.state is DriverState.FAILED, "an uneven finish did not fail at once")
+            if isinstance(x, m.WorkerExited):
+                fin.exits.append(x)
         if fin.rank0_said and core.state.is_final and core.failure is None:
             self.require(core.return_value == fin.value, f"the run ended DONE without rank 0's value: {core.failure}")
         if fin.uneven is not None and core.state is DriverState.FAILED and "same step" in (core.failure or ""):

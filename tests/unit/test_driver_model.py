@@ -115,3 +115,10 @@ def test_seed_311658_a_return_after_a_drain_replaced_its_generation_still_finds_
     node was drained before the return reached the core, and the drain's new generation cleared the errors the
     core kept: the run ended DONE over an uneven finish. The errors a return checks now outlive a change."""
     driver_model.play(311658)
+
+
+def test_seed_99527_an_uneven_rank_drained_whose_exit_comes_before_its_ring_error_ends_the_run_done():
+    """The model's own error: rank 1 of generation 1, on a draining node, left (its exit said "removed") before
+    its word that its ring broke as rank 0 returned. Its exit ended every member, so the core ended the run DONE
+    with rank 0's value; the ring error after it tells the core nothing it could still act on."""
+    driver_model.play(99527)
