@@ -94,17 +94,22 @@ def test_a_liveness_round_older_than_one_taken_changes_nothing():
     assert s.of(m.Kill) == [] and s.core.workers["w2"].status.value == "member"
 
 
-def test_a_newcomer_stopped_before_its_first_answer_is_killed_in_a_round_not_after_elastic_timeout():
-    """The chaos soak's unreported hang: it stopped a newcomer (w27) whose process was up but had not answered
-    a ping yet. The core skipped every never-answered worker, so only the boot deadline (`elastic_timeout`,
-    600 s by default) bounded it: the run finished around it, and no event ever named it. A reading of its
-    process now judges it as any member; one that could not be taken (no process yet) still waits for the
-    deadline."""
+def a_newcomer_booting() -> tuple[Script, str]:
+    """Two members training on nodes A and B, and a newcomer starting on node C (max_workers=3)."""
     s = Script(min_workers=2, max_workers=3)
     s.start({"A": 1, "B": 1})
     s.send(m.HostsDiscovered({"A": 1, "B": 1, "C": 1}))
     [spawn] = s.of(m.Spawn)
-    starting = spawn.worker_id
+    return s, spawn.worker_id
+
+
+def test_a_newcomer_stopped_before_its_first_answer_is_killed_in_a_round_not_after_elastic_timeout():
+    """The chaos soak's unreported hang: it stopped a newcomer (w27) whose process was up but had not answered
+    a ping yet. The core skipped every never-answered worker, so only the boot deadline (`elastic_timeout`,
+    600 s by default) bounded it: the run finished around it, and no event ever named it. A reading that shows
+    its process stopped now judges it; one that could not be taken (no process yet) still waits for the
+    deadline."""
+    s, starting = a_newcomer_booting()
     s.send(m.PingResults(frozenset(), frozenset({starting}), s.now, {starting: "its process id is not known yet"}))
     assert s.of(m.Kill) == [], "no process to read yet: the boot deadline bounds it"
     stopped = m.CpuSample(0.0, 0.5, "T")
@@ -118,16 +123,12 @@ def test_a_newcomer_stopped_before_its_first_answer_is_killed_in_a_round_not_aft
 
 @pytest.mark.parametrize("state", ["S", "R", "D"])
 def test_a_newcomer_booting_with_little_cpu_is_left_to_its_boot_deadline_not_killed(state):
-    """Found by a stress run of horovod's elastic example on a loaded machine (CI's hang): every newcomer that
+    """Found by a stress run of horovod's elastic example on a loaded machine: every newcomer that
     had not answered its first ping was read sleeping with 2-4% of a CPU (waiting on a starved raylet for its
     task) and killed as hung; their nodes cooled down 40 s, then 80 s, and the run waited with no world. A
     boot sleeps or waits for the machine most of its time: only a stopped process is judged before its first
     answer."""
-    s = Script(min_workers=2, max_workers=3)
-    s.start({"A": 1, "B": 1})
-    s.send(m.HostsDiscovered({"A": 1, "B": 1, "C": 1}))
-    [spawn] = s.of(m.Spawn)
-    booting = spawn.worker_id
+    s, booting = a_newcomer_booting()
     for _ in range(5):
         reading = m.CpuSample(0.01, 0.5, state)
         s.send(m.PingResults(frozenset(), frozenset({booting}), s.now, {booting: reading}), after=2.0)
