@@ -52,6 +52,8 @@ def _state(pid: int, threads: dict[str, tuple[str, int]]) -> str:
     for wanting in ("R", "D"):
         if wanting in letters:
             return wanting
+    if str(pid) in threads:  # the main thread's id is the process's: its letter was read with the others
+        return threads[str(pid)][0]
     with open(f"/proc/{pid}/stat") as f:
         text = f.read()
     return text[text.rindex(")") + 2]
