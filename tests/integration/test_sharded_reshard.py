@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -26,35 +25,14 @@ SUPPORT = Path(__file__).resolve().parents[1] / "support" / "reshard_ranks.py"
 DEADLINE_S = 240
 
 
-def free_port_block(n: int) -> int:
-    """A base port whose next `n` ports are free now."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n < 65000 and all(_free(base + i) for i in range(1, n + 1)):
-            return base
-    raise RuntimeError("no block of free ports")
-
-
-def _free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
 @pytest.mark.parametrize("variant", ["fully_shard", "prepared"])
 def test_fsdp2_state_reshards_in_place_through_losses_and_newcomers(tmp_path, variant) -> None:
     """`prepared`: prepare_model's policy, bf16 mixed precision, no reshard after forward, clipping, a GradScaler."""
     processes = sorted({p for world in reshard_ranks.WORLDS for p in world})
-    base = free_port_block(len(reshard_ranks.WORLDS) + 1)
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
     procs = {
         p: subprocess.Popen(
-            [sys.executable, str(SUPPORT), str(p), str(base), str(tmp_path), variant],
+            [sys.executable, str(SUPPORT), str(p), str(tmp_path), variant],
             env=env,
             stdout=subprocess.DEVNULL,
             stderr=open(tmp_path / f"{p}.err", "w"),  # noqa: SIM115 - closed with the process
@@ -108,11 +86,10 @@ def _check_resumed(generation: int, rows: list[dict], before: dict) -> None:
 
 def _run_ranks(phase: str, world: int, directory: Path) -> list[dict]:
     script = SUPPORT.parent / "durable_shards.py"
-    port = free_port_block(2)
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
     procs = [
         subprocess.Popen(
-            [sys.executable, str(script), phase, str(r), str(world), str(port), str(directory)],
+            [sys.executable, str(script), phase, str(r), str(world), str(directory)],
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,

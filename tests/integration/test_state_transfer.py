@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import multiprocessing as mp
 import queue
-import socket
 import time
 
 import torch
@@ -81,14 +80,14 @@ def digest(model, opt) -> str:
     return h.hexdigest()
 
 
-def member(rank: int, size: int, port: int, out) -> None:
-    import torch.distributed as dist
+def member(rank: int, size: int, store_path: str, out) -> None:
+    from ring_runtime import file_store
 
     from ray_elastic.collective.torch_gloo import TorchGlooGroup
     from ray_elastic.runtime.process import set_current
 
     torch.set_num_threads(1)
-    store = dist.TCPStore("127.0.0.1", port, size, rank == 0)
+    store = file_store(store_path, size)
     ring = TorchGlooGroup(store, rank, size, timeout=30)
     set_current(Runtime(ring))
     for scenario in ("failure", "newcomer"):
@@ -169,17 +168,10 @@ def sync_objects(lockstep: bool) -> tuple:
     return objects.epoch, objects.counts, objects.last_sync.receivers
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def run_world(size: int = 3) -> dict:
+def run_world(store_path: str, size: int = 3) -> dict:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=member, args=(r, size, port, out)) for r in range(size)]
+    procs = [ctx.Process(target=member, args=(r, size, store_path, out)) for r in range(size)]
     for p in procs:
         p.start()
     try:
@@ -201,8 +193,8 @@ def run_world(size: int = 3) -> dict:
     return results
 
 
-def test_sync_moves_state_only_to_the_ranks_that_lack_rank0s_commit():
-    results = run_world()
+def test_sync_moves_state_only_to_the_ranks_that_lack_rank0s_commit(tmp_path):
+    results = run_world(str(tmp_path / "ring.store"))
     for scenario in ("failure", "newcomer"):
         digests = {r: results[scenario, r][0] for r in range(3)}
         assert len(set(digests.values())) == 1, f"{scenario}: ranks differ after the sync: {digests}"
@@ -219,9 +211,9 @@ def test_sync_moves_state_only_to_the_ranks_that_lack_rank0s_commit():
     assert results["newcomer", 2][3] >= 3 * 4 * params, "the newcomer received the model and both Adam moments"
 
 
-def chunked_member(rank: int, size: int, port: int, out) -> None:
+def chunked_member(rank: int, size: int, store_path: str, out) -> None:
     """Large tensors in slices from two holders into a newcomer's fresh memory, with the toucher both ways."""
-    import torch.distributed as dist
+    from ring_runtime import file_store
 
     from ray_elastic.collective.torch_gloo import TorchGlooGroup
     from ray_elastic.state import pages
@@ -229,7 +221,7 @@ def chunked_member(rank: int, size: int, port: int, out) -> None:
     from ray_elastic.torch.broadcast import send_tensors_
 
     torch.set_num_threads(1)
-    store = dist.TCPStore("127.0.0.1", port, size, rank == 0)
+    store = file_store(store_path, size)
     ring = TorchGlooGroup(store, rank, size, timeout=30)
     plan = SyncPlan(rank, holders=(0, 1), receivers=(2,))
     for faults_in in (True, False):  # madvise(MADV_POPULATE_WRITE), then a toucher that writes zeros
@@ -247,11 +239,10 @@ def chunked_member(rank: int, size: int, port: int, out) -> None:
     ring.close()
 
 
-def test_a_newcomer_receives_large_tensors_in_slices_bitwise_whether_its_pages_are_faulted_in_or_written():
+def test_a_newcomer_receives_large_tensors_in_slices_bitwise_whether_its_pages_are_faulted_in_or_written(tmp_path):
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=chunked_member, args=(r, 3, port, out)) for r in range(3)]
+    procs = [ctx.Process(target=chunked_member, args=(r, 3, str(tmp_path / "ring.store"), out)) for r in range(3)]
     for p in procs:
         p.start()
     try:

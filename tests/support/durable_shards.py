@@ -1,6 +1,6 @@
 """One rank of an FSDP2 run that writes a durable sharded checkpoint, or of a new run that resumes from it (no Ray).
 
-Run as `python durable_shards.py PHASE RANK WORLD PORT DIR`.
+Run as `python durable_shards.py PHASE RANK WORLD DIR`; the rings meet in files in DIR.
 
 - `write`: trains, commits, writes the commit's shards with
   `TorchState.write_shards` (every rank, DCP's format), and rank 0 its
@@ -20,7 +20,6 @@ Run as `python durable_shards.py PHASE RANK WORLD PORT DIR`.
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
 import sys
@@ -28,7 +27,7 @@ import sys
 import torch
 import torch.distributed as dist
 from reshard_ranks import build, build_plain, digest, train_step
-from ring_runtime import RingRuntime
+from ring_runtime import RingRuntime, file_store
 
 
 def model_digest(model: torch.nn.Module) -> str:
@@ -47,7 +46,7 @@ def full_digest(state_dict: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-def lost(process: int, port: int, directory: str) -> None:
+def lost(process: int, directory: str) -> None:
     from types import SimpleNamespace
 
     from ray_elastic.collective.torch_gloo import TorchGlooGroup
@@ -68,7 +67,7 @@ def lost(process: int, port: int, directory: str) -> None:
     runtime = RingRuntime(host="AABB"[process], checkpoints=cadence)
     runtime.slot.rank, runtime.slot.size = process, 4
     set_current(runtime)
-    store = dist.TCPStore("127.0.0.1", port, 4, process == 0, timeout=datetime.timedelta(seconds=60))
+    store = file_store(os.path.join(directory, "lost-4.store"), 4)
     runtime.group = TorchGlooGroup(store, process, 4, timeout=60)
     model, opt, sched = build(0, "fully_shard")
     state = TorchState(model=model, optimizer=opt, scheduler=sched, step=0)
@@ -86,7 +85,7 @@ def lost(process: int, port: int, directory: str) -> None:
     if process in (1, 3):
         os._exit(0)  # both lost at once: each held the other's replica
     rank = (0, None, 1)[process]
-    store = dist.TCPStore("127.0.0.1", port + 1, 2, rank == 0, timeout=datetime.timedelta(seconds=60))
+    store = file_store(os.path.join(directory, "lost-2.store"), 2)
     runtime.group = TorchGlooGroup(store, rank, 2, timeout=60)
     runtime.slot.rank, runtime.slot.size = rank, 2
     state.restore()
@@ -100,7 +99,7 @@ def lost(process: int, port: int, directory: str) -> None:
     os._exit(0)
 
 
-def main(phase: str, rank: int, world: int, port: int, directory: str) -> None:
+def main(phase: str, rank: int, world: int, directory: str) -> None:
     from ray_elastic.checkpoint.entries import load_entries, state_entries
     from ray_elastic.collective.torch_gloo import TorchGlooGroup
     from ray_elastic.runtime.process import set_current
@@ -109,7 +108,7 @@ def main(phase: str, rank: int, world: int, port: int, directory: str) -> None:
     torch.set_num_threads(1)
     runtime = RingRuntime(host="local")
     set_current(runtime)
-    store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=datetime.timedelta(seconds=60))
+    store = file_store(os.path.join(directory, f"{phase}.store"), world)
     runtime.group = TorchGlooGroup(store, rank, world, timeout=60)
     model, opt, sched = build(0 if phase == "write" else 77, "fully_shard")
     if phase == "mismatch" and rank == 1:
@@ -154,5 +153,5 @@ def main(phase: str, rank: int, world: int, port: int, directory: str) -> None:
 
 if __name__ == "__main__":
     if sys.argv[1] == "lost":
-        lost(int(sys.argv[2]), int(sys.argv[4]), sys.argv[5])
-    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])
+        lost(int(sys.argv[2]), sys.argv[4])
+    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])

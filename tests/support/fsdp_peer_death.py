@@ -1,6 +1,6 @@
 """One rank of a two-process FSDP2 run on Gloo whose rank 1 dies at step 3, without Ray.
 
-Run as `python fsdp_peer_death.py RANK PORT`.
+Run as `python fsdp_peer_death.py RANK STORE_FILE` (the ring meets in that file).
 
 Rank 1 leaves with `os._exit` (as a SIGKILL: no goodbye, the kernel closes its
 sockets). Rank 0 prints one JSON line: the type and message of the error
@@ -23,9 +23,10 @@ from torch.distributed.fsdp import fully_shard
 from ray_elastic.collective.torch_dist import is_torch_ring_error
 
 
-def main(rank: int, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=30))
+def main(rank: int, store_path: str) -> None:
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store_path}", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=30)
+    )
     mesh = init_device_mesh("cpu", (2,))
     model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 1))
     for layer in model:
@@ -47,4 +48,4 @@ def main(rank: int, port: int) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]))
+    main(int(sys.argv[1]), sys.argv[2])

@@ -77,9 +77,7 @@ def checkpoint_guide_loop(config: dict) -> None:
     shard = ray.train.get_dataset_shard("train")
     for epoch in range(start_epoch, config["epochs"]):
         total, batches = 0.0, 0
-        for batch in shard.iter_torch_batches(
-            batch_size=config["batch_size"], dtypes=DTYPES
-        ):
+        for batch in shard.iter_torch_batches(batch_size=config["batch_size"], dtypes=DTYPES):
             described = {k: [str(v.dtype), list(v.shape)] for k, v in batch.items()}
             _log(config, epoch=epoch, batch=described, ids=batch["id"].tolist(), rank=ctx.get_world_rank())
             x = torch.cat([batch["features"], batch["grid"].flatten(1)], dim=1)

@@ -1,6 +1,6 @@
 """One process of an FSDP2 run on real Gloo rings (no Ray) whose world changes: `TorchState` reshards it in place.
 
-Run as `python reshard_ranks.py PROCESS BASE_PORT OUT_DIR [VARIANT]`. VARIANT
+Run as `python reshard_ranks.py PROCESS OUT_DIR [VARIANT]`; each generation's ring meets in a file there. VARIANT
 "fully_shard" (the default) shards the model by hand with default options,
 the head left to the root (whose own parameters then come first in FSDP's
 order, not in the optimizer's);
@@ -27,7 +27,6 @@ sync with the previous generation's commit.
 
 from __future__ import annotations
 
-import datetime
 import hashlib
 import json
 import os
@@ -35,7 +34,7 @@ import sys
 
 import torch
 import torch.distributed as dist
-from ring_runtime import RingRuntime
+from ring_runtime import RingRuntime, file_store
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 from torch.distributed.fsdp import fully_shard
 
@@ -110,7 +109,7 @@ def train_step(model, opt, sched, scaler, generation: int, step: int) -> None:
     sched.step()
 
 
-def main(process: int, base_port: int, out_dir: str, variant: str) -> None:
+def main(process: int, out_dir: str, variant: str) -> None:
     from ray_elastic.collective.torch_gloo import TorchGlooGroup
     from ray_elastic.runtime.process import set_current
     from ray_elastic.torch.state import TorchState
@@ -126,8 +125,7 @@ def main(process: int, base_port: int, out_dir: str, variant: str) -> None:
                     break  # this process died: it never comes back
                 continue
             rank, world = members.index(process), len(members)
-            port = base_port + generation
-            store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=datetime.timedelta(seconds=60))
+            store = file_store(os.path.join(out_dir, f"ring-{generation}.store"), world)
             runtime.group = TorchGlooGroup(store, rank, world, timeout=60)
             if state is None:  # a newcomer (or the first generation): its own model, sharded on this ring
                 model, opt, sched = build(0 if generation == 1 else 50 + process, variant)
@@ -171,4 +169,4 @@ def main(process: int, base_port: int, out_dir: str, variant: str) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4] if len(sys.argv) > 4 else "fully_shard")
+    main(int(sys.argv[1]), sys.argv[2], sys.argv[3] if len(sys.argv) > 3 else "fully_shard")

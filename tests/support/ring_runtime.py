@@ -10,7 +10,10 @@ durable checkpoint within the run, as a worker's runtime does.
 
 from __future__ import annotations
 
+import datetime
 from types import SimpleNamespace
+
+import torch.distributed as dist
 
 from ray_elastic.runtime.generation import Generation
 
@@ -52,3 +55,16 @@ class RingRuntime:
 
     def generation_now(self) -> Generation | None:
         return None if self.group is None else self.joined()
+
+
+def file_store(path: str, world: int, timeout_s: float = 60.0) -> dist.FileStore:
+    """A ring's rendezvous in a file the test's processes share.
+
+    Not a TCP port picked ahead: a port found free when the test starts can be
+    taken, before a later generation binds it, by any process's outgoing
+    connection (the OS hands ephemeral ports from the same range); CI lost a
+    run to EADDRINUSE so. One file per ring.
+    """
+    store = dist.FileStore(path, world)
+    store.set_timeout(datetime.timedelta(seconds=timeout_s))
+    return store

@@ -12,7 +12,6 @@ when its peer process dies (two processes, Gloo, no Ray).
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -92,13 +91,12 @@ def test_a_ring_that_knows_no_such_errors_leaves_them_to_the_checks():
 
 
 # ---- the real thing: FSDP2 at world 2, one process dies ----------------------------------------
-def test_fsdp2s_error_when_its_peer_dies_is_classified_as_the_rings():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+def test_fsdp2s_error_when_its_peer_dies_is_classified_as_the_rings(tmp_path):
     script = Path(__file__).parents[1] / "support" / "fsdp_peer_death.py"
     ranks = [
-        subprocess.Popen([sys.executable, str(script), str(r), str(port)], stdout=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            [sys.executable, str(script), str(r), str(tmp_path / "ring.store")], stdout=subprocess.PIPE, text=True
+        )
         for r in range(2)
     ]
     try:
