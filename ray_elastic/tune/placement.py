@@ -6,7 +6,9 @@ trial can take them. The run's own workers then ask Ray for a token amount
 (`NOMINAL`, one byte of memory, which takes nothing from the CPUs the
 bundles count), so they run on the reservation instead of asking twice.
 
-Growing toward `max_workers` needs room beyond every trial's reservation:
+Growing toward `max_workers`, and room for the run's hot spares
+(`spares=`, which never take a member's place in the reservation), needs
+room beyond every trial's reservation:
 `TrialSlots`, the run's discovery callable (it runs in the driver actor,
 once per `discovery_interval`), reserves one more worker's resources at a
 time in a placement group of its own, pinned to a node that shows them
@@ -76,13 +78,14 @@ class TrialSlots:
     Args:
         reservation: the hex id of the trial's placement group (Tune's).
         per_worker: one worker's real resources (`resources_per_worker`).
-        max_workers: it never reserves room for more workers than this.
+        most_workers: it never reserves room for more workers than this
+            (the run's `max_workers` plus its `spares`).
     """
 
-    def __init__(self, reservation: str, per_worker: Mapping[str, float], max_workers: int) -> None:
+    def __init__(self, reservation: str, per_worker: Mapping[str, float], most_workers: int) -> None:
         self.reservation = reservation
         self.per_worker = dict(per_worker)
-        self.max_workers = max_workers
+        self.most_workers = most_workers
         self._grown: list[tuple[Any, str]] = []  # (placement group, node id) placed for growth
         self._namespace: str | None = None  # the run's, found once from inside its driver actor
 
@@ -96,7 +99,7 @@ class TrialSlots:
             reserved[node] = reserved.get(node, 0) + 1
         self._forget_lost(table)
         total = sum(reserved.values()) + len(self._grown)
-        if reserved and total < self.max_workers and self._run_namespace(ray) is not None:
+        if reserved and total < self.most_workers and self._run_namespace(ray) is not None:
             self._grow(ray)
         grown: dict[str, int] = {}
         for _, node in self._grown:
@@ -148,7 +151,7 @@ class TrialSlots:
             _remove(pg)
 
     def __repr__(self) -> str:
-        return f"TrialSlots(reservation={self.reservation[:8]}, max_workers={self.max_workers})"
+        return f"TrialSlots(reservation={self.reservation[:8]}, most_workers={self.most_workers})"
 
 
 def _remove(pg: Any) -> None:

@@ -67,23 +67,25 @@ def run_trial(trainer: Any, config: dict[str, Any]) -> None:
     reservation = ray.util.get_current_placement_group()
     if reservation is None:
         raise RuntimeError("a ray-elastic trial must run under Tune with the resources as_trainable() asks for")
-    slots = TrialSlots(reservation.id.hex(), trainer.run_config.resources_per_worker, trainer.run_config.max_workers)
+    settings = trainer.run_config
+    # room for the spares (`spares=`) too, grown as room beyond max_workers' is
+    slots = TrialSlots(reservation.id.hex(), settings.resources_per_worker, settings.max_workers + settings.spares)
     store = None
     # the workers ask Ray for nothing: their threads follow the CPUs the reservation holds for each
     changes: dict[str, Any] = {
         "resources_per_worker": dict(NOMINAL),
-        "reserved_cpus": trainer.run_config.resources_per_worker.get("CPU", 0.0),
+        "reserved_cpus": settings.resources_per_worker.get("CPU", 0.0),
     }
-    if trainer.run_config.checkpoint_dir is not None:
+    if settings.checkpoint_dir is not None:
         url = normalize_url(
-            f"{trainer.run_config.checkpoint_dir}/{context.get_experiment_name()}/{context.get_trial_id()}"
+            f"{settings.checkpoint_dir}/{context.get_experiment_name()}/{context.get_trial_id()}"
         )
-        store = CheckpointStore(url, keep=trainer.run_config.checkpoint_keep)
+        store = CheckpointStore(url, keep=settings.checkpoint_keep)
         _adopt_tunes_checkpoint(store, tune.get_checkpoint())
         changes["checkpoint_dir"] = url
     # the trial's options are checked as the trainer's own were
     trial = trainer.variant(config=config, discovery=slots, **changes)
-    relay = _Relay(store, handover_s=trainer.run_config.checkpoint_io_timeout)
+    relay = _Relay(store, handover_s=settings.checkpoint_io_timeout)
     _released.clear()
     try:
         trial.fit(on_report=relay)

@@ -11,48 +11,16 @@ import json
 import os
 import signal
 import time
-from pathlib import Path
 
 import pytest
 from conftest import wait_until
 from runs import fit_in_thread
-from spare_loop import spare_train_fn
+from spare_loop import booted, gone, new_boot, spare_train_fn, steps
 from workloads import FileDiscovery
 
 from ray_elastic import ElasticTrainer
 
 pytestmark = pytest.mark.integration
-
-
-def booted(out: Path) -> dict[int, float]:
-    """Every worker process that reached its run loop, and when."""
-    folder = out / "booted"
-    return {int(p.name): float(p.read_text() or 0) for p in folder.iterdir()} if folder.exists() else {}
-
-
-def steps(out: Path) -> list[dict]:
-    """Every step every worker trained, with its pid (whole lines only)."""
-    lines = []
-    for path in out.glob("steps-*.jsonl"):
-        text = path.read_text()
-        pid = int(path.stem.split("-")[1])
-        lines += [{**json.loads(line), "pid": pid} for line in text[: text.rfind("\n") + 1].splitlines()]
-    return lines
-
-
-def gone(pid: int) -> bool:
-    """The process exited (a zombie waiting for its parent counts as gone)."""
-    try:
-        return Path(f"/proc/{pid}/status").read_text().split("State:")[1].split()[0] == "Z"
-    except (FileNotFoundError, IndexError):
-        return True
-
-
-def new_boot(out: Path, known: set[int], what: str) -> int:
-    """Wait for a worker process not in `known` to reach its run loop; its pid."""
-    fresh = wait_until(lambda: set(booted(out)) - known, 90, what)
-    assert len(fresh) == 1, f"{what}: {sorted(fresh)} booted at once"
-    return fresh.pop()
 
 
 def test_a_spare_fills_a_killed_members_place_at_once_and_lost_or_hung_spares_never_join(cluster, no_leaks, tmp_path):

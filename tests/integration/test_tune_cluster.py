@@ -9,6 +9,9 @@
 - A worker SIGKILLed inside a trial that grew to 2 workers: Tune sees one
   trial, never restarted (one trainable process), whose steps go on 1, 2, 3
   ... without a gap or a repeat.
+- A trial with a hot spare (`spares=1`): the trial grows room for it beyond
+  its reservation, the spare boots there, and a member's SIGKILL is filled by
+  it: the trial never trains short-handed and no boot is on the critical path.
 """
 
 from __future__ import annotations
@@ -21,7 +24,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import run_namespaces_alive, run_placement_groups_alive
+from conftest import run_namespaces_alive, run_placement_groups_alive, wait_until
+from runs import fit_in_thread
+from spare_loop import booted, new_boot, spare_train_fn, steps
 
 import ray_elastic as elastic
 from ray_elastic import ElasticTrainer
@@ -209,4 +214,42 @@ def test_tunes_resume_of_an_experiment_resumes_the_trial_from_its_checkpoint(clu
     assert frame["step"].iloc[-1] == 45
     second = frame[frame["pid"] == frame["pid"].iloc[-1]]  # the rows of the restored trial's own process
     assert second["step"].iloc[0] == held_step + 1, f"the restored trial began at step {second['step'].iloc[0]}"
+    _wait_for_every_placement_group_removed()
+
+
+@pytest.mark.integration
+def test_a_trials_hot_spare_boots_in_room_beyond_its_reservation_and_fills_a_killed_members_place(
+    cluster, no_leaks, tmp_path
+):
+    trainer = ElasticTrainer(
+        spare_train_fn, min_workers=2, max_workers=2, spares=1, config={"dir": str(tmp_path)}, verbose=0
+    )
+    tuner = tune.Tuner(
+        trainer.as_trainable(), run_config=tune.RunConfig(name="spare", storage_path=str(tmp_path / "tune"), verbose=0)
+    )
+    fut = fit_in_thread(tuner)
+    try:
+        wait_until(lambda: len({s["pid"] for s in steps(tmp_path)}) == 2 or fut.done(), 120, "2 members to train")
+        members = {s["pid"] for s in steps(tmp_path)}
+        assert len(members) == 2, fut.result() if fut.done() else members
+        # the reservation holds the 2 members: the spare needs room the trial grows into beside it
+        spare = new_boot(tmp_path, members, "the trial's hot spare to boot")
+        generation = max(s["generation"] for s in steps(tmp_path))
+        victim = min(members)
+        killed_at = time.time()
+        os.kill(victim, signal.SIGKILL)
+        wait_until(lambda: any(s["generation"] > generation for s in steps(tmp_path)), 60, "a step after the kill")
+        after = [s for s in steps(tmp_path) if s["generation"] > generation]
+        wait_until(lambda: spare in {s["pid"] for s in steps(tmp_path)}, 60, "the spare to train")
+    finally:
+        (tmp_path / "stop").touch()
+    grid = fut.result(timeout=120)
+    assert grid.num_errors == 0, [r.error for r in grid if r.error]
+    trained = steps(tmp_path)
+    first = min(s["generation"] for s in after)
+    assert {s["pid"] for s in trained if s["generation"] == first} == (members - {victim}) | {spare}
+    assert booted(tmp_path)[spare] < killed_at, "the spare's boot was on the critical path"
+    assert {s["size"] for s in trained} == {2}, "the trial trained short-handed"
+    (result,) = list(grid)
+    assert result.metrics["world"] == 2 and result.metrics["step"] == max(s["step"] for s in trained)
     _wait_for_every_placement_group_removed()
