@@ -31,7 +31,7 @@ def kv_put(key: str | bytes, value: str | bytes, overwrite: bool = True, *, name
     return internal_kv._internal_kv_put(key, value, overwrite, namespace=namespace)
 
 
-def kv_get(key: str | bytes, *, namespace: str | None = None) -> bytes | None:
+def kv_get(key: str | bytes, *, namespace: str | bytes | None = None) -> bytes | None:
     """The bytes under `key` in the GCS's KV, or None (`_internal_kv_get`)."""
     from ray.experimental import internal_kv
 
@@ -97,6 +97,24 @@ def available_resources_per_node() -> dict[str, dict[str, float]]:
     import ray
 
     return ray._private.state.available_resources_per_node()
+
+
+def dashboard_url() -> str | None:
+    """The HTTP address of the connected cluster's dashboard (the state API's server); None when it runs none.
+
+    Read from the GCS's KV, where the dashboard writes it
+    (`ray_constants.DASHBOARD_ADDRESS` in `KV_NAMESPACE_DASHBOARD`). Given no
+    address, the state API finds its cluster from the environment instead:
+    `RAY_ADDRESS`, else the last `ray start`'s address file, else a scan of
+    the machine's processes, which from inside a worker can name another
+    cluster of the machine or a stopped one, and it re-binds the calling
+    process's KV client to whatever it found. No public call names the
+    connected cluster's dashboard.
+    """
+    from ray._private import ray_constants
+
+    url = kv_get(ray_constants.DASHBOARD_ADDRESS, namespace=ray_constants.KV_NAMESPACE_DASHBOARD)
+    return None if not url else f"http://{url.decode()}"
 
 
 # ---- an actor handle ---------------------------------------------------------------------------------------------

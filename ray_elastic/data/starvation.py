@@ -24,6 +24,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, NamedTuple
 
+from ray_elastic import ray_private
 from ray_elastic.exceptions import DataStarvedError
 
 if TYPE_CHECKING:
@@ -49,13 +50,8 @@ def probe_cluster(since_ms: float = 0.0) -> Probe:
     """Look at the cluster from the feed actor: free CPUs, the demand the GCS gathers, the job's running tasks.
 
     The demand is what `ray status` shows, gathered from every node whether
-    or not an autoscaler runs. The running tasks come from Ray's state API
-    (the dashboard); where it does not answer they are unknown, and the
-    first two decide alone. Only tasks created at or after `since_ms` (ms
-    since the epoch: when the feed started) count: the job may be a
-    long-lived process (a notebook, a test session) whose earlier tasks the
-    state API can still list as running after their worker died, and one
-    such record would hide the starvation for as long as it is kept.
+    or not an autoscaler runs. The running tasks (`running_tasks`) are
+    asked only when the first two do not decide.
     """
     import ray
     from ray.autoscaler.v2.sdk import get_cluster_status
@@ -63,17 +59,44 @@ def probe_cluster(since_ms: float = 0.0) -> Probe:
     free = ray.available_resources().get("CPU", 0.0)
     demands = get_cluster_status(ray.get_runtime_context().gcs_address).resource_demands.ray_task_actor_demand
     waiting = sum(b.bundle.get("CPU", 0.0) * b.count for demand in demands for b in demand.bundles_by_count)
-    running: int | None = None
-    if free < 1.0 and waiting > 0:
-        try:
-            from ray.util.state import list_tasks
-
-            filters = [("job_id", "=", ray.get_runtime_context().get_job_id()), ("state", "=", "RUNNING")]
-            tasks = list_tasks(filters=filters, limit=100, timeout=PROBE_EVERY_S * 5, raise_on_missing_output=False)
-            running = sum(1 for t in tasks if t.type == "NORMAL_TASK" and (t.creation_time_ms or 0) >= since_ms)
-        except Exception:  # noqa: BLE001 - no dashboard: the free CPUs and the demand decide
-            running = None
+    running = running_tasks(since_ms) if free < 1.0 and waiting > 0 else None
     return Probe(free, waiting, running)
+
+
+def running_tasks(since_ms: float = 0.0) -> int | None:
+    """How many of this job's tasks run now, from Ray's state API (the dashboard); None where it does not answer.
+
+    Only tasks created at or after `since_ms` (ms since the epoch: when the
+    feed started) count: the job may be a long-lived process (a notebook, a
+    test session) whose earlier tasks the state API can still list as
+    running after their worker died, and one such record would hide the
+    starvation for as long as it is kept. The state API is asked at this
+    cluster's own dashboard (`ray_private.dashboard_url`): given no address,
+    it looks for a cluster on the machine instead, and on one where other
+    clusters ran (the test session's) it found a stopped one's GCS and
+    waited 40 s for it at every probe before giving up.
+    """
+    import ray
+
+    try:
+        from ray.util.state import list_tasks
+
+        dashboard = ray_private.dashboard_url()
+        if dashboard is None:
+            return None
+        filters = [("job_id", "=", ray.get_runtime_context().get_job_id()), ("state", "=", "RUNNING")]
+        # detail: without it the state API leaves creation_time_ms out (None), and no task would count
+        tasks = list_tasks(
+            dashboard,
+            filters=filters,
+            limit=100,
+            timeout=PROBE_EVERY_S * 5,
+            detail=True,
+            raise_on_missing_output=False,
+        )
+    except Exception:  # noqa: BLE001 - the dashboard does not answer: the free CPUs and the demand decide
+        return None
+    return sum(1 for t in tasks if t.type == "NORMAL_TASK" and (t.creation_time_ms or 0) >= since_ms)
 
 
 class Starvation:

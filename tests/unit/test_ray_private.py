@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 import ray
 import ray._private.node
+import ray._private.ray_constants
 import ray._private.ray_logging
 import ray._private.state
 import ray._private.worker
@@ -61,6 +62,16 @@ def test_state_get_draining_nodes_is_a_method_of_the_global_state_taking_nothing
 
 def test_state_available_resources_per_node_takes_nothing():
     takes(ray._private.state.available_resources_per_node)
+
+
+def test_the_dashboard_writes_its_address_under_the_constants_we_read_it_by():
+    """The dashboard's own lookup (`ray_address_to_api_server_url`) reads the key and namespace we read."""
+    from ray.dashboard import utils as dashboard_utils
+
+    constants = ray._private.ray_constants
+    assert isinstance(constants.DASHBOARD_ADDRESS, str) and isinstance(constants.KV_NAMESPACE_DASHBOARD, bytes)
+    source = inspect.getsource(dashboard_utils.ray_address_to_api_server_url)
+    assert "ray_constants.DASHBOARD_ADDRESS" in source and "ray_constants.KV_NAMESPACE_DASHBOARD" in source
 
 
 def test_an_actor_handles_actor_id_is_a_property_giving_an_actor_id():
@@ -136,6 +147,15 @@ def test_the_actor_and_node_functions_read_rays_state(monkeypatch):
     assert ray_private.available_resources_per_node() == {"n1": {"CPU": 2.0}}
     actor_id = ray.ActorID.from_random()
     assert ray_private.actor_id_of(SimpleNamespace(_actor_id=actor_id)) == actor_id.hex()
+
+
+def test_the_dashboard_url_is_read_from_the_connected_clusters_kv(monkeypatch):
+    constants = ray._private.ray_constants
+    kv = {(constants.DASHBOARD_ADDRESS, constants.KV_NAMESPACE_DASHBOARD): b"10.0.0.5:8265"}
+    monkeypatch.setattr(internal_kv, "_internal_kv_get", lambda key, namespace=None: kv.get((key, namespace)))
+    assert ray_private.dashboard_url() == "http://10.0.0.5:8265"
+    kv.clear()  # a cluster started without its dashboard
+    assert ray_private.dashboard_url() is None
 
 
 def test_the_worker_functions_read_this_processs_ray_worker(monkeypatch):
