@@ -108,8 +108,10 @@ def dashboard_url() -> str | None:
     `RAY_ADDRESS`, else the last `ray start`'s address file, else a scan of
     the machine's processes, which from inside a worker can name another
     cluster of the machine or a stopped one, and it re-binds the calling
-    process's KV client to whatever it found. No public call names the
-    connected cluster's dashboard.
+    process's KV client to whatever it found. Passed this address, it still
+    takes `RAY_ADDRESS` over it where the process's environment sets one
+    (as `ray.init` does): Ray's documented rule, left as it is. No public
+    call names the connected cluster's dashboard.
     """
     from ray._private import ray_constants
 
