@@ -58,3 +58,17 @@ def test_a_process_whose_every_thread_sleeps_reads_sleeping():
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_a_thread_runnable_at_one_reading_only_is_no_evidence_of_waiting_for_the_machine():
+    """A hung process's I/O thread serving the ping it misses is runnable for an instant: the judge must read the
+    process as sleeping (hung), not as waiting for a CPU (spared). One runnable at both readings is starved."""
+    from ray_elastic.driver.shell.cpu_probe import _state
+
+    sleeping = {"100": ("S", 50), "101": ("S", 7)}
+    blip = {"100": ("S", 50), "101": ("R", 7)}
+    assert _state(100, sleeping, blip) == "S"
+    assert _state(100, blip, sleeping) == "S"
+    assert _state(100, blip, blip) == "R"
+    assert _state(100, {"100": ("S", 50), "101": ("D", 7)}, {"100": ("S", 50), "101": ("D", 7)}) == "D"
+    assert _state(100, {"100": ("T", 50)}, {"100": ("T", 50), "102": ("R", 0)}) == "T"  # a thread born in between

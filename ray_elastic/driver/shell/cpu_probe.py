@@ -40,20 +40,24 @@ def _threads(pid: int) -> dict[str, tuple[str, int]]:
     return out
 
 
-def _state(pid: int, threads: dict[str, tuple[str, int]]) -> str:
-    """The process's state for the judge: R (D) if any thread is runnable (in a disk wait), else the main thread's.
+def _state(pid: int, first: dict[str, tuple[str, int]], second: dict[str, tuple[str, int]]) -> str:
+    """The process's state for the judge: R (D) if a thread was runnable (in a disk wait) at both readings, else
+    the main thread's letter at the second.
 
     `/proc/<pid>/stat` gives the main thread's letter only. A process starved
     of CPU on a loaded node often shows its main thread sleeping on a lock or
     a queue that a runnable thread of its own (Ray's, torch's) is yet to be
-    given a CPU to serve: waiting for the machine, not hung.
+    given a CPU to serve: waiting for the machine, not hung. Such a thread
+    stays runnable across the window. A hung process's threads are runnable
+    only for an instant (Ray's I/O threads serving the very ping it misses,
+    a Python thread waking to ask for the GIL), and one caught so at a
+    single reading would spare a hung worker for another round.
     """
-    letters = {letter for letter, _ in threads.values()}
     for wanting in ("R", "D"):
-        if wanting in letters:
+        if any(letter == wanting and first.get(tid, ("",))[0] == wanting for tid, (letter, _) in second.items()):
             return wanting
-    if str(pid) in threads:  # the main thread's id is the process's: its letter was read with the others
-        return threads[str(pid)][0]
+    if str(pid) in second:  # the main thread's id is the process's: its letter was read with the others
+        return second[str(pid)][0]
     with open(f"/proc/{pid}/stat") as f:
         text = f.read()
     return text[text.rindex(")") + 2]
@@ -82,7 +86,7 @@ def sample_cpu(pids: list[int], window: float) -> dict[int, CpuSample | str]:
             continue
         try:
             second = _threads(pid)
-            state = _state(pid, second)
+            state = _state(pid, first, second)
         except FileNotFoundError:
             out[pid] = f"process {pid} ended during the reading"
             continue
